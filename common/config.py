@@ -1,0 +1,86 @@
+"""Engine configuration shared by the launcher, the router and every worker.
+
+The launcher writes one :class:`EngineConfig` as JSON into the private runtime
+directory; each process reads it back, so every process agrees on the same
+topology (which workers exist and where their input sockets are).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import torch
+
+from common.messages import ROLES
+
+DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    index: int
+    device: str = "cpu"
+    endpoint: str = ""
+    threads: int = 0  # 0: share the machine's cores evenly between co-located workers
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True):
+    """Bounds the router enforces on requests (flags of ``launch.py``)."""
+
+    max_height: int = 1280
+    max_width: int = 1280
+    max_num_frames: int = 129
+    max_steps: int = 1000
+    max_n: int = 16
+    max_prompt_chars: int = 4096
+    request_timeout_s: float = 600.0
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    workers: list[WorkerSpec]
+    router_endpoint: str
+    runtime_dir: str
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    limits: Limits = msgspec.field(default_factory=Limits)
+
+    def worker(self, role: str, index: int) -> WorkerSpec:
+        for w in self.workers:
+            if w.role == role and w.index == index:
+                return w
+        raise KeyError(f"no {role} worker with index {index} in the topology")
+
+    def of_role(self, role: str) -> list[WorkerSpec]:
+        return [w for w in self.workers if w.role == role]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "EngineConfig":
+        return msgspec.json.decode(Path(path).read_bytes(), type=cls)
+
+
+def validate_workers(workers: list[WorkerSpec]) -> None:
+    for role in ROLES:
+        if not any(w.role == role for w in workers):
+            raise ValueError(f"topology needs at least one {role} worker")
+    for w in workers:
+        if w.role not in ROLES:
+            raise ValueError(f"unknown worker role {w.role!r} (expected one of {ROLES})")
+
+
+def torch_dtype_for(device: str, dtype: str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"unknown dtype {dtype!r} (expected one of {sorted(DTYPE_CHOICES)})")
+    return DTYPE_CHOICES[dtype]
+
+
+def default_threads(workers_on_host: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))

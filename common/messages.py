@@ -1,0 +1,127 @@
+"""Typed messages exchanged between the router and the workers.
+
+Every message is a msgspec Struct tagged by ``kind``; the wire codec
+(:mod:`common.wire`) encodes the struct as frame 0 and the tensors it names
+as the following raw frames. Decoding is strict: wrong types, unknown fields
+and unknown kinds are rejected before any worker code sees the message.
+
+Schedulers never appear here: a request carries only the numbers a denoise
+worker needs to rebuild its own request-local scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+ROLES = ("encoder", "denoise", "decode")
+OutputType = Literal["frames", "latent"]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class TensorSpec(_Strict, frozen=True):
+    """Descriptor of one raw tensor frame that follows the header."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Route(_Strict, frozen=True):
+    """Instances chosen by the router at admission, as indices into the topology.
+
+    Indices, not addresses: a worker only ever connects to endpoints from its
+    own topology configuration, never to an address a message names.
+    """
+
+    encoder: int
+    denoise: int
+    decode: int
+
+
+class GenerationParams(_Strict):
+    """Everything a request asks for, after the router validated it."""
+
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    output_type: OutputType = "frames"
+    guidance_scale_2: float | None = None
+    sigmas: list[float] | None = None
+    timesteps: list[float] | None = None
+    mu: float | None = None
+
+
+class _Header(_Strict, tag_field="kind", kw_only=True):
+    v: int
+    request_id: str
+    tensors: list[TensorSpec] = []
+
+
+class EncodeRequest(_Header, tag="encode", kw_only=True):
+    route: Route
+    params: GenerationParams
+    timings: dict[str, float] = {}
+
+
+class DenoiseRequest(_Header, tag="denoise", kw_only=True):
+    """Carries ``prompt_embeds`` and, with guidance, ``negative_prompt_embeds``.
+
+    Embeddings travel trimmed to their real token length ([L, D]); the denoise
+    worker zero-pads them to ``max_sequence_length`` as diffusers does, which
+    keeps the 512-token padding off the wire.
+    """
+
+    route: Route
+    params: GenerationParams
+    timings: dict[str, float] = {}
+
+
+class DecodeRequest(_Header, tag="decode", kw_only=True):
+    """Carries ``latents`` [1, C, F', H', W'] (normalised, as the transformer sees them)."""
+
+    route: Route
+    params: GenerationParams
+    timings: dict[str, float] = {}
+
+
+class Result(_Header, tag="result", kw_only=True):
+    """Final answer for one request; carries ``output``."""
+
+    stage: str
+    timings: dict[str, float] = {}
+
+
+class ErrorReply(_Header, tag="error", kw_only=True):
+    """A request failed in ``stage``; ``status`` is the HTTP status to answer with."""
+
+    stage: str
+    type: str
+    message: str
+    status: int = 500
+
+
+class Heartbeat(_Header, tag="heartbeat", kw_only=True):
+    role: str
+    index: int
+    pid: int
+    device: str
+    endpoint: str
+    socket_type: str
+    state: str
+    busy: int = 0
+
+
+Message = Union[EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat]
+REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

@@ -1,0 +1,214 @@
+"""The worker loop every stage shares: receive, validate, process, forward.
+
+A stage (encoder, denoise, decode) subclasses :class:`Stage` and implements
+only ``load`` and ``process``. :class:`WorkerRuntime` owns the sockets: it
+binds the stage's PULL input, pushes results to the next stage or to the
+router, turns every failure into an :class:`ErrorReply` for that request, and
+heartbeats to the router from a separate thread so that a long forward pass
+does not look like a dead worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import zmq
+
+from common.config import EngineConfig, WorkerSpec, default_threads, torch_dtype_for
+from common.messages import PROTOCOL_VERSION, REQUEST_KINDS, ErrorReply, Heartbeat, Message
+from common.wire import WireError, decode, encode
+
+log = logging.getLogger("disagg.worker")
+
+POLL_MS = 100
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (answered with HTTP 400), not the engine."""
+
+    status = 400
+
+
+@dataclass
+class Forward:
+    """Where a processed request goes next: ``"router"`` or a stage role."""
+
+    to: str
+    msg: Message
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Stage:
+    """What is special to one pipeline stage. Subclasses set ``role``."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: EngineConfig, spec: WorkerSpec):
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.dtype = torch_dtype_for(spec.device, config.dtype)
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def process(self, msg: Any, tensors: dict[str, torch.Tensor]) -> Forward:
+        raise NotImplementedError
+
+
+class WorkerRuntime:
+    def __init__(self, stage: Stage):
+        self.stage = stage
+        self.config = stage.config
+        self.spec = stage.spec
+        self.ctx = zmq.Context.instance()
+        self.state = "loading"
+        self.busy = 0
+        self._stop = threading.Event()
+        self._push: dict[str, zmq.Socket] = {}
+        self._parent = os.getppid()
+
+    # --- sockets -----------------------------------------------------------
+    def _push_socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._push.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(endpoint)
+            self._push[endpoint] = sock
+        return sock
+
+    def _endpoint_for(self, fwd: Forward) -> str:
+        if fwd.to == "router":
+            return self.config.router_endpoint
+        index = getattr(fwd.msg.route, fwd.to)
+        return self.config.worker(fwd.to, index).endpoint
+
+    def send(self, fwd: Forward) -> None:
+        frames = encode(fwd.msg, fwd.tensors)
+        self._push_socket(self._endpoint_for(fwd)).send_multipart(frames, copy=False)
+
+    def reply_error(self, request_id: str, exc: BaseException, status: int | None = None) -> None:
+        err = ErrorReply(
+            v=PROTOCOL_VERSION,
+            request_id=request_id,
+            stage=self.stage.role,
+            type=type(exc).__name__,
+            message=str(exc) or type(exc).__name__,
+            status=status or getattr(exc, "status", 500),
+        )
+        self.send(Forward("router", err))
+
+    # --- heartbeats --------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless; never queue many
+        sock.connect(self.config.router_endpoint)
+        try:
+            while not self._stop.is_set():
+                hb = Heartbeat(
+                    v=PROTOCOL_VERSION,
+                    request_id="",
+                    role=self.stage.role,
+                    index=self.spec.index,
+                    pid=os.getpid(),
+                    device=self.spec.device,
+                    endpoint=self.spec.endpoint,
+                    socket_type="PULL",
+                    state=self.state,
+                    busy=self.busy,
+                )
+                try:
+                    sock.send_multipart(encode(hb), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                if os.getppid() != self._parent:  # launcher gone: do not linger as an orphan
+                    log.error("parent process exited; stopping")
+                    self._stop.set()
+                self._stop.wait(self.config.heartbeat_interval_s)
+        finally:
+            sock.close()
+
+    # --- main loop ---------------------------------------------------------
+    def handle(self, frames: list[Any]) -> None:
+        try:
+            msg, tensors = decode(frames)
+        except WireError as e:
+            log.warning("dropped bad message: %s", e)
+            if e.request_id:
+                self.reply_error(e.request_id, e, status=400)
+            return
+        expected = REQUEST_KINDS[self.stage.role]
+        if not isinstance(msg, expected):
+            log.warning("dropped %s message: this worker takes %s", type(msg).__name__, expected.__name__)
+            if msg.request_id:
+                err = WireError(f"{self.stage.role} worker does not take {type(msg).__name__} messages")
+                self.reply_error(msg.request_id, err, status=400)
+            return
+        self.busy += 1
+        try:
+            fwd = self.stage.process(msg, tensors)
+            self.send(fwd)
+        except Exception as e:  # any failure answers this request; the worker lives on
+            log.exception("request %s failed in %s", msg.request_id, self.stage.role)
+            self.reply_error(msg.request_id, e)
+        finally:
+            self.busy -= 1
+
+    def run(self) -> None:
+        pull = self.ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(self.spec.endpoint)
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        hb.start()
+        t0 = time.perf_counter()
+        self.stage.load()
+        self.state = "ready"
+        log.info("ready on %s in %.1fs", self.spec.endpoint, time.perf_counter() - t0)
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    self.handle(pull.recv_multipart(copy=False))
+        finally:
+            self._stop.set()
+            hb.join(timeout=2)
+            pull.close()
+            for s in self._push.values():
+                s.close()
+
+
+def main(stage_cls: type[Stage]) -> None:
+    """Entry point of ``python -m <role>_worker --config FILE --index N``."""
+    p = argparse.ArgumentParser(description=f"disagg-diffusion {stage_cls.role} worker")
+    p.add_argument("--config", required=True, help="engine config JSON written by launch.py")
+    p.add_argument("--index", type=int, required=True, help="this worker's index within its role")
+    args = p.parse_args()
+    config = EngineConfig.load(args.config)
+    spec = config.worker(stage_cls.role, args.index)
+    logging.basicConfig(
+        level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {stage_cls.role}-{spec.index} %(levelname)s %(message)s",
+    )
+    # Progress bars from weight loading would interleave across processes.
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    co_located = sum(1 for w in config.workers if w.device == spec.device or w.device == "cpu")
+    torch.set_num_threads(spec.threads or default_threads(co_located))
+    runtime = WorkerRuntime(stage_cls(config, spec))
+    signal.signal(signal.SIGTERM, lambda *_: runtime._stop.set())
+    signal.signal(signal.SIGINT, lambda *_: runtime._stop.set())
+    runtime.run()

@@ -1,0 +1,47 @@
+"""Decode stage: de-normalise latents, VAE-decode, post-process to frames."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from common.messages import PROTOCOL_VERSION, DecodeRequest, Result
+from common.model import ModelInfo
+from common.worker import Forward, Stage
+
+
+def to_frames(video: torch.Tensor) -> torch.Tensor:
+    """VAE output [1, 3, F, H, W] in [-1, 1] -> float32 frames [F, H, W, 3] in [0, 1]."""
+    # Denormalise in the VAE's dtype first, then widen: diffusers' VideoProcessor order.
+    return (video[0] / 2 + 0.5).clamp(0, 1).float().permute(1, 2, 3, 0).contiguous()
+
+
+class DecodeStage(Stage):
+    role = "decode"
+
+    def load(self) -> None:
+        info = ModelInfo.read(self.config.model)
+        self.vae = AutoencoderKLWan.from_pretrained(info.path / "vae", dtype=self.dtype)
+        self.vae = self.vae.to(self.device).eval().requires_grad_(False)
+        z = self.vae.config.z_dim
+        self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1)
+        self.latents_std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        dtype = self.vae.dtype
+        latents = latents.to(self.device, dtype)
+        # Same order of operations as diffusers: x / (1 / std) + mean, in the VAE's dtype.
+        inv_std = 1.0 / self.latents_std.to(self.device, dtype)
+        latents = latents / inv_std + self.latents_mean.to(self.device, dtype)
+        video = self.vae.decode(latents, return_dict=False)[0]
+        return to_frames(video)
+
+    def process(self, msg: DecodeRequest, tensors: dict[str, torch.Tensor]) -> Forward:
+        t0 = time.perf_counter()
+        frames = self.decode(tensors["latents"])
+        timings = {**msg.timings, "decode_s": time.perf_counter() - t0}
+        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings)
+        return Forward("router", out, {"output": frames})

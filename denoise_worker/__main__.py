@@ -1,0 +1,5 @@
+from common.worker import main
+from denoise_worker.stage import DenoiseStage
+
+if __name__ == "__main__":
+    main(DenoiseStage)

@@ -1,0 +1,94 @@
+"""Request-local schedulers rebuilt from templates.
+
+The denoise worker loads each scheduler *template* once, from the model's own
+``scheduler/`` config. A request never shares a scheduler: :func:`build`
+makes a fresh object from a template's config and sets it up from the
+request's ``sigmas`` / ``timesteps`` / ``num_inference_steps`` / ``mu``.
+Templates are never stepped or mutated, so requests cannot leak state into
+each other through them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from common.messages import GenerationParams
+from common.worker import RequestError
+
+
+def load_serving_template(model_dir: str | Path):
+    """The model's own scheduler (UniPC with flow sigmas for Wan), built from its config."""
+    cfg_path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    config = json.loads(cfg_path.read_text())
+    cls = getattr(diffusers, config.get("_class_name", ""), None)
+    if cls is None or not isinstance(cls, type):
+        raise ValueError(f"{cfg_path}: unknown scheduler class {config.get('_class_name')!r}")
+    return cls.from_config(config)
+
+
+def rollout_template_for(serving) -> FlowMatchEulerDiscreteScheduler:
+    """First-order flow-match Euler with the serving scheduler's shift and training steps."""
+    cfg = serving.config
+    shift = cfg.get("flow_shift", None) or cfg.get("shift", 1.0)
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        shift=float(shift),
+    )
+
+
+def _static_shift(config) -> float | None:
+    if config.get("use_dynamic_shifting", False):
+        return None
+    return float(config.get("flow_shift", None) or config.get("shift", 1.0))
+
+
+def _unshift(sigmas: np.ndarray, shift: float) -> np.ndarray:
+    """Inverse of the static flow shift ``s' = k s / (1 + (k - 1) s)``."""
+    return sigmas / (shift - (shift - 1.0) * sigmas)
+
+
+def build(template, params: GenerationParams, device: torch.device | str = "cpu"):
+    """A fresh scheduler for one request: sigmas first, else timesteps, else the step count.
+
+    ``timesteps`` name the exact timesteps to run; the scheduler's sigmas become
+    ``timesteps / num_train_timesteps`` (the flow-match convention), which for
+    a statically shifted scheduler means handing it the un-shifted sigmas.
+    """
+    scheduler = type(template).from_config(template.config)
+    accepts = inspect.signature(scheduler.set_timesteps).parameters
+    kwargs: dict = {"device": device}
+    if params.mu is not None:
+        kwargs["mu"] = params.mu
+    if params.sigmas is not None:
+        if "sigmas" not in accepts:
+            raise RequestError(f"sigmas: {type(scheduler).__name__} does not take custom sigmas")
+        # float64 arrays: what diffusers' flow schedulers compute their shift in.
+        scheduler.set_timesteps(sigmas=np.asarray(params.sigmas, dtype=np.float64), **kwargs)
+    elif params.timesteps is not None:
+        shift = _static_shift(scheduler.config)
+        if shift is None or "sigmas" not in accepts:
+            raise RequestError(
+                f"timesteps: {type(scheduler).__name__} with this config cannot run caller timesteps; pass sigmas"
+            )
+        n_train = scheduler.config.num_train_timesteps
+        t = np.asarray(params.timesteps, dtype=np.float64)
+        sigmas = _unshift(t / n_train, shift)
+        if "timesteps" in accepts:
+            kwargs["timesteps"] = t.astype(np.float32).tolist()
+        scheduler.set_timesteps(sigmas=sigmas, **kwargs)
+        if "timesteps" not in accepts:
+            # E.g. UniPC derives (integer) timesteps from sigmas; keep the caller's
+            # exactly instead of a float round-trip of them, in the scheduler's dtype.
+            ts = scheduler.timesteps
+            scheduler.timesteps = torch.as_tensor(t, dtype=torch.float64).to(ts.dtype).to(ts.device)
+    else:
+        scheduler.set_timesteps(params.num_inference_steps, **kwargs)
+    scheduler.set_begin_index(0)
+    return scheduler

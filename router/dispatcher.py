@@ -1,0 +1,195 @@
+"""The router's ZeroMQ side: worker registry, admission routing, result join.
+
+One PULL socket receives heartbeats from every worker and final results or
+errors from the last stage of each request. Requests enter the pipeline
+through a PUSH socket per encoder. Tensors never pass through the router on
+their way between stages; it only sees each request's final output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+import zmq.asyncio
+
+from common.config import EngineConfig, WorkerSpec
+from common.messages import (
+    PROTOCOL_VERSION,
+    ROLES,
+    EncodeRequest,
+    ErrorReply,
+    GenerationParams,
+    Heartbeat,
+    Result,
+    Route,
+)
+from common.wire import WireError, decode, encode
+
+log = logging.getLogger("disagg.router")
+
+
+class EngineError(Exception):
+    """A request failed; carries what the HTTP error body reports."""
+
+    def __init__(self, status: int, type_: str, message: str, stage: str, request_id: str):
+        super().__init__(message)
+        self.status, self.type, self.message, self.stage, self.request_id = status, type_, message, stage, request_id
+
+
+@dataclass
+class WorkerState:
+    spec: WorkerSpec
+    state: str = "starting"
+    pid: int | None = None
+    last_seen: float | None = None
+    outstanding: int = 0
+
+    def alive(self, timeout_s: float) -> bool:
+        return self.last_seen is not None and time.monotonic() - self.last_seen < timeout_s
+
+    def ready(self, timeout_s: float) -> bool:
+        return self.state == "ready" and self.alive(timeout_s)
+
+
+@dataclass
+class Pending:
+    future: asyncio.Future
+    route: Route
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Outcome:
+    output: torch.Tensor
+    timings: dict[str, float]
+    route: Route
+
+
+class Dispatcher:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.workers = {(w.role, w.index): WorkerState(w) for w in config.workers}
+        self.pending: dict[str, Pending] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._pull: zmq.asyncio.Socket | None = None
+        self._encoders: dict[int, zmq.asyncio.Socket] = {}
+        self._task: asyncio.Task | None = None
+        self._rr = itertools.count()
+
+    # --- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.config.router_endpoint)
+        for w in self.config.of_role("encoder"):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(w.endpoint)
+            self._encoders[w.index] = sock
+        self._task = asyncio.create_task(self._receive_loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for p in self.pending.values():
+            if not p.future.done():
+                p.future.set_exception(EngineError(503, "shutting_down", "engine is shutting down", "router", ""))
+        for s in [*self._encoders.values(), self._pull]:
+            if s is not None:
+                s.close()
+        self._ctx.term()
+
+    # --- worker registry ---------------------------------------------------
+    def health(self) -> tuple[bool, list[dict]]:
+        timeout = self.config.heartbeat_timeout_s
+        now = time.monotonic()
+        rows = []
+        for (role, index), w in sorted(self.workers.items(), key=lambda kv: (ROLES.index(kv[0][0]), kv[0][1])):
+            state = w.state if w.alive(timeout) else ("starting" if w.last_seen is None else "lost")
+            rows.append(
+                {
+                    "role": role,
+                    "index": index,
+                    "device": w.spec.device,
+                    "pid": w.pid,
+                    "endpoint": w.spec.endpoint,
+                    "socket_type": "PULL",
+                    "state": state,
+                    "outstanding": w.outstanding,
+                    "seconds_since_heartbeat": None if w.last_seen is None else round(now - w.last_seen, 3),
+                }
+            )
+        return all(r["state"] == "ready" for r in rows), rows
+
+    def _pick(self, role: str) -> WorkerState:
+        """Least outstanding work among ready instances; ties broken round-robin."""
+        ready = [w for (r, _), w in self.workers.items() if r == role and w.ready(self.config.heartbeat_timeout_s)]
+        if not ready:
+            raise EngineError(503, "unavailable", f"no ready {role} worker", role, "")
+        low = min(w.outstanding for w in ready)
+        ties = [w for w in ready if w.outstanding == low]
+        return ties[next(self._rr) % len(ties)]
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        w = self.workers.get((hb.role, hb.index))
+        if w is None:
+            log.warning("heartbeat from unknown worker %s-%d ignored", hb.role, hb.index)
+            return
+        w.state, w.pid, w.last_seen = hb.state, hb.pid, time.monotonic()
+
+    # --- requests ----------------------------------------------------------
+    async def submit(self, params: GenerationParams, request_id: str | None = None) -> Outcome:
+        rid = request_id or uuid.uuid4().hex
+        chosen = {role: self._pick(role) for role in ROLES}
+        route = Route(**{role: w.spec.index for role, w in chosen.items()})
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = Pending(fut, route)
+        for w in chosen.values():
+            w.outstanding += 1
+        try:
+            msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
+            await self._encoders[route.encoder].send_multipart(encode(msg), copy=False)
+            return await asyncio.wait_for(fut, timeout=self.config.limits.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(
+                504, "timeout", f"no answer within {self.config.limits.request_timeout_s}s", "router", rid
+            ) from None
+        finally:
+            self.pending.pop(rid, None)
+            for w in chosen.values():
+                w.outstanding -= 1
+
+    def _resolve(self, msg: Result | ErrorReply, tensors: dict[str, torch.Tensor]) -> None:
+        p = self.pending.get(msg.request_id)
+        if p is None or p.future.done():
+            log.warning("answer for unknown or finished request %s dropped", msg.request_id)
+            return
+        if isinstance(msg, ErrorReply):
+            p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
+        elif "output" not in tensors:
+            p.future.set_exception(EngineError(502, "bad_result", "result without output", msg.stage, msg.request_id))
+        else:
+            p.future.set_result(Outcome(tensors["output"], dict(msg.timings), p.route))
+
+    async def _receive_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            try:
+                msg, tensors = decode(frames)
+            except WireError as e:
+                log.warning("dropped bad message at router: %s", e)
+                continue
+            if isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg)
+            elif isinstance(msg, (Result, ErrorReply)):
+                self._resolve(msg, tensors)
+            else:
+                log.warning("router does not take %s messages", type(msg).__name__)

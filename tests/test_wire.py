@@ -1,0 +1,186 @@
+"""Wire codec: round trips over real ZeroMQ sockets and rejection of malformed frames."""
+
+import msgpack
+import msgspec
+import pytest
+import torch
+import zmq
+
+from common.messages import (
+    PROTOCOL_VERSION,
+    DecodeRequest,
+    DenoiseRequest,
+    EncodeRequest,
+    GenerationParams,
+    Route,
+)
+from common.wire import DTYPES, WireError, decode, encode
+
+PARAMS = GenerationParams(
+    prompt="a fox at dawn",
+    negative_prompt="",
+    height=32,
+    width=48,
+    num_frames=5,
+    num_inference_steps=4,
+    guidance_scale=5.0,
+    seed=7,
+    sigmas=[1.0, 0.75, 0.5, 0.25],
+    mu=0.5,
+)
+ROUTE = Route(encoder=0, denoise=1, decode=0)
+
+
+def _msg(**kw):
+    return DecodeRequest(v=PROTOCOL_VERSION, request_id="r1", route=ROUTE, params=PARAMS, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(0)
+    pull.close(0)
+
+
+def _roundtrip(pair, frames):
+    push, pull = pair
+    push.send_multipart(frames, copy=False)
+    assert pull.poll(5000)
+    return decode(pull.recv_multipart(copy=False))
+
+
+def _sample(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_roundtrip_every_dtype_over_zmq(pair, dtype):
+    t = _sample(dtype, (2, 3, 5))
+    msg, tensors = _roundtrip(pair, encode(_msg(), {"latents": t}))
+    assert msg.params == PARAMS and msg.route == ROUTE and msg.request_id == "r1"
+    got = tensors["latents"]
+    assert got.dtype == dtype and got.shape == t.shape
+    assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8))
+
+
+def test_bfloat16_bytes_are_preserved_exactly(pair):
+    t = torch.tensor([1.0, -2.5, 3.140625, 1e-3, float("inf")], dtype=torch.bfloat16)
+    _, tensors = _roundtrip(pair, encode(_msg(), {"x": t}))
+    assert torch.equal(tensors["x"].view(torch.int16), t.view(torch.int16))
+
+
+def test_empty_and_non_contiguous_tensors(pair):
+    empty = torch.empty(0, 16, dtype=torch.float32)
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    strided = base.t()  # non-contiguous view
+    sliced = base[:, ::2]
+    _, tensors = _roundtrip(pair, encode(_msg(), {"e": empty, "t": strided, "s": sliced}))
+    assert tensors["e"].shape == (0, 16)
+    assert torch.equal(tensors["t"], strided) and torch.equal(tensors["s"], sliced)
+
+
+def test_received_tensor_is_a_view_of_the_frame(pair):
+    t = torch.randn(1024)
+    frames = encode(_msg(), {"x": t})
+    push, pull = pair
+    push.send_multipart(frames, copy=False)
+    raw = pull.recv_multipart(copy=False)
+    _, tensors = decode(raw)
+    frame_addr = memoryview(raw[1].buffer)
+    assert tensors["x"].data_ptr() == torch.frombuffer(frame_addr, dtype=torch.uint8).data_ptr()
+
+
+def _header(frames):
+    return msgpack.unpackb(bytes(frames[0]))
+
+
+def _with_header(frames, header):
+    return [msgpack.packb(header), *frames[1:]]
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda h, f: ([b"\x00garbage"] + f[1:], None), "invalid header"),
+        (lambda h, f: (_with_header(f, {**h, "v": 99}), None), "protocol version"),
+        (lambda h, f: (_with_header(f, {**h, "kind": "bogus"}), None), "invalid header"),
+        (lambda h, f: (_with_header(f, {**h, "extra_field": 1}), None), "invalid header"),
+        (lambda h, f: (_with_header(f, {**h, "route": {"encoder": "x"}}), None), "invalid header"),
+        (lambda h, f: (f[:1], None), "frames follow"),
+        (lambda h, f: (f + [b"x"], None), "frames follow"),
+        (lambda h, f: ([f[0], bytes(f[1])[:-4]], None), "needs"),
+        (
+            lambda h, f: (_with_header(f, {**h, "tensors": [{**h["tensors"][0], "dtype": "complex64"}]}), None),
+            "unknown dtype",
+        ),
+        (
+            lambda h, f: (_with_header(f, {**h, "tensors": [{**h["tensors"][0], "shape": [-1, 4]}]}), None),
+            "invalid shape",
+        ),
+    ],
+    ids=["garbage", "version", "kind", "unknown-field", "field-type", "missing-frame", "extra-frame",
+         "truncated", "dtype", "shape"],
+)
+def test_malformed_messages_are_rejected(mutate, needle):
+    frames = [bytes(memoryview(f)) for f in encode(_msg(), {"latents": torch.zeros(2, 2)})]
+    bad, _ = mutate(_header(frames), frames)
+    with pytest.raises(WireError, match=needle) as exc:
+        decode(bad)
+    # Whenever the header still names the request, the error does too, so it can be answered.
+    assert exc.value.request_id == (None if bad[0].startswith(b"\x00garbage") else "r1")
+
+
+def test_request_id_is_recovered_from_a_bad_header():
+    frames = [bytes(memoryview(f)) for f in encode(_msg(), {})]
+    h = _header(frames)
+    with pytest.raises(WireError) as exc:
+        decode([msgpack.packb({**h, "params": {"prompt": 1}})])
+    assert exc.value.request_id == "r1"
+
+
+def _walk(obj):
+    yield obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
+@pytest.mark.parametrize("kind", [EncodeRequest, DenoiseRequest, DecodeRequest])
+def test_no_scheduler_travels(kind):
+    """Request messages carry schedule numbers only; nothing of a scheduler object or its state."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    msg = kind(v=PROTOCOL_VERSION, request_id="r", route=ROUTE, params=PARAMS)
+    frames = encode(msg, {"prompt_embeds": torch.zeros(3, 4)})
+    header = msgpack.unpackb(bytes(memoryview(frames[0])))
+    keys = {x for x in _walk(header) if isinstance(x, str)}
+    sched_words = {"scheduler", "_class_name", "model_outputs", "timestep_list", "lower_order_nums",
+                   "_step_index", "_begin_index", "solver_order", "flow_shift", "shift", "last_sample"}
+    assert not keys & sched_words
+    for sched in (UniPCMultistepScheduler(), FlowMatchEulerDiscreteScheduler()):
+        assert type(sched).__name__ not in keys
+    # The schedule-shaping fields themselves are present and are plain numbers.
+    p = header["params"]
+    assert p["num_inference_steps"] == 4 and p["sigmas"] == [1.0, 0.75, 0.5, 0.25] and p["mu"] == 0.5
+    assert all(isinstance(x, (int, float, str, bool, type(None), bytes, list, dict)) for x in _walk(header))
+
+
+def test_encoding_a_scheduler_is_impossible():
+    from diffusers import UniPCMultistepScheduler
+
+    with pytest.raises((TypeError, msgspec.EncodeError, msgspec.ValidationError)):
+        msgspec.msgpack.encode(msgspec.structs.replace(PARAMS, sigmas=UniPCMultistepScheduler()))
