@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-frames", type=int, default=d.max_num_frames)
     p.add_argument("--max-steps", type=int, default=d.max_steps)
     p.add_argument("--max-n", type=int, default=d.max_n, help="most samples one request may ask for")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
     return p.parse_args(argv)
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
             max_num_frames=args.max_num_frames,
             max_steps=args.max_steps,
             max_n=args.max_n,
+            max_prompt_chars=args.max_prompt_chars,
             request_timeout_s=args.request_timeout,
         ),
     )

@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     limits: Limits = msgspec.field(default_factory=Limits)
+    # Weight updates may only read below these directories (empty: anywhere).
+    weight_roots: list[str] = []
 
     def worker(self, role: str, index: int) -> WorkerSpec:
         for w in self.workers:

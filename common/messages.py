@@ -45,6 +45,21 @@ class Route(_Strict, frozen=True):
     decode: int
 
 
+SdeType = Literal["sde", "cps", "ode"]
+WeightModule = Literal["transformer", "transformer_2"]
+
+
+class RolloutParams(_Strict):
+    """What ``/rollout/generate`` adds to a generation request."""
+
+    rollout: bool = True  # False: the serving scheduler, exactly as /generate
+    sde_type: SdeType = "sde"
+    noise_level: float = 0.7
+    sde_step_indices: list[int] | None = None  # None: every step
+    return_trajectory: bool = False
+    return_log_probs: bool = True
+
+
 class GenerationParams(_Strict):
     """Everything a request asks for, after the router validated it."""
 
@@ -61,6 +76,7 @@ class GenerationParams(_Strict):
     sigmas: list[float] | None = None
     timesteps: list[float] | None = None
     mu: float | None = None
+    rollout: RolloutParams | None = None
 
 
 class _Header(_Strict, tag_field="kind", kw_only=True):
@@ -94,13 +110,35 @@ class DecodeRequest(_Header, tag="decode", kw_only=True):
     route: Route
     params: GenerationParams
     timings: dict[str, float] = {}
+    info: dict[str, str | int | float] = {}
 
 
 class Result(_Header, tag="result", kw_only=True):
-    """Final answer for one request; carries ``output``."""
+    """Final answer for one request; carries ``output`` and any rollout tensors.
+
+    ``info`` holds per-request facts such as the scheduler that ran and the
+    weight version; rollout tensors (``log_probs``, ``trajectory.*``) ride
+    along from the denoise worker through the decode worker unchanged.
+    """
 
     stage: str
     timings: dict[str, float] = {}
+    info: dict[str, str | int | float] = {}
+
+
+class ControlRequest(_Header, tag="control", kw_only=True):
+    """Router -> worker administration, handled between requests."""
+
+    op: Literal["update_weights", "checksum"]
+    module: WeightModule = "transformer"
+    path: str | None = None
+    version: int | None = None  # the weight version to report after a successful update
+
+
+class ControlReply(_Header, tag="control_reply", kw_only=True):
+    role: str
+    index: int
+    data: dict[str, str | int | float | None] = {}
 
 
 class ErrorReply(_Header, tag="error", kw_only=True):
@@ -123,5 +161,7 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     busy: int = 0
 
 
-Message = Union[EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat]
+Message = Union[
+    EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, ControlRequest, ControlReply
+]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

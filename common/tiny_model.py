@@ -146,6 +146,29 @@ SPECS: dict[str, TinyWanSpec] = {
         # flow_shift 3 and 4 steps, timesteps 999/900 use the high-noise
         # expert and 750/500 the low-noise one.
         TinyWanSpec(name="tiny-moe", two_experts=True, boundary_ratio=0.875, seed=2),
+        # A ~17M-parameter transformer (8 blocks, 6 heads x 64 = 384 wide,
+        # Wan's own freq_dim 256): large enough that weight updates, their
+        # transfer and checksums are measurable, still quick on a CPU. The
+        # text encoder and VAE stay tiny.
+        TinyWanSpec(
+            name="small",
+            num_layers=8,
+            num_attention_heads=6,
+            attention_head_dim=64,
+            ffn_dim=1024,
+            freq_dim=256,
+            text_dim=64,
+            text_layers=2,
+            text_heads=2,
+            text_d_ff=128,
+            text_d_kv=32,
+            seed=3,
+            height=128,
+            width=128,
+            num_frames=9,
+            num_inference_steps=10,
+            guidance_scale=5.0,
+        ),
     )
 }
 

@@ -54,9 +54,12 @@ def _parse_file(path: Path) -> list[dict]:
     if path.suffix in (".yaml", ".yml"):
         import yaml  # only needed for YAML topology files
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:  # not a ValueError: report it as every other bad topology
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
     else:
-        data = json.loads(text)
+        data = json.loads(text)  # json.JSONDecodeError is a ValueError
     if isinstance(data, dict):
         data = data.get("workers")
     if not isinstance(data, list):
@@ -80,7 +83,7 @@ def parse_topology(spec: str, runtime_dir: str | Path) -> list[WorkerSpec]:
         if not _DEVICE.match(device):
             raise ValueError(f"worker #{i}: bad device {device!r} (cpu, cuda or cuda:N)")
         threads = e.get("threads", 0)
-        if not isinstance(threads, int) or threads < 0:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(f"worker #{i}: threads must be a non-negative integer")
         role = e["role"]
         idx = next_index[role]

@@ -27,6 +27,10 @@ if sys.byteorder != "little":  # raw frames are little-endian by contract
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 64
 MAX_NDIM = 8
+# Bound on a descriptor's element count with zero dimensions read as 1: a
+# zero-size tensor of shape [0, 2**63] matches an empty frame, yet torch
+# cannot build it (it raises instead of returning an empty tensor).
+MAX_ELEMENTS = 1 << 56
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -104,7 +108,11 @@ def _frame_buffer(frame: Any) -> memoryview:
 def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.Tensor:
     if spec.dtype not in DTYPES:
         raise WireError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}", request_id)
-    if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
+    if (
+        len(spec.shape) > MAX_NDIM
+        or any(d < 0 for d in spec.shape)
+        or math.prod(max(d, 1) for d in spec.shape) > MAX_ELEMENTS
+    ):
         raise WireError(f"tensor {spec.name!r}: invalid shape {spec.shape}", request_id)
     dtype = DTYPES[spec.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()

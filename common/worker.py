@@ -23,7 +23,15 @@ import torch
 import zmq
 
 from common.config import EngineConfig, WorkerSpec, default_threads, torch_dtype_for
-from common.messages import PROTOCOL_VERSION, REQUEST_KINDS, ErrorReply, Heartbeat, Message
+from common.messages import (
+    PROTOCOL_VERSION,
+    REQUEST_KINDS,
+    ControlReply,
+    ControlRequest,
+    ErrorReply,
+    Heartbeat,
+    Message,
+)
 from common.wire import WireError, decode, encode
 
 log = logging.getLogger("disagg.worker")
@@ -62,6 +70,10 @@ class Stage:
 
     def process(self, msg: Any, tensors: dict[str, torch.Tensor]) -> Forward:
         raise NotImplementedError
+
+    def control(self, msg: ControlRequest) -> dict:
+        """Administration between requests (weight sync); stages that have none refuse."""
+        raise RequestError(f"{self.role} worker takes no {msg.op} requests")
 
 
 class WorkerRuntime:
@@ -148,6 +160,9 @@ class WorkerRuntime:
                 self.reply_error(e.request_id, e, status=400)
             return
         expected = REQUEST_KINDS[self.stage.role]
+        if isinstance(msg, ControlRequest):
+            self.handle_control(msg)
+            return
         if not isinstance(msg, expected):
             log.warning("dropped %s message: this worker takes %s", type(msg).__name__, expected.__name__)
             if msg.request_id:
@@ -163,6 +178,18 @@ class WorkerRuntime:
             self.reply_error(msg.request_id, e)
         finally:
             self.busy -= 1
+
+    def handle_control(self, msg: ControlRequest) -> None:
+        try:
+            data = self.stage.control(msg)
+        except Exception as e:
+            log.exception("%s %s failed", msg.op, msg.request_id)
+            self.reply_error(msg.request_id, e)
+            return
+        reply = ControlReply(
+            v=PROTOCOL_VERSION, request_id=msg.request_id, role=self.stage.role, index=self.spec.index, data=data
+        )
+        self.send(Forward("router", reply))
 
     def run(self) -> None:
         pull = self.ctx.socket(zmq.PULL)

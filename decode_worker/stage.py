@@ -43,5 +43,7 @@ class DecodeStage(Stage):
         t0 = time.perf_counter()
         frames = self.decode(tensors["latents"])
         timings = {**msg.timings, "decode_s": time.perf_counter() - t0}
-        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings)
-        return Forward("router", out, {"output": frames})
+        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=msg.info)
+        # Rollout tensors (log-probs, trajectory) pass through unchanged.
+        extras = {k: v for k, v in tensors.items() if k != "latents"}
+        return Forward("router", out, {"output": frames, **extras})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 
 import diffusers
@@ -21,6 +22,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from common.messages import GenerationParams
 from common.worker import RequestError
+
+log = logging.getLogger("disagg.denoise")
 
 
 def load_serving_template(model_dir: str | Path):
@@ -92,3 +95,42 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
         scheduler.set_timesteps(params.num_inference_steps, **kwargs)
     scheduler.set_begin_index(0)
     return scheduler
+
+
+class ConventionError(RuntimeError):
+    """The rollout scheduler breaks the flow-match convention the SDE math relies on."""
+
+    status = 500
+
+
+_convention_logged = False
+
+
+def check_flow_match_convention(scheduler, atol: float = 1e-3) -> float:
+    """Require ``timesteps == sigmas[:-1] * num_train_timesteps``; return the max deviation.
+
+    The SDE step and its log-prob read sigmas while the model is conditioned on
+    timesteps, so the two must describe the same points. Success is logged once
+    per process (schedulers are per request; the fact is per configuration).
+    """
+    global _convention_logged
+    n_train = scheduler.config.num_train_timesteps
+    ts = scheduler.timesteps.double().cpu()
+    sig = scheduler.sigmas.double().cpu()
+    if sig.numel() != ts.numel() + 1:
+        raise ConventionError(
+            f"{type(scheduler).__name__}: {sig.numel()} sigmas for {ts.numel()} timesteps (expected one more)"
+        )
+    deviation = float((ts - sig[:-1] * n_train).abs().max()) if ts.numel() else 0.0
+    if not deviation <= atol:
+        raise ConventionError(
+            f"{type(scheduler).__name__} breaks the flow-match convention timesteps == sigmas[:-1] * "
+            f"{n_train}: max deviation {deviation:.4g} > {atol}"
+        )
+    if not _convention_logged:
+        _convention_logged = True
+        log.info(
+            "rollout scheduler %s satisfies timesteps == sigmas[:-1] * %d (max deviation %.3g)",
+            type(scheduler).__name__, n_train, deviation,
+        )
+    return deviation

@@ -29,32 +29,40 @@ def clean_prompt(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
+@torch.no_grad()
+def encode_prompt(tokenizer, text_encoder, prompt: str) -> torch.Tensor:
+    """Embeddings [L, D] trimmed to the prompt's real token length (trainers use this too)."""
+    tokens = tokenizer(
+        [clean_prompt(prompt)],
+        padding="max_length",
+        max_length=MAX_SEQUENCE_LENGTH,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = tokens.attention_mask
+    length = int(mask.gt(0).sum())
+    device = text_encoder.device
+    hidden = text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
+    return hidden[0, :length].to(text_encoder.dtype)
+
+
+def load_text_encoder(model_dir, dtype: torch.dtype, device) -> tuple:
+    info = ModelInfo.read(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(info.path / "tokenizer")
+    text_encoder = UMT5EncoderModel.from_pretrained(info.path / "text_encoder", dtype=dtype)
+    return tokenizer, text_encoder.to(device).eval().requires_grad_(False)
+
+
 class EncoderStage(Stage):
     role = "encoder"
 
     def load(self) -> None:
-        self.info = ModelInfo.read(self.config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.info.path / "tokenizer")
-        self.text_encoder = UMT5EncoderModel.from_pretrained(
-            self.info.path / "text_encoder", dtype=self.dtype
-        ).to(self.device).eval()
+        self.tokenizer, self.text_encoder = load_text_encoder(self.config.model, self.dtype, self.device)
 
-    @torch.no_grad()
     def encode(self, prompt: str) -> torch.Tensor:
-        """Embeddings [L, D] trimmed to the prompt's real token length."""
-        tokens = self.tokenizer(
-            [clean_prompt(prompt)],
-            padding="max_length",
-            max_length=MAX_SEQUENCE_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        mask = tokens.attention_mask
-        length = int(mask.gt(0).sum())
-        hidden = self.text_encoder(tokens.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
-        return hidden[0, :length].to(self.text_encoder.dtype)
+        return encode_prompt(self.tokenizer, self.text_encoder, prompt)
 
     def process(self, msg: EncodeRequest, tensors: dict[str, torch.Tensor]) -> Forward:
         t0 = time.perf_counter()

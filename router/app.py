@@ -18,7 +18,7 @@ from common.config import EngineConfig
 from common.http_tensors import tensor_to_body
 from common.model import ModelInfo
 from router.dispatcher import Dispatcher, EngineError
-from router.schemas import FieldError, GenerateBody, to_params
+from router.schemas import FieldError, GenerateBody, RolloutBody, UpdateWeightsBody, to_params
 
 MSGPACK = "application/msgpack"
 
@@ -54,6 +54,24 @@ async def _parse_body(request: Request) -> dict:
     return data
 
 
+def _sample_body(seed: int, o, binary: bool) -> dict:
+    t = o.tensors
+    body = {
+        "seed": seed,
+        "output": tensor_to_body(t["output"], binary),
+        "route": msgspec.structs.asdict(o.route),
+        "weight_version": o.info.get("weight_version"),
+    }
+    if "scheduler" in o.info:
+        body["scheduler"] = o.info["scheduler"]
+    if "log_probs" in t:
+        body["log_probs"] = tensor_to_body(t["log_probs"], binary)
+        body["log_prob_steps"] = tensor_to_body(t["log_prob_steps"], binary)
+    if "trajectory.latents" in t:
+        body["trajectory"] = {k: tensor_to_body(t[f"trajectory.{k}"], binary) for k in ("latents", "timesteps", "sigmas")}
+    return body
+
+
 def create_app(config: EngineConfig) -> FastAPI:
     dispatcher = Dispatcher(config)
     info = ModelInfo.read(config.model)
@@ -65,6 +83,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         await dispatcher.stop()
 
     app = FastAPI(title="disagg-diffusion", lifespan=lifespan)
+    weights_lock = asyncio.Lock()  # one weight update at a time
     app.state.dispatcher = dispatcher
 
     @app.exception_handler(EngineError)
@@ -80,6 +99,31 @@ def create_app(config: EngineConfig) -> FastAPI:
         ok, workers = dispatcher.health()
         return JSONResponse({"ok": ok, "model": str(info.path), "workers": workers}, status_code=200 if ok else 503)
 
+    async def run_samples(body: GenerateBody, request: Request):
+        if body.guidance_scale_2 is not None and info.boundary_ratio is None:
+            raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
+        params = to_params(body, info.defaults, config.limits, dispatcher.n_train)
+        rid = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        seeds = [body.seed + i for i in range(body.n)]
+        ids = [rid if body.n == 1 else f"{rid}-{i}" for i in range(body.n)]
+        outcomes = await asyncio.gather(
+            *(dispatcher.submit(msgspec.structs.replace(params, seed=s), i) for s, i in zip(seeds, ids))
+        )
+        binary = MSGPACK in request.headers.get("accept", "")
+        timings = {k: sum(o.timings.get(k, 0.0) for o in outcomes) for k in ("encode_s", "denoise_s", "decode_s")}
+        timings["total_s"] = time.perf_counter() - t0
+        samples = [_sample_body(s, o, binary) for s, o in zip(seeds, outcomes)]
+        versions = {s["weight_version"] for s in samples}
+        payload = {
+            "request_id": rid,
+            "samples": samples,
+            "timings": timings,
+            # One version when every sample ran on the same weights; null if an update landed in between.
+            "weight_version": versions.pop() if len(versions) == 1 else None,
+        }
+        return _encode(payload, request)
+
     @app.post("/generate")
     async def generate(request: Request):
         data = await _parse_body(request)
@@ -87,24 +131,77 @@ def create_app(config: EngineConfig) -> FastAPI:
             body = GenerateBody.model_validate(data)
         except ValidationError as e:
             return _validation_error(e)
-        params = to_params(body, info.defaults, config.limits)
-        rid = uuid.uuid4().hex
-        t0 = time.perf_counter()
-        seeds = [body.seed + i for i in range(body.n)]
-        subs = [msgspec.structs.replace(params, seed=s) for s in seeds]
-        ids = [rid if body.n == 1 else f"{rid}-{i}" for i in range(body.n)]
-        outcomes = await asyncio.gather(*(dispatcher.submit(p, i) for p, i in zip(subs, ids)))
-        binary = MSGPACK in request.headers.get("accept", "")
-        timings = {k: sum(o.timings.get(k, 0.0) for o in outcomes) for k in ("encode_s", "denoise_s", "decode_s")}
-        timings["total_s"] = time.perf_counter() - t0
-        payload = {
-            "request_id": rid,
-            "samples": [
-                {"seed": s, "output": tensor_to_body(o.output, binary), "route": msgspec.structs.asdict(o.route)}
-                for s, o in zip(seeds, outcomes)
-            ],
-            "timings": timings,
-        }
-        return _encode(payload, request)
+        return await run_samples(body, request)
+
+    @app.post("/rollout/generate")
+    async def rollout_generate(request: Request):
+        data = await _parse_body(request)
+        try:
+            body = RolloutBody.model_validate(data)
+        except ValidationError as e:
+            return _validation_error(e)
+        return await run_samples(body, request)
+
+    def _module_checked(module: str) -> str:
+        if module == "transformer_2" and not info.has_transformer_2:
+            raise FieldError("module", "this model has no transformer_2")
+        if module not in ("transformer", "transformer_2"):
+            raise FieldError("module", "must be 'transformer' or 'transformer_2'")
+        return module
+
+    def _control_failure(replies) -> JSONResponse | None:
+        errors = [r for r in replies if isinstance(r, EngineError)]
+        if not errors:
+            return None
+        if len(errors) == len(replies) and all(400 <= e.status < 500 for e in errors):
+            e = errors[0]
+            return error_response(e.status, e.type, e.message, e.stage)
+        detail = "; ".join(f"{e.stage}: {e.message}" for e in errors)
+        return error_response(500, "inconsistent_workers", f"{len(errors)}/{len(replies)} workers failed: {detail}",
+                              "denoise")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request):
+        data = await _parse_body(request)
+        try:
+            body = UpdateWeightsBody.model_validate(data)
+        except ValidationError as e:
+            return _validation_error(e)
+        module = _module_checked(body.module)
+        async with weights_lock:
+            version = dispatcher.weight_version + 1
+            t0 = time.perf_counter()
+            replies = await dispatcher.control("denoise", "update_weights", module=module, path=body.path,
+                                               version=version)
+            failure = _control_failure(replies)
+            if failure is not None:
+                return failure
+            dispatcher.weight_version = version
+        sums = {r.data["sha256"] for r in replies}
+        return JSONResponse({
+            "weight_version": version,
+            "module": module,
+            "sha256": sums.pop() if len(sums) == 1 else None,
+            "seconds": time.perf_counter() - t0,
+            "workers": [{"index": r.index, **r.data} for r in replies],
+        })
+
+    @app.get("/weights_checksum")
+    async def weights_checksum(module: str = "transformer"):
+        module = _module_checked(module)
+        replies = await dispatcher.control("denoise", "checksum", module=module)
+        failure = _control_failure(replies)
+        if failure is not None:
+            return failure
+        sums = {r.data["sha256"] for r in replies}
+        versions = {r.data["weight_version"] for r in replies}
+        consistent = len(sums) == 1 and len(versions) == 1
+        return JSONResponse({
+            "module": module,
+            "sha256": next(iter(sums)) if consistent else None,
+            "weight_version": next(iter(versions)) if consistent else None,
+            "consistent": consistent,
+            "workers": [{"index": r.index, **r.data} for r in replies],
+        })
 
     return app

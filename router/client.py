@@ -58,3 +58,15 @@ class EngineClient:
     def generate(self, prompt: str, **fields: Any) -> dict[str, Any]:
         """POST /generate; ``samples[i]["output"]`` is a torch tensor."""
         return self._post("/generate", {"prompt": prompt, **fields})
+
+    def rollout(self, prompt: str, **fields: Any) -> dict[str, Any]:
+        """POST /rollout/generate; per sample: ``log_probs``, ``log_prob_steps`` and, with
+        ``return_trajectory=True``, ``trajectory`` {latents, timesteps, sigmas} as torch tensors."""
+        return self._post("/rollout/generate", {"prompt": prompt, **fields})
+
+    def update_weights_from_disk(self, path: str, module: str = "transformer") -> dict[str, Any]:
+        """Load new weights into every denoise worker; returns the new ``weight_version``."""
+        return self._post("/update_weights_from_disk", {"path": str(path), "module": module})
+
+    def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
+        return self._decode(self._http.get("/weights_checksum", params={"module": module}))

@@ -9,11 +9,13 @@ their way between stages; it only sees each request's final output.
 from __future__ import annotations
 
 import asyncio
+import json
 import itertools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import zmq
@@ -23,6 +25,8 @@ from common.config import EngineConfig, WorkerSpec
 from common.messages import (
     PROTOCOL_VERSION,
     ROLES,
+    ControlReply,
+    ControlRequest,
     EncodeRequest,
     ErrorReply,
     GenerationParams,
@@ -61,15 +65,16 @@ class WorkerState:
 @dataclass
 class Pending:
     future: asyncio.Future
-    route: Route
+    route: Route | None
     started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
 class Outcome:
-    output: torch.Tensor
+    tensors: dict[str, torch.Tensor]  # "output" plus any rollout tensors
     timings: dict[str, float]
-    route: Route
+    info: dict
+    route: Route | None
 
 
 class Dispatcher:
@@ -80,11 +85,16 @@ class Dispatcher:
         self._ctx = zmq.asyncio.Context()
         self._pull: zmq.asyncio.Socket | None = None
         self._encoders: dict[int, zmq.asyncio.Socket] = {}
+        self._control: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._task: asyncio.Task | None = None
         self._rr = itertools.count()
+        self.weight_version = 0
+        self.n_train = 1000  # flow-match training steps; read from the model's scheduler config at start
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
+        sched_cfg = json.loads((Path(self.config.model) / "scheduler" / "scheduler_config.json").read_text())
+        self.n_train = int(sched_cfg.get("num_train_timesteps", 1000))
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.config.router_endpoint)
@@ -101,7 +111,7 @@ class Dispatcher:
         for p in self.pending.values():
             if not p.future.done():
                 p.future.set_exception(EngineError(503, "shutting_down", "engine is shutting down", "router", ""))
-        for s in [*self._encoders.values(), self._pull]:
+        for s in [*self._encoders.values(), *self._control.values(), self._pull]:
             if s is not None:
                 s.close()
         self._ctx.term()
@@ -166,17 +176,53 @@ class Dispatcher:
             for w in chosen.values():
                 w.outstanding -= 1
 
-    def _resolve(self, msg: Result | ErrorReply, tensors: dict[str, torch.Tensor]) -> None:
+    async def control(self, role: str, op: str, **fields) -> list[ControlReply | EngineError]:
+        """Send one control request to every instance of ``role``; each answer or error, by index."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for w in self.config.of_role(role):
+            rid = f"ctl-{uuid.uuid4().hex}"
+            fut = loop.create_future()
+            self.pending[rid] = Pending(fut, None)
+            sock = self._control_socket(w)
+            msg = ControlRequest(v=PROTOCOL_VERSION, request_id=rid, op=op, **fields)
+            await sock.send_multipart(encode(msg), copy=False)
+            waits.append((rid, fut))
+        out: list[ControlReply | EngineError] = []
+        for rid, fut in waits:
+            try:
+                out.append(await asyncio.wait_for(fut, timeout=self.config.limits.request_timeout_s))
+            except EngineError as e:
+                out.append(e)
+            except asyncio.TimeoutError:
+                out.append(EngineError(504, "timeout", f"no answer to {op}", role, rid))
+            finally:
+                self.pending.pop(rid, None)
+        return out
+
+    def _control_socket(self, w: WorkerSpec) -> zmq.asyncio.Socket:
+        key = (w.role, w.index)
+        sock = self._control.get(key)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(w.endpoint)
+            self._control[key] = sock
+        return sock
+
+    def _resolve(self, msg: Result | ErrorReply | ControlReply, tensors: dict[str, torch.Tensor]) -> None:
         p = self.pending.get(msg.request_id)
         if p is None or p.future.done():
             log.warning("answer for unknown or finished request %s dropped", msg.request_id)
             return
         if isinstance(msg, ErrorReply):
             p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
+        elif isinstance(msg, ControlReply):
+            p.future.set_result(msg)
         elif "output" not in tensors:
             p.future.set_exception(EngineError(502, "bad_result", "result without output", msg.stage, msg.request_id))
         else:
-            p.future.set_result(Outcome(tensors["output"], dict(msg.timings), p.route))
+            p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route))
 
     async def _receive_loop(self) -> None:
         assert self._pull is not None
@@ -189,7 +235,7 @@ class Dispatcher:
                 continue
             if isinstance(msg, Heartbeat):
                 self._on_heartbeat(msg)
-            elif isinstance(msg, (Result, ErrorReply)):
+            elif isinstance(msg, (Result, ErrorReply, ControlReply)):
                 self._resolve(msg, tensors)
             else:
                 log.warning("router does not take %s messages", type(msg).__name__)

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config import Limits
-from common.messages import GenerationParams
+from common.messages import GenerationParams, RolloutParams
 
 MAX_SEED = 2**63 - 1
 
@@ -43,6 +43,25 @@ class GenerateBody(BaseModel):
     timesteps: list[float] | None = None
     mu: float | None = None
     output_type: Literal["frames", "latent"] = "frames"
+
+
+class RolloutBody(GenerateBody):
+    """``/rollout/generate``: everything ``/generate`` takes plus the rollout settings."""
+
+    rollout: bool = True
+    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    noise_level: float = Field(default=0.7, ge=0.0, le=10.0)
+    sde_step_indices: list[int] | None = None
+    return_trajectory: bool = False
+    return_log_probs: bool = True
+    output_type: Literal["frames", "latent"] = "latent"
+
+
+class UpdateWeightsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(min_length=1, max_length=4096)
+    module: Literal["transformer", "transformer_2"] = "transformer"
 
 
 def _check_size(name: str, value: int, multiple: int, maximum: int) -> None:
@@ -93,7 +112,24 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
         steps = len(body.timesteps)
     if body.mu is not None and abs(body.mu) > 100:
         raise FieldError("mu", f"must be within [-100, 100], got {body.mu}")
+    rollout = None
+    if isinstance(body, RolloutBody):
+        idx = body.sde_step_indices
+        if idx is not None:
+            if len(idx) > steps or len(set(idx)) != len(idx):
+                raise FieldError("sde_step_indices", "must be distinct step indices")
+            if any(i < 0 or i >= steps for i in idx):
+                raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
+        rollout = RolloutParams(
+            rollout=body.rollout,
+            sde_type=body.sde_type,
+            noise_level=body.noise_level,
+            sde_step_indices=sorted(idx) if idx is not None else None,
+            return_trajectory=body.return_trajectory,
+            return_log_probs=body.return_log_probs,
+        )
     return GenerationParams(
+        rollout=rollout,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
         height=h,

@@ -59,7 +59,10 @@ class Engine:
         raise TimeoutError(f"engine not ready in {READY_TIMEOUT_S}s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
+        return self.log_text()[-5000:]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def worker_pids(self) -> list[int]:
         return [w["pid"] for w in self.http.get("/health").json()["workers"] if w["pid"]]

@@ -1,0 +1,256 @@
+"""Flow-matching SDE step and its log-probability (Flow-GRPO style).
+
+One pure function, :func:`sde_step`, serves both sides of an RL rollout:
+
+- the denoise worker calls it to take a stochastic step and record the
+  log-probability of the step it took;
+- a trainer calls it again (or :func:`log_prob_of`) with the recorded next
+  latents to recompute that log-probability under the current policy, with
+  gradients flowing into ``model_output``.
+
+Both sides must get the same numbers, so:
+
+- everything is computed in float32, whatever the input dtypes;
+- the per-sample coefficients (functions of the sigmas only) are computed on
+  the CPU and then moved to the latents' device, so they do not depend on the
+  device's transcendental functions;
+- noise is drawn from a CPU generator, so a request's noise sequence depends on
+  its seed only, not on the device it runs on.
+
+Notation (design notes, "The rollout step"): ``s = sigma``,
+``s_next = sigma_next``, ``dt = s_next - s`` (<= 0), ``v = model_output``,
+``x = sample``.
+
+- ``"sde"``: ``std = noise_level * sqrt(s / (1 - (sigma_max if s == 1 else s)))``,
+  ``mean = x (1 + std^2 dt / (2 s)) + v (1 + std^2 (1 - s) / (2 s)) dt``,
+  ``sd = std sqrt(-dt)``, ``x_next = mean + sd eps``, and the Gaussian
+  log-density of ``x_next`` averaged over every non-batch element.
+- ``"cps"``: ``std = s_next sin(noise_level pi / 2)``, ``x0 = x - s v``,
+  ``x1 = x + (1 - s) v``, ``mean = x0 (1 - s_next) + x1 sqrt(s_next^2 - std^2)``,
+  ``x_next = mean + std eps``, ``log_prob = -(x_next - mean)^2`` averaged the
+  same way (constants dropped).
+- ``"ode"``: ``x_next = x + dt v``; no log-probability.
+
+A step whose noise scale is 0 for every sample is deterministic: noise level 0,
+``cps`` with ``s_next == 0``, ``sde`` with ``dt == 0`` or ``s == 0``. In all those
+cases both formulas reduce to the Euler step, so that is what is returned
+(``prev_sample == mean == x + dt v``, ``log_prob`` None, no noise drawn). A
+batch in which some samples are deterministic and others are not is rejected
+with a ``ValueError``: callers split such a batch (or use ``"ode"`` for the
+deterministic ones) instead of getting a partly undefined ``log_prob``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+SDE_TYPES: tuple[str, ...] = ("sde", "cps", "ode")
+
+SigmaLike = Union[float, torch.Tensor]
+"""A Python number, a 0-d tensor, or a 1-d tensor with one value per sample ([B] or [1])."""
+
+_LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
+
+
+@dataclass(frozen=True)
+class SdeStep:
+    """Result of one step. All tensors are float32 on the sample's device."""
+
+    prev_sample: torch.Tensor
+    """x_{i+1}, same shape as the sample (in evaluation mode: the given one, as float32)."""
+    log_prob: torch.Tensor | None
+    """[B]: log-probability of ``prev_sample`` averaged over every non-batch element;
+    None when the step is deterministic."""
+    mean: torch.Tensor
+    """Mean of x_{i+1} given x_i, same shape as the sample."""
+    noise_scale: torch.Tensor
+    """Std of x_{i+1} around ``mean``, shape [B, 1, ..., 1]; 0 for deterministic steps."""
+
+
+def _per_sample(name: str, value: SigmaLike, batch: int) -> torch.Tensor:
+    """A float32 CPU tensor of shape [batch] from a number, a 0-d tensor, or a [1]/[batch] tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be real, got dtype {value.dtype}")
+        if value.ndim > 1 or (value.ndim == 1 and value.shape[0] not in (1, batch)):
+            raise ValueError(f"{name} must be a number, a 0-d tensor or a 1-d tensor of length {batch} "
+                             f"(the batch size), got shape {tuple(value.shape)}")
+        t = value.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        t = torch.tensor([float(value)], dtype=torch.float32)
+    else:
+        raise ValueError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+    if not bool(((t >= 0) & (t <= 1)).all()):  # also false for NaN
+        raise ValueError(f"{name} must lie in [0, 1] (flow-matching sigmas), got {t.tolist()}")
+    return t.expand(batch).contiguous() if t.numel() == 1 else t
+
+
+def _coefficients(sde_type: str, s: torch.Tensor, s_next: torch.Tensor, s_max: torch.Tensor,
+                  noise_level: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample ``(a, b, sd)`` with ``mean = a x + b v`` and ``x_next = mean + sd eps`` (CPU, float32, [B])."""
+    dt = s_next - s
+    if sde_type == "sde":
+        at_one = s == 1
+        if bool((at_one & (s_max == 1)).any()):
+            raise ValueError("sde step at sigma == 1 needs sigma_max < 1 (the formula divides by 1 - sigma_max)")
+        std = noise_level * torch.sqrt(s / (1 - torch.where(at_one, s_max, s)))
+        # s == 0 only happens with dt == 0 and std == 0: the term is 0 there.
+        k = std.square() / (2 * torch.where(s > 0, s, torch.ones_like(s)))
+        a = 1 + k * dt
+        b = (1 + k * (1 - s)) * dt
+        sd = std * torch.sqrt(-dt)
+    elif sde_type == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        c = torch.sqrt(torch.clamp(s_next.square() - std.square(), min=0))
+        # x0 (1 - s_next) + x1 c with x0 = x - s v, x1 = x + (1 - s) v
+        a = 1 - s_next + c
+        b = (1 - s) * c - s * (1 - s_next)
+        sd = std
+    else:  # ode
+        a = torch.ones_like(s)
+        b = dt
+        sd = torch.zeros_like(s)
+    if not bool(torch.isfinite(torch.stack((a, b, sd))).all()):
+        raise ValueError(f"{sde_type} step is undefined at sigma={s.tolist()}, sigma_next={s_next.tolist()}, "
+                         f"sigma_max={s_max.tolist()}")
+    sd = torch.where(sd > 0, sd, torch.zeros_like(sd))  # turn -0.0 into 0.0
+    return a, b, sd
+
+
+def _check_like(name: str, t: torch.Tensor | None, sample: torch.Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.shape != sample.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the sample's shape {tuple(sample.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def sde_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: SigmaLike,
+    sigma_next: SigmaLike,
+    sigma_max: SigmaLike,
+    *,
+    sde_type: str = "sde",
+    noise_level: float = 0.7,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> SdeStep:
+    """Take (or evaluate) one flow-matching step from ``sigma`` to ``sigma_next``.
+
+    Args:
+        model_output: velocity prediction ``v`` (after guidance), shape of ``sample``.
+        sample: current latents ``x_i``, shape [B, ...] (ndim >= 2).
+        sigma, sigma_next: this step's sigmas, ``0 <= sigma_next <= sigma <= 1``; a number, a 0-d
+            tensor, or a [B] tensor (one value per sample, for batches at different steps).
+        sigma_max: ``sigmas[1]`` of the schedule; used by ``"sde"`` where ``sigma == 1``.
+        sde_type: one of :data:`SDE_TYPES`.
+        noise_level: ``>= 0`` (and ``<= 1`` for ``"cps"``).
+        noise: standard-normal ``eps`` to use instead of drawing it (shape of ``sample``).
+        generator: CPU generator to draw ``eps`` from (default: torch's global CPU generator).
+            Exactly one ``torch.randn(sample.shape, dtype=float32, device="cpu")`` is drawn per
+            stochastic step, then moved to the sample's device, so the noise is device independent.
+        prev_sample: evaluation mode: the observed ``x_{i+1}``; nothing is drawn and ``log_prob`` is
+            that of the given tensor (treated as a constant: gradients flow through ``mean`` only).
+
+    Returns:
+        :class:`SdeStep` in float32.
+
+    Raises:
+        ValueError: unknown ``sde_type``, bad ``noise_level``, sigmas out of range or out of order,
+            shape mismatches, both ``noise`` and ``prev_sample`` given, a non-CPU generator, or a
+            batch mixing deterministic and stochastic samples.
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
+    if not isinstance(noise_level, numbers.Real) or isinstance(noise_level, bool) or not math.isfinite(noise_level):
+        raise ValueError(f"noise_level must be a finite number, got {noise_level!r}")
+    noise_level = float(noise_level)
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    if sde_type == "cps" and noise_level > 1:
+        raise ValueError(f"cps noise_level must be in [0, 1], got {noise_level}")
+    if not isinstance(sample, torch.Tensor) or sample.ndim < 2:
+        raise ValueError("sample must be a tensor of shape [B, ...] with ndim >= 2")
+    if not sample.is_floating_point():
+        raise ValueError(f"sample must be a floating-point tensor, got {sample.dtype}")
+    _check_like("model_output", model_output, sample)
+    _check_like("noise", noise, sample)
+    _check_like("prev_sample", prev_sample, sample)
+    if noise is not None and prev_sample is not None:
+        raise ValueError("give either noise (sampling) or prev_sample (evaluation), not both")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"generator must be a CPU generator, got one on {generator.device}")
+
+    batch = sample.shape[0]
+    s = _per_sample("sigma", sigma, batch)
+    s_next = _per_sample("sigma_next", sigma_next, batch)
+    s_max = _per_sample("sigma_max", sigma_max, batch)
+    if bool((s_next > s).any()):
+        raise ValueError(f"sigma_next must not exceed sigma, got sigma={s.tolist()}, sigma_next={s_next.tolist()}")
+    a, b, sd = _coefficients(sde_type, s, s_next, s_max, noise_level)
+    zero = sd == 0
+    deterministic = bool(zero.all())
+    if not deterministic and bool(zero.any()):
+        raise ValueError(f"batch mixes deterministic and stochastic samples (noise scale {sd.tolist()}); "
+                         "split it or use sde_type='ode' for the deterministic ones")
+
+    device = sample.device
+    view = (batch,) + (1,) * (sample.ndim - 1)
+    x = sample.float()
+    v = model_output.float()
+    sd_dev = sd.to(device)
+
+    if deterministic:
+        mean = x + (s_next - s).to(device).view(view) * v
+        out = mean if prev_sample is None else prev_sample.float()
+        return SdeStep(prev_sample=out, log_prob=None, mean=mean, noise_scale=sd_dev.view(view))
+
+    mean = torch.addcmul(x * a.to(device).view(view), v, b.to(device).view(view))
+    if prev_sample is not None:
+        x_next = prev_sample.float()
+    else:
+        if noise is None:
+            noise = torch.randn(sample.shape, generator=generator, dtype=torch.float32, device="cpu")
+        x_next = torch.addcmul(mean, noise.to(device=device, dtype=torch.float32), sd_dev.view(view))
+
+    sq = (x_next.detach() - mean).square().flatten(1).mean(1)
+    if sde_type == "sde":
+        log_prob = -sq / (2 * sd_dev.square()) - torch.log(sd_dev) - _LOG_SQRT_2PI
+    else:  # cps
+        log_prob = -sq
+    return SdeStep(prev_sample=x_next, log_prob=log_prob, mean=mean, noise_scale=sd_dev.view(view))
+
+
+def log_prob_of(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    prev_sample: torch.Tensor,
+    sigma: SigmaLike,
+    sigma_next: SigmaLike,
+    sigma_max: SigmaLike,
+    *,
+    sde_type: str,
+    noise_level: float,
+) -> torch.Tensor:
+    """[B] log-probability of the observed ``prev_sample`` (differentiable w.r.t. ``model_output``).
+
+    Same as ``sde_step(..., prev_sample=prev_sample).log_prob``; raises ``ValueError`` when the step is
+    deterministic (it has no log-probability).
+    """
+    step = sde_step(model_output, sample, sigma, sigma_next, sigma_max, sde_type=sde_type,
+                    noise_level=noise_level, prev_sample=prev_sample)
+    if step.log_prob is None:
+        raise ValueError(f"{sde_type} step from sigma={sigma} to sigma_next={sigma_next} with noise_level="
+                         f"{noise_level} is deterministic and has no log-probability")
+    return step.log_prob

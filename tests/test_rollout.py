@@ -1,0 +1,297 @@
+"""RL rollout on the serving engine: scheduler switch, log-probs vs trainer recompute, weight sync, two experts."""
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+from common.model import ModelInfo
+from common.sde import sde_step
+from common.weights import state_dict_checksum
+from conftest import diffusers_generate
+from denoise_worker import schedulers
+from rl import TrainerPolicy, Trajectory
+from router.client import EngineClient, EngineHTTPError
+
+RECOMPUTE_TOL = 1e-5
+UNIPC = "UniPCMultistepScheduler"
+EULER = "FlowMatchEulerDiscreteScheduler"
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory):
+    return engine_factory("tiny")
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with EngineClient(engine.url) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_dir):
+    return TrainerPolicy(tiny_dir)
+
+
+BASE = dict(prompt="a red kite over the sea", negative_prompt="blurry", seed=3, num_inference_steps=6,
+            guidance_scale=4.0, return_trajectory=True)
+
+
+def _recompute_max_diff(policy, req, sample):
+    traj = Trajectory.from_sample(sample)
+    with torch.no_grad():
+        again = policy.log_probs(
+            traj, sample["log_prob_steps"], req["prompt"], req.get("negative_prompt", ""),
+            req.get("guidance_scale", 5.0), sde_type=req.get("sde_type", "sde"),
+            noise_level=req.get("noise_level", 0.7 if req.get("sde_type", "sde") == "sde" else 0.8),
+        )
+    assert again.shape == sample["log_probs"].shape
+    return (again - sample["log_probs"]).abs().max().item()
+
+
+@pytest.mark.parametrize("over", [{}, {"sde_type": "cps", "noise_level": 0.8, "seed": 8},
+                                  {"guidance_scale": 1.0, "seed": 5}], ids=["sde", "cps", "no-cfg"])
+def test_rollout_log_probs_equal_trainer_recompute(client, policy, over):
+    req = {**BASE, **over}
+    s = client.rollout(**req)["samples"][0]
+    assert s["scheduler"] == EULER
+    assert s["log_prob_steps"].tolist() == list(range(req["num_inference_steps"] - (req.get("sde_type") == "cps")))
+    assert s["log_probs"].dtype == torch.float32 and torch.isfinite(s["log_probs"]).all()
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+
+
+def test_trajectory_facts(client, policy, tiny_dir):
+    """x_0 is the seed's noise, timesteps follow the flow-match convention, and the noise scale is right."""
+    req = {**BASE, "height": 64, "width": 64, "num_frames": 9}
+    s = client.rollout(**req)["samples"][0]
+    traj = Trajectory.from_sample(s)
+    T = req["num_inference_steps"]
+    info = ModelInfo.read(tiny_dir)
+    assert traj.latents.shape == (T + 1, *info.latent_shape(64, 64, 9)[1:])
+    assert traj.timesteps.shape == (T,) and traj.sigmas.shape == (T + 1,)
+    noise = torch.randn(info.latent_shape(64, 64, 9), generator=torch.Generator("cpu").manual_seed(req["seed"]))
+    assert torch.equal(traj.latents[0], noise[0])
+    assert torch.allclose(traj.timesteps.double(), traj.sigmas[:-1].double() * 1000, atol=1e-3)
+    assert torch.equal(s["output"], traj.latents[-1])
+    cond, uncond = policy.embeddings(req["prompt"], req["negative_prompt"], req["guidance_scale"])
+    z = []
+    with torch.no_grad():
+        for i in range(T - 1):  # the last step lands on sigma 0 where the noise is tiny; skip it
+            x = traj.latents[i : i + 1]
+            v = policy.velocity(x, traj.timesteps[i], cond, uncond, req["guidance_scale"])
+            st = sde_step(v, x, traj.sigmas[i], traj.sigmas[i + 1], traj.sigmas[1], noise_level=0.7,
+                          prev_sample=traj.latents[i + 1 : i + 2])
+            z.append(((traj.latents[i + 1 : i + 2] - st.mean) / st.noise_scale).flatten())
+    z = torch.cat(z)
+    assert abs(z.std().item() - 1.0) < 0.05 and abs(z.mean().item()) < 0.05
+
+
+def test_sde_window_and_ode_steps(client, policy):
+    req = {**BASE, "sde_step_indices": [1, 3], "seed": 12}
+    s = client.rollout(**req)["samples"][0]
+    assert s["log_prob_steps"].tolist() == [1, 3] and s["log_probs"].shape == (2,)
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+    traj = Trajectory.from_sample(s)
+    cond, uncond = policy.embeddings(req["prompt"], req["negative_prompt"], req["guidance_scale"])
+    with torch.no_grad():
+        for i in (0, 2, 4, 5):  # outside the window: deterministic Euler steps
+            x = traj.latents[i : i + 1]
+            v = policy.velocity(x, traj.timesteps[i], cond, uncond, req["guidance_scale"]).float()
+            euler = x + (traj.sigmas[i + 1] - traj.sigmas[i]) * v
+            assert (euler - traj.latents[i + 1 : i + 2]).abs().max().item() <= 1e-5
+    ode = client.rollout(**{**req, "sde_type": "ode", "sde_step_indices": None})["samples"][0]
+    assert ode["log_probs"].numel() == 0 and ode["scheduler"] == EULER
+    again = client.rollout(**{**req, "sde_type": "ode", "sde_step_indices": None, "seed": 99})["samples"][0]
+    assert not torch.equal(ode["output"], again["output"])  # the seed still sets the initial noise
+
+
+def test_same_request_same_trajectory(client):
+    a = client.rollout(**BASE)["samples"][0]
+    b = client.rollout(**BASE)["samples"][0]
+    c = client.rollout(**{**BASE, "seed": BASE["seed"] + 1})["samples"][0]
+    assert torch.equal(a["trajectory"]["latents"], b["trajectory"]["latents"])
+    assert torch.equal(a["log_probs"], b["log_probs"])
+    assert not torch.equal(a["log_probs"], c["log_probs"])
+
+
+def test_rollout_false_is_generate(client):
+    req = dict(prompt="a lighthouse", seed=4, num_inference_steps=5, guidance_scale=5.0)
+    g = client.generate(**req, output_type="latent")["samples"][0]
+    r = client.rollout(**req, rollout=False)["samples"][0]
+    assert r["scheduler"] == UNIPC and "log_probs" not in r
+    assert torch.equal(g["output"], r["output"])
+    frames = client.rollout(**req, rollout=False, output_type="frames")["samples"][0]["output"]
+    assert torch.equal(frames, client.generate(**req)["samples"][0]["output"])
+
+
+def test_mixed_concurrent_requests_equal_solo_runs(client):
+    reqs = []
+    for i in range(8):
+        rollout = i % 2 == 0
+        reqs.append(dict(prompt=f"scene {i}", seed=40 + i, num_inference_steps=3 + i % 4, rollout=rollout,
+                         guidance_scale=1.0 if i % 3 == 0 else 5.0, return_trajectory=rollout,
+                         sde_type="cps" if i % 4 == 2 else "sde", noise_level=0.8 if i % 4 == 2 else 0.7,
+                         height=32 if i < 4 else 48))
+    solo = [client.rollout(**r)["samples"][0] for r in reqs]
+    with ThreadPoolExecutor(8) as pool:
+        mixed = list(pool.map(lambda r: client.rollout(**r)["samples"][0], reqs))
+    for r, a, b in zip(reqs, solo, mixed):
+        assert b["scheduler"] == (EULER if r["rollout"] else UNIPC)
+        assert torch.equal(a["output"], b["output"])
+        if r["rollout"]:
+            assert torch.equal(a["log_probs"], b["log_probs"])
+
+
+def test_rollout_frames_carry_log_probs(client, policy):
+    req = {**BASE, "output_type": "frames", "seed": 21}
+    s = client.rollout(**req)["samples"][0]
+    assert s["output"].shape == (5, 32, 32, 3) and s["log_probs"].shape == (6,)
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+
+
+def test_convention_check_rejects_mismatch_and_logs_once(caplog):
+    template = schedulers.rollout_template_for(schedulers.load_serving_template(ModelInfo.read(
+        __import__("common.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny")).path))
+    bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
+    bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
+    with pytest.raises(schedulers.ConventionError, match="flow-match convention"):
+        schedulers.check_flow_match_convention(bad)
+    schedulers._convention_logged = False
+    with caplog.at_level(logging.INFO, logger="disagg.denoise"):
+        for steps in (3, 5, 8):
+            good = FlowMatchEulerDiscreteScheduler.from_config(template.config)
+            good.set_timesteps(steps)
+            schedulers.check_flow_match_convention(good)
+    assert sum("satisfies" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_convention_logged_once_per_worker_process(client, engine):
+    for seed in range(3):
+        client.rollout(**{**BASE, "seed": seed, "return_trajectory": False})
+    assert engine.log_text().count("satisfies timesteps == sigmas[:-1]") == 1
+
+
+def test_validation_of_rollout_fields(client):
+    bad = [({"sde_type": "brownian"}, "sde_type"), ({"noise_level": -0.1}, "noise_level"),
+           ({"sde_step_indices": [0, 6]}, "sde_step_indices"), ({"sde_step_indices": [1, 1]}, "sde_step_indices"),
+           ({"return_trajectory": "yes"}, "return_trajectory")]
+    for over, field in bad:
+        with pytest.raises(EngineHTTPError) as e:
+            client.rollout(**{**BASE, **over})
+        assert e.value.status == 400 and e.value.error["field"] == field
+
+
+# --- weight sync ---------------------------------------------------------------------------
+
+
+def _perturbed_transformer(model_dir, subdir, scale, seed):
+    model = WanTransformer3DModel.from_pretrained(model_dir / subdir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.abs().mean() + 1e-3))
+    return model
+
+
+def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, tmp_path):
+    before = client.rollout(**BASE)
+    v0 = before["weight_version"]
+    sum0 = client.weights_checksum()["sha256"]
+    new = _perturbed_transformer(tiny_dir, "transformer", 0.5, 1)
+    new.save_pretrained(tmp_path / "new")
+    res = client.update_weights_from_disk(tmp_path / "new")
+    assert res["weight_version"] == v0 + 1 and res["sha256"] == state_dict_checksum(new)
+    ck = client.weights_checksum()
+    assert ck["sha256"] == state_dict_checksum(new) != sum0 and ck["weight_version"] == v0 + 1
+    after = client.rollout(**BASE)
+    assert after["weight_version"] == v0 + 1 and after["samples"][0]["weight_version"] == v0 + 1
+    assert not torch.equal(before["samples"][0]["output"], after["samples"][0]["output"])
+    # A single safetensors file works too, and a bad update changes nothing.
+    from common.weights import save_weights
+
+    orig = WanTransformer3DModel.from_pretrained(tiny_dir / "transformer")
+    save_weights(orig, tmp_path / "orig.safetensors")
+    wrong = WanTransformer3DModel.from_pretrained(alt_dir / "transformer")
+    wrong.save_pretrained(tmp_path / "wrong")
+    (tmp_path / "notes.txt").write_text("not weights")
+    for path in (tmp_path / "missing", tmp_path / "wrong", tmp_path / "notes.txt"):
+        with pytest.raises(EngineHTTPError) as e:
+            client.update_weights_from_disk(path)
+        assert e.value.status == 400
+    assert client.weights_checksum()["sha256"] == state_dict_checksum(new)
+    res = client.update_weights_from_disk(tmp_path / "orig.safetensors")
+    assert res["weight_version"] == v0 + 2 and res["sha256"] == sum0
+    restored = client.rollout(**BASE)
+    assert torch.equal(restored["samples"][0]["output"], before["samples"][0]["output"])
+
+
+def test_update_of_missing_expert_is_refused(client):
+    with pytest.raises(EngineHTTPError) as e:
+        client.update_weights_from_disk("/nonexistent", module="transformer_2")
+    assert e.value.status == 400 and e.value.error["field"] == "module"
+
+
+# --- two experts -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe(engine_factory):
+    from common.tiny_model import ensure_tiny_model
+
+    d = ensure_tiny_model("tiny-moe")
+    eng = engine_factory("tiny-moe")
+    with EngineClient(eng.url) as c:
+        yield d, c
+
+
+@pytest.mark.parametrize("over", [{}, {"guidance_scale_2": 2.0, "seed": 6}, {"guidance_scale": 1.0, "seed": 2}])
+def test_two_experts_match_diffusers(moe, over):
+    d, c = moe
+    info = ModelInfo.read(d)
+    assert info.boundary_ratio is not None and info.has_transformer_2
+    req = dict(prompt="a fox at dawn", negative_prompt="", seed=1, height=32, width=32, num_frames=5,
+               num_inference_steps=info.defaults["num_inference_steps"], guidance_scale=5.0)
+    req.update(over)
+    got = c.generate(**req)["samples"][0]["output"]
+    ref = diffusers_generate(d, **req)
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_two_expert_rollout_recompute_and_separate_sync(moe, tmp_path):
+    d, c = moe
+    policy = TrainerPolicy(d)
+    req = {**BASE, "num_inference_steps": 6, "guidance_scale_2": 3.0}
+    s = c.rollout(**req)["samples"][0]
+    traj = Trajectory.from_sample(s)
+    with torch.no_grad():
+        again = policy.log_probs(traj, s["log_prob_steps"], req["prompt"], req["negative_prompt"],
+                                 req["guidance_scale"], req["guidance_scale_2"])
+    assert (again - s["log_probs"]).abs().max().item() <= RECOMPUTE_TOL
+    t1, t2 = c.weights_checksum("transformer")["sha256"], c.weights_checksum("transformer_2")["sha256"]
+    assert t1 == state_dict_checksum(policy.experts["transformer"]) and t1 != t2
+    new2 = _perturbed_transformer(d, "transformer_2", 0.5, 3)
+    new2.save_pretrained(tmp_path / "t2")
+    c.update_weights_from_disk(tmp_path / "t2", module="transformer_2")
+    assert c.weights_checksum("transformer")["sha256"] == t1
+    assert c.weights_checksum("transformer_2")["sha256"] == state_dict_checksum(new2)
+
+
+# --- a configuration other than the default ----------------------------------------------
+
+
+def test_other_configuration_rollout_recompute(engine_factory, alt_dir):
+    eng = engine_factory("tiny-alt")
+    policy = TrainerPolicy(alt_dir)
+    with EngineClient(eng.url) as c:
+        for over in ({}, {"sde_type": "cps", "noise_level": 0.8}):
+            req = {**BASE, **over, "height": 32, "width": 48, "num_frames": 9}
+            s = c.rollout(**req)["samples"][0]
+            assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+            traj = Trajectory.from_sample(s)
+            assert torch.allclose(traj.timesteps.double(), traj.sigmas[:-1].double() * 1000, atol=1e-3)
+            ref = FlowMatchEulerDiscreteScheduler(shift=5.0)  # tiny-alt's flow_shift
+            ref.set_timesteps(req["num_inference_steps"])
+            assert torch.allclose(traj.sigmas, ref.sigmas.float())
