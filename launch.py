@@ -106,8 +106,9 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
         except Exception:
             time.sleep(0.25)
     else:
-        log.error("workers not ready within %.0fs; stopping", timeout_s)
-        server.should_exit = True
+        if not supervisor.stopping.is_set():
+            log.error("workers not ready within %.0fs; stopping", timeout_s)
+            server.should_exit = True
         return
     rows = [("ROLE", "IDX", "DEVICE", "PID", "ENDPOINT", "STATE")]
     rows += [(w["role"], str(w["index"]), w["device"], str(w["pid"]), w["endpoint"], w["state"]) for w in body["workers"]]

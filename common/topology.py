@@ -37,6 +37,8 @@ def _parse_compact(spec: str) -> list[dict]:
         role, count = m.group(1), int(m.group(2))
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} in topology (expected one of {ROLES})")
+        if role in counts:
+            raise ValueError(f"role {role!r} appears twice in the topology")
         if count < 1 or count > 64:
             raise ValueError(f"{role}={count}: count must be within 1..64")
         counts[role] = count

@@ -14,19 +14,17 @@ log-probs for a fixed request now equal the trainer's new policy's.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.engine_process import EngineProcess  # noqa: E402
 from rl import TrainerPolicy, Trajectory, save_weights, state_dict_checksum  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
@@ -36,25 +34,6 @@ PROMPTS = ["a fox at dawn", "a red kite over the sea", "two cats on a sofa", "a 
 def toy_reward(latents: torch.Tensor) -> float:
     """Brightness-like score: the mean of the first latent channel (the policy learns to raise it)."""
     return latents[0].mean().item()
-
-
-def launch_engine() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.terminate()
-    raise SystemExit("engine did not become ready")
 
 
 def main() -> None:
@@ -67,13 +46,18 @@ def main() -> None:
     ap.add_argument("--window", type=int, nargs="+", default=[1, 2], help="SDE step indices")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--inner-steps", type=int, default=2, help="policy updates per batch of rollouts")
     ap.add_argument("--guidance", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    proc = None
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    engine = None
     if args.launch:
-        proc, args.url = launch_engine()
+        engine = EngineProcess("tiny")
+        args.url = engine.url
     client = EngineClient(args.url)
     try:
         model_dir = client.health()["model"]
@@ -97,21 +81,21 @@ def main() -> None:
                 adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
                 for s, a, r in zip(out["samples"], adv, rewards):
                     batch.append((prompt, s, a.item(), r.item()))
-            # 2. Clipped policy step on the trainer's copy.
-            optim.zero_grad()
-            losses, ratios, clipped = [], [], 0
-            for prompt, s, adv, _ in batch:
-                new_lp = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], prompt, "", args.guidance,
-                                          noise_level=0.7, embeddings=embeds[prompt])
-                ratio = torch.exp(new_lp - s["log_probs"])
-                unclipped = ratio * adv
-                clipped_obj = torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv
-                loss = -torch.minimum(unclipped, clipped_obj).mean() / len(batch)
-                loss.backward()
-                losses.append(loss.item() * len(batch))
-                ratios.append(ratio.detach())
-                clipped += int(((ratio - 1).abs() > args.clip).sum())
-            optim.step()
+            # 2. Clipped policy steps on the trainer's copy (the first is on-policy: ratio 1).
+            for _ in range(args.inner_steps):
+                optim.zero_grad()
+                losses, ratios, clipped = [], [], 0
+                for prompt, s, adv, _ in batch:
+                    new_lp = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], prompt, "",
+                                              args.guidance, noise_level=0.7, embeddings=embeds[prompt])
+                    ratio = torch.exp(new_lp - s["log_probs"])
+                    clipped_obj = torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv
+                    loss = -torch.minimum(ratio * adv, clipped_obj).mean() / len(batch)
+                    loss.backward()
+                    losses.append(loss.item() * len(batch))
+                    ratios.append(ratio.detach())
+                    clipped += int(((ratio - 1).abs() > args.clip).sum())
+                optim.step()
             # 3. Save, push, verify.
             path = work / f"iter{it}.safetensors"
             save_weights(policy.transformer, path)
@@ -133,9 +117,8 @@ def main() -> None:
                 raise SystemExit("engine and trainer disagree after the weight sync")
     finally:
         client.close()
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        if engine is not None:
+            engine.stop()
 
 
 if __name__ == "__main__":

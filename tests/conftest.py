@@ -2,81 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.engine_process import EngineProcess  # noqa: E402
 from common.tiny_model import ensure_tiny_model  # noqa: E402
 
-READY_TIMEOUT_S = 300
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Engine:
-    """One running topology: ``python launch.py ...`` plus its workers."""
+class Engine(EngineProcess):
+    """One running topology for a test module, in a pytest temp directory."""
 
     def __init__(self, tmp: Path, model: str, topology: str, extra: list[str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "engine.log"
-        self.runtime = tmp / "rt"
-        cmd = [sys.executable, str(ROOT / "launch.py"), "--model", model, "--topology", topology,
-               "--port", str(self.port), "--runtime-dir", str(self.runtime), *(extra or [])]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=300)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited early:\n{self.log()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"engine not ready in {READY_TIMEOUT_S}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_text()[-5000:]
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def worker_pids(self) -> list[int]:
-        return [w["pid"] for w in self.http.get("/health").json()["workers"] if w["pid"]]
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().__init__(model, topology, extra, workdir=tmp)
 
 
 @pytest.fixture(scope="session")

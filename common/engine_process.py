@@ -1,0 +1,86 @@
+"""Run a whole engine (``launch.py`` and its workers) as a child process.
+
+Used by the tests, the benchmarks and the examples: start a topology on a free
+loopback port, wait until ``/health`` says every worker is ready, stop it and
+everything it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    def __init__(self, model: str = "tiny", topology: str = "encoder=1,denoise=1,decode=1",
+                 extra: list[str] | None = None, workdir: str | Path | None = None, ready_timeout_s: float = 300):
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="disagg-engine-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.workdir / "engine.log"
+        self.runtime = self.workdir / "rt"
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--model", model, "--topology", topology,
+               "--port", str(self.port), "--runtime-dir", str(self.runtime), *(extra or [])]
+        self._log = open(self.log_path, "wb")
+        # Own session: a stop can reach every descendant even if the launcher is gone.
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+        self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited early:\n{self.log()}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"engine not ready in {timeout_s}s:\n{self.log()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log(self) -> str:
+        return self.log_text()[-5000:]
+
+    def worker_pids(self) -> list[int]:
+        return [w["pid"] for w in self.http.get("/health").json()["workers"] if w["pid"]]
+
+    def stop(self, timeout_s: float = 30) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+"""The router's HTTP API on a running engine: health, validation, error reporting, response shape, shutdown."""
+
+import base64
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from common.model import ModelInfo
+
+MAX_N = 3  # launched with --max-n 3; every other limit keeps its default
+DEFAULT_LIMITS = dict(max_height=1280, max_width=1280, max_num_frames=129, max_steps=1000, max_prompt_chars=4096)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory):
+    return engine_factory("tiny", extra=["--max-n", str(MAX_N)])
+
+
+def _ppid(pid: int) -> int:
+    # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after the last ')'
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _post(engine, body, **kw):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return engine.http.post("/generate", content=content, headers={"content-type": "application/json"}, **kw)
+
+
+def test_health_lists_live_ready_workers(engine):
+    r = engine.http.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["ok"] is True
+    rows = body["workers"]
+    assert [(w["role"], w["index"]) for w in rows] == [("encoder", 0), ("denoise", 0), ("decode", 0)]
+    pids = [w["pid"] for w in rows]
+    assert len(set(pids)) == 3 and engine.proc.pid not in pids  # three processes, none of them the router
+    for w in rows:
+        assert w["device"] == "cpu"
+        assert isinstance(w["pid"], int) and _alive(w["pid"])
+        assert _ppid(w["pid"]) == engine.proc.pid  # children of the launcher
+        assert w["endpoint"] == f"ipc://{engine.runtime / (w['role'] + '-0.sock')}"
+        assert Path(w["endpoint"][len("ipc://"):]).exists()
+        assert w["socket_type"] == "PULL"
+        assert w["state"] == "ready"
+        assert 0 <= w["seconds_since_heartbeat"] < 5
+
+
+def _text(**fields):
+    return json.dumps({"prompt": "a fox", **fields})
+
+
+BAD_BODIES = [
+    ("height-not-multiple", _text(height=40), "height"),
+    ("height-above-max", _text(height=DEFAULT_LIMITS["max_height"] + 16), "height"),
+    ("height-negative", _text(height=-16), "height"),
+    ("width-zero", _text(width=0), "width"),
+    ("width-above-max", _text(width=DEFAULT_LIMITS["max_width"] + 16), "width"),
+    ("frames-6", _text(num_frames=6), "num_frames"),
+    ("frames-0", _text(num_frames=0), "num_frames"),
+    ("frames-above-max", _text(num_frames=DEFAULT_LIMITS["max_num_frames"] + 4), "num_frames"),
+    ("steps-0", _text(num_inference_steps=0), "num_inference_steps"),
+    ("steps-1001", _text(num_inference_steps=DEFAULT_LIMITS["max_steps"] + 1), "num_inference_steps"),
+    ("guidance-nan", '{"prompt": "a fox", "guidance_scale": NaN}', "guidance_scale"),
+    ("guidance-inf", '{"prompt": "a fox", "guidance_scale": Infinity}', "guidance_scale"),
+    ("guidance-neg-inf", '{"prompt": "a fox", "guidance_scale": -Infinity}', "guidance_scale"),
+    ("guidance-negative", _text(guidance_scale=-1.0), "guidance_scale"),
+    ("seed-negative", _text(seed=-1), "seed"),
+    ("seed-too-big", _text(seed=2**63), "seed"),
+    ("n-0", _text(n=0), "n"),
+    ("n-above-max", _text(n=MAX_N + 1), "n"),
+    ("sigmas-empty", _text(sigmas=[]), "sigmas"),
+    ("sigmas-1.5", _text(sigmas=[1.5, 0.5]), "sigmas"),
+    ("sigmas-negative", _text(sigmas=[0.5, -0.1]), "sigmas"),
+    ("sigmas-nan", '{"prompt": "a fox", "sigmas": [1.0, NaN]}', "sigmas.1"),
+    ("sigmas-too-many", _text(sigmas=[0.5] * (DEFAULT_LIMITS["max_steps"] + 1)), "sigmas"),
+    ("timesteps-above-1000", _text(timesteps=[1000.5, 500.0]), "timesteps"),
+    ("timesteps-empty", _text(timesteps=[]), "timesteps"),
+    ("mu-nan", '{"prompt": "a fox", "mu": NaN}', "mu"),
+    ("mu-huge", _text(mu=1e6), "mu"),
+    ("unknown-field", _text(num_steps=4), "num_steps"),
+    ("missing-prompt", json.dumps({"seed": 1}), "prompt"),
+    ("prompt-int", json.dumps({"prompt": 5}), "prompt"),
+    ("prompt-null", json.dumps({"prompt": None}), "prompt"),
+    ("height-string", _text(height="32"), "height"),
+    ("height-float", _text(height=32.5), "height"),
+    ("height-bool", _text(height=True), "height"),
+    ("seed-float", _text(seed=1.0), "seed"),
+    ("sigmas-not-list", _text(sigmas=0.5), "sigmas"),
+    ("output-type", _text(output_type="gif"), "output_type"),
+    ("body-list", json.dumps([{"prompt": "a fox"}]), "body"),
+    ("body-string", json.dumps("a fox"), "body"),
+    ("body-empty", "", "body"),
+    ("invalid-json", '{"prompt": "a fox",', "body"),
+    ("prompt-too-long", _text(prompt="x" * (DEFAULT_LIMITS["max_prompt_chars"] + 1)), "prompt"),
+    ("negative-prompt-too-long", _text(negative_prompt="x" * (DEFAULT_LIMITS["max_prompt_chars"] + 1)),
+     "negative_prompt"),
+]
+
+
+@pytest.mark.parametrize("text, field", [b[1:] for b in BAD_BODIES], ids=[b[0] for b in BAD_BODIES])
+def test_invalid_requests_are_rejected_by_the_router(engine, text, field):
+    r = _post(engine, text)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert err["type"] == "invalid_request"
+    assert err["field"] == field
+    assert err["stage"] == "router"
+    assert isinstance(err["message"], str) and err["message"].startswith(f"{field}:")
+
+
+def test_prompt_at_the_limit_is_accepted(engine):
+    r = _post(engine, {"prompt": "x" * DEFAULT_LIMITS["max_prompt_chars"], "output_type": "latent",
+                       "num_inference_steps": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_engine_serves_after_invalid_requests(engine):
+    for _, text, _ in BAD_BODIES:
+        assert _post(engine, text).status_code == 400
+    r = _post(engine, {"prompt": "a fox", "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["samples"][0]["output"]["shape"] == [5, 32, 32, 3]
+    # Nothing was left in flight by the rejected requests.
+    assert all(w["outstanding"] == 0 for w in engine.http.get("/health").json()["workers"])
+
+
+def test_worker_failure_names_the_stage_and_engine_keeps_serving(engine, tiny_dir):
+    # The router checks sizes against its limits only. The tiny transformer has few rotary positions
+    # per axis (64: 1024 px at patch 2 x VAE stride 8), so one patch row more is a size the router
+    # accepts and only the denoise worker can refuse (the transformer raises).
+    info = ModelInfo.read(tiny_dir)
+    rope = json.loads((tiny_dir / "transformer" / "config.json").read_text())["rope_max_seq_len"]
+    height = (rope + 1) * info.patch_size[1] * info.vae_scale_spatial
+    assert height <= DEFAULT_LIMITS["max_height"]
+    r = _post(engine, {"prompt": "a fox", "height": height, "width": 16, "num_inference_steps": 1})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["stage"] == "denoise"
+    assert err["type"] == "RuntimeError"
+    assert err["message"]
+    assert isinstance(err["request_id"], str) and len(err["request_id"]) == 32
+    health = engine.http.get("/health")
+    assert health.status_code == 200
+    assert all(w["outstanding"] == 0 and w["state"] == "ready" for w in health.json()["workers"])
+    ok = _post(engine, {"prompt": "a fox", "seed": 4, "output_type": "latent"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["samples"][0]["output"]["shape"] == [16, 2, 4, 4]
+
+
+def _tensor(obj):
+    raw = base64.b64decode(obj["data"])
+    assert obj["dtype"] == "float32"
+    assert len(raw) == 4 * math.prod(obj["shape"])
+    return raw
+
+
+def test_response_structure(engine):
+    r = _post(engine, {"prompt": "a fox at dawn", "seed": 12})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert isinstance(body["request_id"], str) and len(body["request_id"]) == 32
+    int(body["request_id"], 16)
+    assert len(body["samples"]) == 1
+    s = body["samples"][0]
+    assert s["seed"] == 12
+    assert s["route"] == {"encoder": 0, "denoise": 0, "decode": 0}
+    assert s["output"]["shape"] == [5, 32, 32, 3]
+    _tensor(s["output"])
+    t = body["timings"]
+    assert set(t) == {"encode_s", "denoise_s", "decode_s", "total_s"}
+    assert all(isinstance(v, float) and v >= 0 for v in t.values())
+    assert t["encode_s"] > 0 and t["denoise_s"] > 0 and t["decode_s"] > 0
+    # One sample runs the stages one after another inside the router's wall time.
+    assert t["total_s"] >= t["encode_s"] + t["denoise_s"] + t["decode_s"]
+
+
+def test_latent_response_skips_decode(engine):
+    body = _post(engine, {"prompt": "a fox at dawn", "seed": 12, "output_type": "latent"}).json()
+    s = body["samples"][0]
+    assert s["output"]["shape"] == [16, 2, 4, 4]
+    _tensor(s["output"])
+    assert body["timings"]["decode_s"] == 0.0 and body["timings"]["denoise_s"] > 0
+
+
+def test_n_samples_get_their_own_seeds_and_request_ids(engine):
+    body = _post(engine, {"prompt": "a fox", "seed": 7, "n": MAX_N, "output_type": "latent"}).json()
+    assert [s["seed"] for s in body["samples"]] == [7, 8, 9]
+    outs = [base64.b64decode(s["output"]["data"]) for s in body["samples"]]
+    assert len(set(outs)) == MAX_N
+    assert len(body["request_id"]) == 32
+
+
+def test_shutdown_leaves_no_orphans(engine_factory):
+    eng = engine_factory("tiny")
+    pids = eng.worker_pids()
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    launcher = eng.proc.pid
+    t0 = time.monotonic()
+    eng.stop()
+    while time.monotonic() - t0 < 10 and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "worker processes outlived the engine"
+    assert not _alive(launcher)
+    assert eng.proc.returncode == 0
