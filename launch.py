@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,9 +24,12 @@ from pathlib import Path
 import uvicorn
 
 from common.config import DTYPE_CHOICES, EngineConfig, Limits
+from common.supervisor import Supervisor
 from common.tiny_model import SPECS, ensure_tiny_model
-from common.topology import parse_topology
+from common.security import provision_curve, remove_secrets, resolve_weight_roots
+from common.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.app import create_app
+from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
 
 ROOT = Path(__file__).resolve().parent
 log = logging.getLogger("disagg.launch")
@@ -42,6 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--runtime-dir", default=None, help="where ipc sockets and the config go (default: a fresh temp dir)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="ipc",
+                   help="ipc: one host, sockets in the 0700 runtime dir; tcp: tcp://HOST:PORT links, CURVE on")
+    p.add_argument("--no-curve", action="store_true",
+                   help="tcp without CURVE: anyone who reaches a port can inject messages (loopback only, unsafe)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' (visible in ps: prefer ${API_KEY_ENV})")
+    p.add_argument("--admin-key", default=None, metavar="KEY",
+                   help=f"key for weight updates (visible in ps: prefer ${ADMIN_KEY_ENV})")
+    p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
+                   help="weight updates may read only below DIR (repeatable); without one, updates are refused")
     p.add_argument("--max-height", type=int, default=d.max_height)
     p.add_argument("--max-width", type=int, default=d.max_width)
     p.add_argument("--max-num-frames", type=int, default=d.max_num_frames)
@@ -50,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
+    p.add_argument("--max-pending", type=int, default=d.max_pending, help="samples in flight before 429")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--no-restart", action="store_true", help="do not restart workers that die")
     return p.parse_args(argv)
 
 
@@ -57,41 +73,16 @@ def resolve_model(name: str) -> Path:
     return ensure_tiny_model(name) if name in SPECS else Path(name).resolve()
 
 
-class Supervisor:
-    """Starts the worker processes and reports any that exits unexpectedly."""
+class EngineServer(uvicorn.Server):
+    """uvicorn server that stops admission (503) the moment a shutdown signal arrives."""
 
-    def __init__(self, config: EngineConfig, config_path: Path):
-        self.config, self.config_path = config, config_path
-        self.procs: dict[tuple[str, int], subprocess.Popen] = {}
-        self.stopping = threading.Event()
+    def __init__(self, config: uvicorn.Config, dispatcher):
+        super().__init__(config)
+        self.dispatcher = dispatcher
 
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        for w in self.config.workers:
-            cmd = [sys.executable, "-m", f"{w.role}_worker", "--config", str(self.config_path), "--index", str(w.index)]
-            self.procs[(w.role, w.index)] = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
-
-    def _watch(self) -> None:
-        reported = set()
-        while not self.stopping.wait(0.5):
-            for key, proc in self.procs.items():
-                if proc.poll() is not None and key not in reported:
-                    reported.add(key)
-                    log.error("%s worker %d (pid %d) exited with code %s", *key, proc.pid, proc.returncode)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        self.stopping.set()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def handle_exit(self, sig, frame) -> None:
+        self.dispatcher.draining = True
+        super().handle_exit(sig, frame)
 
 
 def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvicorn.Server) -> None:
@@ -120,17 +111,31 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
+    # Before any child starts: the key variables leave the environment the workers inherit.
+    try:
+        api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
+        weight_roots = resolve_weight_roots(args.weight_root)
+    except ValueError as e:
+        sys.exit(f"launch.py: error: {e}")
     model = resolve_model(args.model)
     own_runtime = args.runtime_dir is None
     runtime = Path(args.runtime_dir or tempfile.mkdtemp(prefix="disagg-"))
     runtime.mkdir(parents=True, exist_ok=True)
     os.chmod(runtime, 0o700)  # ipc sockets are files: keep other users out
+    if args.api_key or args.admin_key:
+        log.warning("a key given on the command line is visible to local users in ps; prefer $%s / $%s",
+                    API_KEY_ENV, ADMIN_KEY_ENV)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost"):
+        log.warning("HTTP on %s without an API key: anyone who reaches it can use the engine", args.host)
+    pick_port = port_picker()
     config = EngineConfig(
         model=str(model),
-        workers=parse_topology(args.topology, runtime),
-        router_endpoint=f"ipc://{runtime / 'router.sock'}",
+        workers=parse_topology(args.topology, runtime, args.transport, pick_port),
+        router_endpoint=router_endpoint(runtime, args.transport, pick_port=pick_port),
         runtime_dir=str(runtime),
         dtype=args.dtype,
+        transport=args.transport,
+        weight_roots=weight_roots,
         limits=Limits(
             max_height=args.max_height,
             max_width=args.max_width,
@@ -139,17 +144,29 @@ def main(argv=None) -> int:
             max_n=args.max_n,
             max_prompt_chars=args.max_prompt_chars,
             request_timeout_s=args.request_timeout,
+            max_pending=args.max_pending,
+            max_body_bytes=args.max_body_bytes,
         ),
     )
+    if args.transport == "tcp" and not args.no_curve:
+        config = provision_curve(config)  # public keys into the config, secret keys into 0600 files
+    elif args.transport == "tcp":
+        log.warning("--no-curve: the tcp links are neither authenticated nor encrypted; loopback only")
     config_path = runtime / "engine.json"
     config.save(config_path)
-    supervisor = Supervisor(config, config_path)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="warning"))
+    app = create_app(config, api_key=api_key, admin_key=admin_key)
+    dispatcher = app.state.dispatcher
+    supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit)
+    server = EngineServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                       timeout_graceful_shutdown=args.grace_period),
+        dispatcher,
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down; with
     # these handlers in place that lands here instead of killing the process
     # before the workers are stopped below.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+        signal.signal(sig, lambda signum, frame: server.handle_exit(signum, frame))
     supervisor.start()
     url = f"http://{args.host}:{args.port}"
     threading.Thread(target=_wait_ready, args=(url, args.ready_timeout, supervisor, server), daemon=True).start()
@@ -157,6 +174,7 @@ def main(argv=None) -> int:
         server.run()
     finally:
         supervisor.stop()
+        remove_secrets(config)
         if own_runtime:
             shutil.rmtree(runtime, ignore_errors=True)
     return 0

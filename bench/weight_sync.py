@@ -34,8 +34,9 @@ def bench_model(name: str, repeats: int, denoise: int) -> dict:
     trainer = WanTransformer3DModel.from_pretrained(model_dir / "transformer")
     params = sum(p.numel() for p in trainer.parameters())
     rows = {"save_s": [], "update_s": [], "checksum_s": [], "trainer_checksum_s": []}
-    work = Path(tempfile.mkdtemp(prefix="wsync-"))
-    with EngineProcess(name, f"encoder=1,denoise={denoise},decode=1") as eng, EngineClient(eng.url) as c:
+    work = Path(tempfile.mkdtemp(prefix="wsync-"))  # the engine may read weights only below it
+    with EngineProcess(name, f"encoder=1,denoise={denoise},decode=1", extra=["--weight-root", str(work)]) as eng, \
+            EngineClient(eng.url) as c:
         for i in range(repeats):
             with torch.no_grad():
                 for p in trainer.parameters():

@@ -24,6 +24,7 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"
     endpoint: str = ""
     threads: int = 0  # 0: share the machine's cores evenly between co-located workers
+    host: str = "127.0.0.1"  # the address a tcp endpoint binds to and others connect to (ipc: unused)
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,6 +37,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_n: int = 16
     max_prompt_chars: int = 4096
     request_timeout_s: float = 600.0
+    max_pending: int = 256  # samples in flight before the router answers 429
+    max_body_bytes: int = 1 << 20
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -47,8 +50,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     limits: Limits = msgspec.field(default_factory=Limits)
-    # Weight updates may only read below these directories (empty: anywhere).
+    # Weight updates may only read below these directories; empty: weight updates are refused.
     weight_roots: list[str] = []
+    transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
+    # CURVE (tcp only; empty: off). Public keys of every process ("router", "encoder-0", ...) and the
+    # path of each process's secret key file (mode 0600, in the runtime dir). Never the secret keys.
+    curve_public: dict[str, str] = {}
+    curve_secret_files: dict[str, str] = {}
 
     def worker(self, role: str, index: int) -> WorkerSpec:
         for w in self.workers:

@@ -29,7 +29,9 @@ def free_port() -> int:
 
 class EngineProcess:
     def __init__(self, model: str = "tiny", topology: str = "encoder=1,denoise=1,decode=1",
-                 extra: list[str] | None = None, workdir: str | Path | None = None, ready_timeout_s: float = 300):
+                 extra: list[str] | None = None, workdir: str | Path | None = None, ready_timeout_s: float = 300,
+                 env: dict[str, str] | None = None):
+        """``env``: variables added to the launcher's environment (e.g. ``DISAGG_API_KEY``)."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="disagg-engine-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -41,7 +43,7 @@ class EngineProcess:
         self._log = open(self.log_path, "wb")
         # Own session: a stop can reach every descendant even if the launcher is gone.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **(env or {})})
         self.http = httpx.Client(base_url=self.url, timeout=600)
         self._wait_ready(ready_timeout_s)
 

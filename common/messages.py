@@ -77,6 +77,9 @@ class GenerationParams(_Strict):
     timesteps: list[float] | None = None
     mu: float | None = None
     rollout: RolloutParams | None = None
+    # Absolute deadline (seconds since the epoch): past it, workers drop the request
+    # instead of spending compute on an answer nobody waits for any more.
+    deadline: float | None = None
 
 
 class _Header(_Strict, tag_field="kind", kw_only=True):
@@ -141,6 +144,13 @@ class ControlReply(_Header, tag="control_reply", kw_only=True):
     data: dict[str, str | int | float | None] = {}
 
 
+class Progress(_Header, tag="progress", kw_only=True):
+    """A stage finished with a request and handed it on; lets the router tell,
+    when a worker dies, which in-flight requests died with it."""
+
+    stage: str
+
+
 class ErrorReply(_Header, tag="error", kw_only=True):
     """A request failed in ``stage``; ``status`` is the HTTP status to answer with."""
 
@@ -162,6 +172,14 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
 
 
 Message = Union[
-    EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, ControlRequest, ControlReply
+    EncodeRequest,
+    DenoiseRequest,
+    DecodeRequest,
+    Result,
+    ErrorReply,
+    Heartbeat,
+    ControlRequest,
+    ControlReply,
+    Progress,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

@@ -5,13 +5,21 @@ Two forms:
 * compact: ``encoder=1,denoise=2,decode=1``; devices round-robin over the
   visible GPUs, CPU when there are none;
 * a YAML or JSON file: ``{"workers": [{"role": "denoise", "device": "cuda:1",
-  "threads": 4}, ...]}`` (or a bare list of such entries).
+  "threads": 4, "host": "10.0.0.2"}, ...]}`` (or a bare list of such entries).
+
+Endpoints depend on the transport: ``ipc://<runtime>/<role>-<index>.sock``
+(the default; one host), or ``tcp://<host>:<free port>`` where ``host`` is the
+worker's ``host`` key (default 127.0.0.1): the address its input socket binds
+to and the others connect to.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +29,9 @@ from common.messages import ROLES
 
 _COMPACT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+TRANSPORTS = ("ipc", "tcp")
+LOOPBACK = "127.0.0.1"
 
 
 def _visible_devices() -> list[str]:
@@ -69,18 +80,103 @@ def _parse_file(path: Path) -> list[dict]:
     return data
 
 
-def parse_topology(spec: str, runtime_dir: str | Path) -> list[WorkerSpec]:
-    """Worker specs with indices per role and ``ipc://`` endpoints in ``runtime_dir``."""
+def free_tcp_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that nothing listens on right now (the OS picks it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as e:
+        raise ValueError(f"cannot bind a port on host {host!r} (is it an address of this machine?): {e}") from None
+
+
+def port_picker() -> Callable[[str], int]:
+    """``free_tcp_port`` that never hands out the same (host, port) twice: share one per engine."""
+    given: set[tuple[str, int]] = set()
+
+    def pick(host: str) -> int:
+        for _ in range(100):
+            port = free_tcp_port(host)
+            if (host, port) not in given:
+                given.add((host, port))
+                return port
+        raise ValueError(f"could not find a free port on {host!r}")
+
+    return pick
+
+
+def check_host(host: object) -> str:
+    """An IPv4 address or host name that other processes can connect to (not a wildcard)."""
+    if not isinstance(host, str) or not host:
+        raise ValueError("host must be a non-empty string")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
+            raise ValueError(f"bad host {host!r} (an IPv4 address or a host name)") from None
+        return host
+    if addr.version != 4:
+        raise ValueError(f"bad host {host!r}: only IPv4 addresses are supported")
+    if addr.is_unspecified:
+        raise ValueError(f"bad host {host!r}: name the address others connect to, not a wildcard")
+    return host
+
+
+def _ipv4(host: str) -> str:
+    """The IPv4 address of ``host`` (zmq binds to addresses, not names)."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def router_endpoint(runtime_dir: str | Path, transport: str = "ipc", host: str = LOOPBACK,
+                    pick_port: Callable[[str], int] | None = None) -> str:
+    """Where the router's PULL socket binds."""
+    if transport == "ipc":
+        return f"ipc://{Path(runtime_dir) / 'router.sock'}"
+    if transport == "tcp":
+        addr = _ipv4(check_host(host))
+        return f"tcp://{addr}:{(pick_port or free_tcp_port)(addr)}"
+    raise ValueError(f"unknown transport {transport!r} (expected one of {TRANSPORTS})")
+
+
+def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
+                   pick_port: Callable[[str], int] | None = None) -> list[WorkerSpec]:
+    """Worker specs with indices per role and their input endpoints.
+
+    ``ipc``: ``ipc://`` sockets in ``runtime_dir`` (every worker on this host);
+    ``tcp``: ``tcp://<host>:<port>``, the port from ``pick_port(host)`` (default: a fresh
+    :func:`port_picker`; pass the one that picked the router's port so none repeats).
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r} (expected one of {TRANSPORTS})")
     path = Path(spec)
     entries = _parse_file(path) if path.suffix in (".yaml", ".yml", ".json") else _parse_compact(spec)
     workers: list[WorkerSpec] = []
     next_index = {r: 0 for r in ROLES}
+    pick_port = pick_port or port_picker()
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or e.get("role") not in ROLES:
             raise ValueError(f"worker #{i}: needs a role among {ROLES}")
-        unknown = set(e) - {"role", "device", "threads"}
+        unknown = set(e) - {"role", "device", "threads", "host"}
         if unknown:
             raise ValueError(f"worker #{i}: unknown keys {sorted(unknown)}")
+        try:
+            host = check_host(e.get("host", LOOPBACK))
+        except ValueError as err:
+            raise ValueError(f"worker #{i}: {err}") from None
+        if transport == "ipc" and not _is_loopback(host):
+            raise ValueError(f"worker #{i}: host {host!r} needs --transport tcp (ipc sockets are local files)")
         device = str(e.get("device", "cpu"))
         if not _DEVICE.match(device):
             raise ValueError(f"worker #{i}: bad device {device!r} (cpu, cuda or cuda:N)")
@@ -90,7 +186,15 @@ def parse_topology(spec: str, runtime_dir: str | Path) -> list[WorkerSpec]:
         role = e["role"]
         idx = next_index[role]
         next_index[role] += 1
-        endpoint = f"ipc://{Path(runtime_dir) / f'{role}-{idx}.sock'}"
-        workers.append(WorkerSpec(role=role, index=idx, device=device, endpoint=endpoint, threads=threads))
+        if transport == "ipc":
+            endpoint = f"ipc://{Path(runtime_dir) / f'{role}-{idx}.sock'}"
+        else:
+            addr = _ipv4(host)
+            endpoint = f"tcp://{addr}:{pick_port(addr)}"
+        workers.append(WorkerSpec(role=role, index=idx, device=device, endpoint=endpoint, threads=threads,
+                                  host=host))
     validate_workers(workers)
+    endpoints = [w.endpoint for w in workers]
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError("two workers got the same endpoint")
     return workers

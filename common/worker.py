@@ -31,7 +31,9 @@ from common.messages import (
     ErrorReply,
     Heartbeat,
     Message,
+    Progress,
 )
+from common.security import Security, bind_pull, connect_push, process_name
 from common.wire import WireError, decode, encode
 
 log = logging.getLogger("disagg.worker")
@@ -43,6 +45,17 @@ class RequestError(ValueError):
     """The request itself is wrong (answered with HTTP 400), not the engine."""
 
     status = 400
+
+
+class DeadlineExceeded(RuntimeError):
+    """The request's deadline passed; the router has answered it with 504 already."""
+
+    status = 504
+
+
+def check_deadline(params) -> None:
+    if params.deadline is not None and time.time() > params.deadline:
+        raise DeadlineExceeded("request deadline passed")
 
 
 @dataclass
@@ -82,6 +95,7 @@ class WorkerRuntime:
         self.config = stage.config
         self.spec = stage.spec
         self.ctx = zmq.Context.instance()
+        self.security = Security.load(self.config, process_name(self.spec.role, self.spec.index))
         self.state = "loading"
         self.busy = 0
         self._stop = threading.Event()
@@ -92,9 +106,7 @@ class WorkerRuntime:
     def _push_socket(self, endpoint: str) -> zmq.Socket:
         sock = self._push.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(endpoint)
+            sock = connect_push(self.ctx, endpoint, self.security, linger=2000)
             self._push[endpoint] = sock
         return sock
 
@@ -121,10 +133,8 @@ class WorkerRuntime:
 
     # --- heartbeats --------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless; never queue many
-        sock.connect(self.config.router_endpoint)
+        # sndhwm: stale heartbeats are worthless; never queue many
+        sock = connect_push(self.ctx, self.config.router_endpoint, self.security, linger=0, sndhwm=4)
         try:
             while not self._stop.is_set():
                 hb = Heartbeat(
@@ -171,8 +181,14 @@ class WorkerRuntime:
             return
         self.busy += 1
         try:
+            check_deadline(msg.params)
             fwd = self.stage.process(msg, tensors)
             self.send(fwd)
+            if fwd.to != "router":
+                done = Progress(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.stage.role)
+                self.send(Forward("router", done))
+        except DeadlineExceeded:
+            log.info("request %s dropped in %s: deadline passed", msg.request_id, self.stage.role)
         except Exception as e:  # any failure answers this request; the worker lives on
             log.exception("request %s failed in %s", msg.request_id, self.stage.role)
             self.reply_error(msg.request_id, e)
@@ -192,9 +208,7 @@ class WorkerRuntime:
         self.send(Forward("router", reply))
 
     def run(self) -> None:
-        pull = self.ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.bind(self.spec.endpoint)
+        pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         t0 = time.perf_counter()
@@ -213,6 +227,7 @@ class WorkerRuntime:
             pull.close()
             for s in self._push.values():
                 s.close()
+            self.security.close()
 
 
 def main(stage_cls: type[Stage]) -> None:

@@ -11,9 +11,13 @@ from common.guidance import expert_for_timestep, guided_velocity, pad_embeddings
 from common.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
 from common.model import ModelInfo
 from common.weights import WeightsError, load_into, read_weights, state_dict_checksum
-from common.worker import Forward, RequestError, Stage
+from common.worker import Forward, RequestError, Stage, check_deadline
 from denoise_worker import schedulers
 from denoise_worker.task import DenoiseTask
+
+
+class UpdatesDisabled(RequestError):
+    status = 403
 
 
 class DenoiseStage(Stage):
@@ -59,6 +63,7 @@ class DenoiseStage(Stage):
     @torch.no_grad()
     def run(self, task: DenoiseTask) -> None:
         while not task.done:
+            check_deadline(task.params)  # stop spending steps on a request already answered
             t = task.timestep
             model, scale = self.expert_for(t, task)
             task.advance(guided_velocity(model, task.latents, t, task.cond, task.uncond, scale))
@@ -87,7 +92,9 @@ class DenoiseStage(Stage):
         if msg.op == "update_weights":
             if not msg.path:
                 raise RequestError("path: required")
-            roots = self.config.weight_roots or None
+            if not self.config.weight_roots:  # the router refuses first; never read from anywhere
+                raise UpdatesDisabled("weight updates are disabled: start the engine with --weight-root DIR")
+            roots = self.config.weight_roots
             try:
                 t0 = time.perf_counter()
                 load_into(module, read_weights(msg.path, allowed_roots=roots))

@@ -1,7 +1,11 @@
 """A complete Flow-GRPO-style loop against a running engine, on the tiny model.
 
     python examples/grpo_tiny.py --launch            # starts its own engine on a free port
-    python examples/grpo_tiny.py --url http://127.0.0.1:8000
+    python examples/grpo_tiny.py --url http://127.0.0.1:8000 --work-dir DIR
+
+With ``--url``, the engine must have been started with ``--weight-root DIR`` (weight
+updates are refused otherwise) and DIR given here as ``--work-dir``; a key in
+``DISAGG_ADMIN_KEY`` (else ``DISAGG_API_KEY``) is sent as the bearer token.
 
 Each iteration: groups of n rollouts per prompt (SDE on a window of steps, with
 log-probs and trajectories), a toy reward from the outputs, group-normalised
@@ -14,6 +18,7 @@ log-probs for a fixed request now equal the trainer's new policy's.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -40,6 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--launch", action="store_true", help="start an engine for the run")
+    ap.add_argument("--work-dir", default=None,
+                    help="where the trainer saves weights: the engine's --weight-root (default: a fresh temp dir)")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="rollouts per prompt")
     ap.add_argument("--steps", type=int, default=6)
@@ -54,16 +61,18 @@ def main() -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    # The engine reads pushed weights only below its --weight-root: the trainer saves there.
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="grpo-tiny-"))
+    work.mkdir(parents=True, exist_ok=True)
     engine = None
     if args.launch:
-        engine = EngineProcess("tiny")
+        engine = EngineProcess("tiny", extra=["--weight-root", str(work)])
         args.url = engine.url
-    client = EngineClient(args.url)
+    client = EngineClient(args.url, api_key=os.environ.get("DISAGG_ADMIN_KEY") or os.environ.get("DISAGG_API_KEY"))
     try:
         model_dir = client.health()["model"]
         policy = TrainerPolicy(model_dir)
         optim = torch.optim.Adam(policy.transformer.parameters(), lr=args.lr)
-        work = Path(tempfile.mkdtemp(prefix="grpo-tiny-"))
         rollout_kw = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, sde_step_indices=args.window,
                           return_trajectory=True, noise_level=0.7)
         embeds = {p: policy.embeddings(p, "", args.guidance) for p in PROMPTS}

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from common.config import EngineConfig
 from common.http_tensors import tensor_to_body
 from common.model import ModelInfo
+from router.auth import ApiKeyMiddleware
 from router.dispatcher import Dispatcher, EngineError
 from router.schemas import FieldError, GenerateBody, RolloutBody, UpdateWeightsBody, to_params
 
@@ -42,8 +43,26 @@ def _encode(payload: dict, request: Request) -> Response:
     return Response(json.dumps(payload), media_type="application/json")
 
 
-async def _parse_body(request: Request) -> dict:
-    raw = await request.body()
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused before parsing once it is known (or seen) to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse_body(request: Request, limit: int) -> dict:
+    raw = await _read_limited(request, limit)
     ctype = request.headers.get("content-type", "")
     try:
         data = msgpack.unpackb(raw, raw=False) if MSGPACK in ctype else json.loads(raw or b"null")
@@ -72,7 +91,8 @@ def _sample_body(seed: int, o, binary: bool) -> dict:
     return body
 
 
-def create_app(config: EngineConfig) -> FastAPI:
+def create_app(config: EngineConfig, *, api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
+    """The router app. ``api_key`` / ``admin_key``: see :mod:`router.auth` (never part of ``config``)."""
     dispatcher = Dispatcher(config)
     info = ModelInfo.read(config.model)
 
@@ -83,12 +103,20 @@ def create_app(config: EngineConfig) -> FastAPI:
         await dispatcher.stop()
 
     app = FastAPI(title="disagg-diffusion", lifespan=lifespan)
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
     weights_lock = asyncio.Lock()  # one weight update at a time
     app.state.dispatcher = dispatcher
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, e: EngineError):
-        return error_response(e.status, e.type, e.message, e.stage, e.request_id or None)
+        resp = error_response(e.status, e.type, e.message, e.stage, e.request_id or None)
+        resp.headers.update(e.headers)
+        return resp
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, e: BodyTooLarge):
+        limit = config.limits.max_body_bytes
+        return error_response(413, "body_too_large", f"request body exceeds {limit} bytes", field="body")
 
     @app.exception_handler(FieldError)
     async def _field_error(request: Request, e: FieldError):
@@ -103,13 +131,13 @@ def create_app(config: EngineConfig) -> FastAPI:
         if body.guidance_scale_2 is not None and info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         params = to_params(body, info.defaults, config.limits, dispatcher.n_train)
+        dispatcher.admit(body.n)
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
         seeds = [body.seed + i for i in range(body.n)]
         ids = [rid if body.n == 1 else f"{rid}-{i}" for i in range(body.n)]
-        outcomes = await asyncio.gather(
-            *(dispatcher.submit(msgspec.structs.replace(params, seed=s), i) for s, i in zip(seeds, ids))
-        )
+        subs = [msgspec.structs.replace(params, seed=s) for s in seeds]
+        outcomes = await asyncio.gather(*(dispatcher.submit(p, i, body.timeout_s) for p, i in zip(subs, ids)))
         binary = MSGPACK in request.headers.get("accept", "")
         timings = {k: sum(o.timings.get(k, 0.0) for o in outcomes) for k in ("encode_s", "denoise_s", "decode_s")}
         timings["total_s"] = time.perf_counter() - t0
@@ -126,7 +154,7 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        data = await _parse_body(request)
+        data = await _parse_body(request, config.limits.max_body_bytes)
         try:
             body = GenerateBody.model_validate(data)
         except ValidationError as e:
@@ -135,7 +163,7 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/rollout/generate")
     async def rollout_generate(request: Request):
-        data = await _parse_body(request)
+        data = await _parse_body(request, config.limits.max_body_bytes)
         try:
             body = RolloutBody.model_validate(data)
         except ValidationError as e:
@@ -162,7 +190,10 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
-        data = await _parse_body(request)
+        if not config.weight_roots:  # refused here: nothing reaches a worker
+            return error_response(403, "forbidden",
+                                  "weight updates are disabled: start the engine with --weight-root DIR")
+        data = await _parse_body(request, config.limits.max_body_bytes)
         try:
             body = UpdateWeightsBody.model_validate(data)
         except ValidationError as e:

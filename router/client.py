@@ -24,10 +24,13 @@ class EngineHTTPError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", binary: bool = True, timeout: float = 600.0):
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", binary: bool = True, timeout: float = 600.0,
+                 api_key: str | None = None):
+        """``api_key``: sent as ``Authorization: Bearer <key>`` (the API key, or the admin key for weight updates)."""
         self.base_url = base_url.rstrip("/")
         self.binary = binary
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -43,6 +43,7 @@ class GenerateBody(BaseModel):
     timesteps: list[float] | None = None
     mu: float | None = None
     output_type: Literal["frames", "latent"] = "frames"
+    timeout_s: float | None = Field(default=None, gt=0)
 
 
 class RolloutBody(GenerateBody):
@@ -110,6 +111,8 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
     elif body.timesteps is not None:
         _check_schedule("timesteps", body.timesteps, 0.0, float(n_train), limits.max_steps)
         steps = len(body.timesteps)
+    if body.timeout_s is not None and body.timeout_s > limits.request_timeout_s:
+        raise FieldError("timeout_s", f"must be at most the engine's --request-timeout {limits.request_timeout_s}")
     if body.mu is not None and abs(body.mu) > 100:
         raise FieldError("mu", f"must be within [-100, 100], got {body.mu}")
     rollout = None

@@ -21,8 +21,14 @@ EULER = "FlowMatchEulerDiscreteScheduler"
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny")
+def weights_dir(tmp_path_factory):
+    """Where the weight-sync tests write; the engines may read weights only below it."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory, weights_dir):
+    return engine_factory("tiny", extra=["--weight-root", str(weights_dir)])
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +202,15 @@ def _perturbed_transformer(model_dir, subdir, scale, seed):
     return model
 
 
-def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, tmp_path):
+def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, weights_dir):
+    work = weights_dir / "update"
+    work.mkdir()
     before = client.rollout(**BASE)
     v0 = before["weight_version"]
     sum0 = client.weights_checksum()["sha256"]
     new = _perturbed_transformer(tiny_dir, "transformer", 0.5, 1)
-    new.save_pretrained(tmp_path / "new")
-    res = client.update_weights_from_disk(tmp_path / "new")
+    new.save_pretrained(work / "new")
+    res = client.update_weights_from_disk(work / "new")
     assert res["weight_version"] == v0 + 1 and res["sha256"] == state_dict_checksum(new)
     ck = client.weights_checksum()
     assert ck["sha256"] == state_dict_checksum(new) != sum0 and ck["weight_version"] == v0 + 1
@@ -213,16 +221,16 @@ def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, tm
     from common.weights import save_weights
 
     orig = WanTransformer3DModel.from_pretrained(tiny_dir / "transformer")
-    save_weights(orig, tmp_path / "orig.safetensors")
+    save_weights(orig, work / "orig.safetensors")
     wrong = WanTransformer3DModel.from_pretrained(alt_dir / "transformer")
-    wrong.save_pretrained(tmp_path / "wrong")
-    (tmp_path / "notes.txt").write_text("not weights")
-    for path in (tmp_path / "missing", tmp_path / "wrong", tmp_path / "notes.txt"):
+    wrong.save_pretrained(work / "wrong")
+    (work / "notes.txt").write_text("not weights")
+    for path in (work / "missing", work / "wrong", work / "notes.txt"):
         with pytest.raises(EngineHTTPError) as e:
             client.update_weights_from_disk(path)
         assert e.value.status == 400
     assert client.weights_checksum()["sha256"] == state_dict_checksum(new)
-    res = client.update_weights_from_disk(tmp_path / "orig.safetensors")
+    res = client.update_weights_from_disk(work / "orig.safetensors")
     assert res["weight_version"] == v0 + 2 and res["sha256"] == sum0
     restored = client.rollout(**BASE)
     assert torch.equal(restored["samples"][0]["output"], before["samples"][0]["output"])
@@ -238,11 +246,11 @@ def test_update_of_missing_expert_is_refused(client):
 
 
 @pytest.fixture(scope="module")
-def moe(engine_factory):
+def moe(engine_factory, weights_dir):
     from common.tiny_model import ensure_tiny_model
 
     d = ensure_tiny_model("tiny-moe")
-    eng = engine_factory("tiny-moe")
+    eng = engine_factory("tiny-moe", extra=["--weight-root", str(weights_dir)])
     with EngineClient(eng.url) as c:
         yield d, c
 
@@ -260,7 +268,9 @@ def test_two_experts_match_diffusers(moe, over):
     assert (got - ref).abs().max().item() <= 1e-4
 
 
-def test_two_expert_rollout_recompute_and_separate_sync(moe, tmp_path):
+def test_two_expert_rollout_recompute_and_separate_sync(moe, weights_dir):
+    work = weights_dir / "moe"
+    work.mkdir()
     d, c = moe
     policy = TrainerPolicy(d)
     req = {**BASE, "num_inference_steps": 6, "guidance_scale_2": 3.0}
@@ -273,8 +283,8 @@ def test_two_expert_rollout_recompute_and_separate_sync(moe, tmp_path):
     t1, t2 = c.weights_checksum("transformer")["sha256"], c.weights_checksum("transformer_2")["sha256"]
     assert t1 == state_dict_checksum(policy.experts["transformer"]) and t1 != t2
     new2 = _perturbed_transformer(d, "transformer_2", 0.5, 3)
-    new2.save_pretrained(tmp_path / "t2")
-    c.update_weights_from_disk(tmp_path / "t2", module="transformer_2")
+    new2.save_pretrained(work / "t2")
+    c.update_weights_from_disk(work / "t2", module="transformer_2")
     assert c.weights_checksum("transformer")["sha256"] == t1
     assert c.weights_checksum("transformer_2")["sha256"] == state_dict_checksum(new2)
 

@@ -243,3 +243,119 @@ def test_engine_config_load_is_strict(tmp_path, mutate):
     path.write_text(json.dumps(data))
     with pytest.raises(msgspec.ValidationError):
         EngineConfig.load(path)
+
+
+# --- transports and hosts --------------------------------------------------------------------
+
+
+def _fake_ports(start: int = 40000):
+    """A deterministic port picker: 40000, 40001, ... per call, whatever the host."""
+    ports = iter(range(start, start + 1000))
+    seen = []
+
+    def pick(host):
+        seen.append(host)
+        return next(ports)
+
+    pick.seen = seen
+    return pick
+
+
+def test_tcp_endpoints_default_to_loopback(tmp_path, no_gpu):
+    pick = _fake_ports()
+    workers = parse_topology("encoder=1,denoise=2,decode=1", tmp_path, "tcp", pick)
+    assert [w.endpoint for w in workers] == [f"tcp://127.0.0.1:{40000 + i}" for i in range(4)]
+    assert [w.host for w in workers] == ["127.0.0.1"] * 4 and pick.seen == ["127.0.0.1"] * 4
+    assert _layout(workers) == _layout(parse_topology("encoder=1,denoise=2,decode=1", tmp_path))
+
+
+def test_tcp_ports_are_real_free_and_distinct(tmp_path, no_gpu):
+    import socket
+
+    pick = topology.port_picker()
+    router = topology.router_endpoint(tmp_path, "tcp", pick_port=pick)
+    workers = parse_topology("encoder=2,denoise=3,decode=2", tmp_path, "tcp", pick)
+    endpoints = [router, *(w.endpoint for w in workers)]
+    assert len(set(endpoints)) == 8
+    for e in endpoints:
+        host, port = e.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1"
+        with socket.socket() as s:  # nothing holds the port
+            s.bind((host, int(port)))
+
+
+def test_router_endpoint(tmp_path):
+    assert topology.router_endpoint(tmp_path) == f"ipc://{tmp_path / 'router.sock'}"
+    assert topology.router_endpoint(tmp_path, "tcp", pick_port=_fake_ports(5555)) == "tcp://127.0.0.1:5555"
+    with pytest.raises(ValueError, match="unknown transport 'udp'"):
+        topology.router_endpoint(tmp_path, "udp")
+
+
+def test_file_hosts_describe_multi_host_layouts(tmp_path):
+    path = tmp_path / "topo.yaml"
+    path.write_text(
+        "workers:\n"
+        "  - {role: encoder, host: 10.0.0.1}\n"
+        "  - {role: denoise, host: 10.0.0.2, device: cuda:0}\n"
+        "  - {role: denoise, host: 10.0.0.2, device: cuda:1}\n"
+        "  - {role: decode}\n"
+    )
+    pick = _fake_ports()
+    workers = parse_topology(str(path), tmp_path, "tcp", pick)
+    assert [(w.host, w.endpoint) for w in workers] == [
+        ("10.0.0.1", "tcp://10.0.0.1:40000"),
+        ("10.0.0.2", "tcp://10.0.0.2:40001"),
+        ("10.0.0.2", "tcp://10.0.0.2:40002"),
+        ("127.0.0.1", "tcp://127.0.0.1:40003"),
+    ]
+    assert pick.seen == ["10.0.0.1", "10.0.0.2", "10.0.0.2", "127.0.0.1"]  # each port picked on its own host
+    # ipc sockets are files on one host: other hosts need tcp.
+    with pytest.raises(ValueError, match=r"worker #0: host '10.0.0.1' needs --transport tcp"):
+        parse_topology(str(path), tmp_path)
+
+
+def test_loopback_hosts_work_with_ipc(tmp_path):
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps([{"role": "encoder", "host": "127.0.0.1"}, {"role": "denoise", "host": "localhost"},
+                                {"role": "decode"}]))
+    workers = parse_topology(str(path), tmp_path)
+    assert [w.endpoint for w in workers] == [_endpoint(tmp_path, w.role, w.index) for w in workers]
+    assert [w.host for w in workers] == ["127.0.0.1", "localhost", "127.0.0.1"]
+
+
+@pytest.mark.parametrize(
+    "host, needle",
+    [
+        ("0.0.0.0", "not a wildcard"),
+        ("*", "bad host"),
+        ("", "non-empty"),
+        (5, "non-empty string"),
+        ("::1", "only IPv4"),
+        ("10.0.0.1:5555", "bad host"),
+        ("tcp://10.0.0.1", "bad host"),
+        ("a b", "bad host"),
+        ("999.1.1.1", "bad host"),
+    ],
+)
+def test_bad_hosts(tmp_path, host, needle):
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps([*GOOD, {"role": "denoise", "host": host}]))
+    with pytest.raises(ValueError, match=rf"worker #3: .*{needle}"):
+        parse_topology(str(path), tmp_path, "tcp", _fake_ports())
+
+
+def test_unknown_transport(tmp_path):
+    with pytest.raises(ValueError, match="unknown transport"):
+        parse_topology("encoder=1,denoise=1,decode=1", tmp_path, "udp")
+
+
+def test_tcp_config_round_trip_keeps_public_keys_only(tmp_path):
+    pick = _fake_ports()
+    config = EngineConfig(model="m", workers=parse_topology("encoder=1,denoise=1,decode=1", tmp_path, "tcp", pick),
+                          router_endpoint=topology.router_endpoint(tmp_path, "tcp", pick_port=pick),
+                          runtime_dir=str(tmp_path), transport="tcp", weight_roots=[str(tmp_path)],
+                          curve_public={"router": "a" * 40}, curve_secret_files={"router": str(tmp_path / "r")})
+    config.save(tmp_path / "engine.json")
+    loaded = EngineConfig.load(tmp_path / "engine.json")
+    assert loaded == config and loaded.router_endpoint == "tcp://127.0.0.1:40003"
+    assert EngineConfig(model="m", workers=[], router_endpoint="", runtime_dir="").transport == "ipc"

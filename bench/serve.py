@@ -1,0 +1,544 @@
+"""Serving benchmark: throughput and latency under load, next to diffusers' WanPipeline run in-process.
+
+    python bench/serve.py                                   # preset tiny: concurrency 1..32, 64 requests each
+    python bench/serve.py --preset small                    # single-request latency of the ~17M model
+    python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
+    python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
+    python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
+    python bench/serve.py --topology encoder=1,denoise=2,decode=1 --extra='--dtype float32'
+    python bench/serve.py --json bench/results/serve-tiny.json --png bench/results/serve-tiny.png
+
+What it does, in this order:
+
+1. Starts an engine (``--model``, ``--topology``, ``--extra`` passed to launch.py) on a free loopback port,
+   or uses ``--url``. The model directory comes from the engine's ``/health``.
+2. Builds a fixed request mix, deterministic from ``--seed``: request ``i`` has a prompt from a small list
+   and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
+   model's default size, ``--steps`` from the preset, CFG on with guidance 5.0, ``--output-type frames``).
+3. Sends ``--warmup`` requests (not counted), then, per load level, the first ``--requests`` requests of the mix:
+   - ``--concurrency N ...``: closed loop, N requests in flight at all times;
+   - ``--rate R ...``: open loop, Poisson arrivals at R req/s for ``--duration`` seconds (or ``--requests``
+     arrivals); latency counts from the scheduled arrival, so a backlog shows up as latency.
+   Per level: throughput (req/s, samples/s), latency p50/p90/p99, mean per-stage time from each response's
+   ``timings`` (encode_s, denoise_s, decode_s; total_s is the router's wall time for the request), errors.
+4. While the engine sits idle, runs the same requests (same prompts, seeds, sizes, steps, guidance) through
+   diffusers' ``WanPipeline`` loaded in this process from the same directory, one after another, with
+   ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process pipeline, the fair sequential
+   baseline on a CPU (the engine's workers share the same cores between them). One untimed warm-up call first.
+   Reports its throughput and per-request latency, and per load level the ratios engine / diffusers
+   (throughput, and p50 latency).
+5. Correctness: for the first ``--check`` requests, the max abs difference between the engine's output at
+   every load level and diffusers' output (expected <= ``--tolerance``, 1e-4, batched or not).
+
+Prints a table; ``--json`` writes every number, ``--png`` a chart (throughput and p50/p99 latency against
+concurrency or offered rate, diffusers' sequential figures as horizontal lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine_process import EngineProcess  # noqa: E402
+from common.http_tensors import body_to_tensor  # noqa: E402
+from common.model import ModelInfo  # noqa: E402
+
+MSGPACK = "application/msgpack"
+
+PROMPTS = [
+    "a red fox runs through the snow at dawn",
+    "an astronaut floats above the ocean, cinematic lighting",
+    "a lonely lighthouse in a storm, aerial view",
+    "a golden retriever jumps into a lake in summer",
+    "a paper boat drifts down a rainy street",
+    "a dragon sleeps on a mountain under the stars",
+    "a train crosses the desert at sunset, slow motion",
+    "a child dances in a quiet garden, watercolor style",
+]
+
+# What each preset sets; any flag given on the command line wins.
+PRESETS = {
+    # Many small requests: how throughput and latency behave as concurrency grows.
+    "tiny": dict(model="tiny", height=32, width=32, num_frames=5, steps=8, guidance=5.0,
+                 concurrency=[1, 2, 4, 8, 16, 32], requests=64, warmup=4),
+    # A compute-bound model: single-request latency against diffusers in-process.
+    "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=5.0,
+                  concurrency=[1], requests=5, warmup=1),
+}
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    height: int
+    width: int
+    num_frames: int
+    steps: int
+    guidance: float
+    output_type: str  # "frames" | "latent"
+    n: int
+    seed: int
+
+    def body(self, i: int) -> dict:
+        """Request ``i`` of the mix (deterministic from the workload seed)."""
+        rng = random.Random(self.seed * 1_000_003 + i)
+        return {"prompt": rng.choice(PROMPTS), "negative_prompt": "", "seed": self.seed * 1_000_000 + i,
+                "n": self.n, "height": self.height, "width": self.width, "num_frames": self.num_frames,
+                "num_inference_steps": self.steps, "guidance_scale": self.guidance,
+                "output_type": self.output_type}
+
+
+@dataclass
+class Result:
+    index: int
+    ok: bool
+    latency_s: float
+    status: int | None = None
+    error: str | None = None
+    timings: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------
+# Engine load
+# --------------------------------------------------------------------------
+
+
+class Sender:
+    """Posts requests of the mix and keeps the outputs of the first ``keep`` ones for the correctness check."""
+
+    def __init__(self, http: httpx.AsyncClient, work: Workload, keep: int):
+        self.http, self.work, self.keep = http, work, keep
+        self.outputs: dict[int, list] = {}
+
+    async def send(self, i: int, body: dict | None = None, t_start: float | None = None) -> Result:
+        body = body or self.work.body(i)
+        t0 = time.perf_counter() if t_start is None else t_start
+        try:
+            r = await self.http.post("/generate", content=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", "accept": MSGPACK})
+        except httpx.HTTPError as e:
+            return Result(i, False, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+        latency = time.perf_counter() - t0
+        try:
+            data = (msgpack.unpackb(r.content, raw=False) if r.headers.get("content-type", "").startswith(MSGPACK)
+                    else r.json())
+        except Exception as e:  # noqa: BLE001 - a garbled body is an error like any other
+            return Result(i, False, latency, r.status_code, f"undecodable body: {e}")
+        if r.status_code != 200:
+            err = data.get("error", {}) if isinstance(data, dict) else {}
+            return Result(i, False, latency, r.status_code, f"{err.get('type')}: {err.get('message')}")
+        if 0 <= i < self.keep:
+            self.outputs[i] = [body_to_tensor(s["output"]) for s in data["samples"]]
+        return Result(i, True, latency, 200, timings=dict(data.get("timings", {})))
+
+
+async def closed_loop(sender: Sender, concurrency: int, requests: int) -> tuple[list[Result], float]:
+    """``concurrency`` requests in flight until ``requests`` are answered; returns results and wall time."""
+    next_index = 0
+    results: list[Result] = []
+
+    async def user() -> None:
+        nonlocal next_index
+        while next_index < requests:
+            i = next_index
+            next_index += 1
+            results.append(await sender.send(i))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
+    return results, time.perf_counter() - t0
+
+
+def poisson_arrivals(rate: float, seed: int, duration: float | None, requests: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process at ``rate``: within ``duration`` if given, else ``requests`` of them."""
+    rng = random.Random(seed ^ 0x5EED)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if (duration is not None and t > duration) or (duration is None and len(out) >= requests):
+            return out
+        out.append(t)
+
+
+async def open_loop(sender: Sender, arrivals: list[float]) -> tuple[list[Result], float]:
+    """Send request ``i`` at ``arrivals[i]`` whatever is still in flight; latency counts from that moment."""
+    t0 = time.perf_counter()
+    tasks = []
+    for i, at in enumerate(arrivals):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(sender.send(i, t_start=t0 + at)))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarise(kind: str, level: float, results: list[Result], wall: float, n: int) -> dict:
+    ok = [r for r in results if r.ok]
+    lat = [r.latency_s for r in ok]
+    mean = lambda key: (sum(r.timings.get(key, 0.0) for r in ok) / len(ok)) if ok else None  # noqa: E731
+    errors = [r for r in results if not r.ok]
+    return {
+        "mode": kind, "level": level, "requests": len(results), "ok": len(ok), "errors": len(errors),
+        "error_examples": sorted({f"{r.status}: {r.error}" for r in errors})[:5],
+        "wall_s": wall, "req_per_s": len(ok) / wall if wall > 0 else None,
+        "samples_per_s": len(ok) * n / wall if wall > 0 else None,
+        "latency_p50_s": percentile(lat, 0.50), "latency_p90_s": percentile(lat, 0.90),
+        "latency_p99_s": percentile(lat, 0.99), "latency_mean_s": sum(lat) / len(lat) if lat else None,
+        "mean_encode_s": mean("encode_s"), "mean_denoise_s": mean("denoise_s"),
+        "mean_decode_s": mean("decode_s"), "mean_total_s": mean("total_s"),
+    }
+
+
+async def run_engine_levels(url: str, work: Workload, args) -> tuple[list[dict], dict[str, dict[int, list]]]:
+    levels, outputs = [], {}
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits) as http:
+        warm = Sender(http, work, keep=0)
+        for j in range(args.warmup):  # not counted; seeds outside the mix
+            body = {**work.body(j), "prompt": "warm-up", "seed": 2**40 + j}
+            r = await warm.send(-1, body)
+            if not r.ok:
+                raise SystemExit(f"warm-up request failed: {r.status}: {r.error}")
+        for c in args.concurrency:
+            sender = Sender(http, work, keep=args.check)
+            results, wall = await closed_loop(sender, c, args.requests)
+            levels.append(summarise("concurrency", c, results, wall, work.n))
+            outputs[f"c={c}"] = sender.outputs
+            _progress(levels[-1])
+        for rate in args.rate or []:
+            sender = Sender(http, work, keep=args.check)
+            arrivals = poisson_arrivals(rate, args.seed, args.duration, args.requests)
+            results, wall = await open_loop(sender, arrivals)
+            level = summarise("rate", rate, results, wall, work.n)
+            level["offered_req_per_s"] = len(arrivals) / args.duration if args.duration else rate
+            levels.append(level)
+            outputs[f"rate={rate:g}"] = sender.outputs
+            _progress(level)
+    return levels, outputs
+
+
+def _progress(level: dict) -> None:
+    print(f"  {_label(level):<10} {level['ok']:>4} ok {level['errors']:>3} errors  {level['wall_s']:6.1f}s  "
+          f"{_f(level['req_per_s'], 2)} req/s  p50 {_f(level['latency_p50_s'], 3)}s", flush=True)
+
+
+# --------------------------------------------------------------------------
+# diffusers baseline
+# --------------------------------------------------------------------------
+
+
+def run_diffusers(model_dir: Path, work: Workload, count: int) -> tuple[dict, dict[int, list]]:
+    """The first ``count`` requests of the mix through WanPipeline, one after another, on all cores."""
+    import diffusers.utils.logging as dlog
+    import torch
+    import transformers.utils.logging as tlog
+    from diffusers import WanPipeline
+
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    t_load = time.perf_counter()
+    pipe = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - t_load
+    output_type = "latent" if work.output_type == "latent" else "np"
+
+    def one(body: dict) -> list:
+        outs = []
+        for k in range(body["n"]):  # the engine's n samples use seeds seed, seed+1, ...
+            out = pipe(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
+                       width=body["width"], num_frames=body["num_frames"],
+                       num_inference_steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"],
+                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k),
+                       output_type=output_type).frames
+            outs.append(torch.from_numpy(out[0]) if output_type == "np" else out[0])
+        return outs
+
+    with torch.inference_mode():
+        one({**work.body(0), "prompt": "warm-up", "seed": 2**40})
+        latencies, outputs = [], {}
+        t0 = time.perf_counter()
+        for i in range(count):
+            t = time.perf_counter()
+            outputs[i] = one(work.body(i))
+            latencies.append(time.perf_counter() - t)
+        wall = time.perf_counter() - t0
+    res = {"requests": count, "threads": threads, "load_s": load_s, "wall_s": wall,
+           "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
+           "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
+           "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
+    return res, outputs
+
+
+def compare(engine_outputs: dict[str, dict[int, list]], reference: dict[int, list], tolerance: float) -> dict:
+    per_level = {}
+    for label, outs in engine_outputs.items():
+        diffs = {}
+        for i, samples in outs.items():
+            if i in reference:
+                diffs[i] = max((a.float() - b.float()).abs().max().item() for a, b in zip(samples, reference[i]))
+        per_level[label] = {"requests": sorted(diffs), "max_abs_diff": max(diffs.values()) if diffs else None}
+    worst = [v["max_abs_diff"] for v in per_level.values() if v["max_abs_diff"] is not None]
+    return {"tolerance": tolerance, "per_level": per_level, "max_abs_diff": max(worst) if worst else None,
+            "ok": bool(worst) and max(worst) <= tolerance}
+
+
+# --------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------
+
+
+def _f(v, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _label(level: dict) -> str:
+    return f"c={level['level']}" if level["mode"] == "concurrency" else f"rate={level['level']:g}"
+
+
+def print_report(res: dict) -> None:
+    cfg, eng, diff = res["config"], res["engine"], res.get("diffusers")
+    print(f"\nengine: model {Path(eng['model_dir']).name} ({cfg['model']}), topology {eng['topology']}"
+          f"{' ' + ' '.join(eng['extra']) if eng['extra'] else ''}, {eng['url']}")
+    print(f"requests: {cfg['height']}x{cfg['width']}, {cfg['num_frames']} frames, {cfg['steps']} steps, "
+          f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
+          f"warm-up {cfg['warmup']}; CPU cores: {os.cpu_count()}; load average (1/5/15 min) at start "
+          f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
+          f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_end'])}")
+    head = (f"{'load':<10} {'ok':>4} {'err':>4} {'req/s':>7} {'smp/s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
+            f"{'encode':>7} {'denoise':>8} {'decode':>7} {'total':>7} {'thr/diff':>9} {'p50/diff':>9}")
+    print(head)
+    print("-" * len(head))
+    for lv in res["levels"]:
+        print(f"{_label(lv):<10} {lv['ok']:>4} {lv['errors']:>4} {_f(lv['req_per_s'], 2):>7} "
+              f"{_f(lv['samples_per_s'], 2):>7} {_f(lv['latency_p50_s'], 3):>7} {_f(lv['latency_p90_s'], 3):>7} "
+              f"{_f(lv['latency_p99_s'], 3):>7} {_f(lv['mean_encode_s'], 3):>7} {_f(lv['mean_denoise_s'], 3):>8} "
+              f"{_f(lv['mean_decode_s'], 3):>7} {_f(lv['mean_total_s'], 3):>7} "
+              f"{_f(lv.get('throughput_vs_diffusers'), 2):>9} {_f(lv.get('p50_latency_vs_diffusers'), 2):>9}")
+    print("(encode/denoise/decode/total: mean seconds per request from the response timings; "
+          "thr/diff: engine req/s / diffusers req/s; p50/diff: engine p50 latency / diffusers p50 latency)")
+    for lv in res["levels"]:
+        if lv["errors"]:
+            print(f"{_label(lv)} errors: {lv['error_examples']}")
+    if diff:
+        print(f"\ndiffusers WanPipeline in-process, sequential, torch threads {diff['threads']}: "
+              f"{diff['requests']} requests in {diff['wall_s']:.2f}s = {diff['req_per_s']:.2f} req/s; latency p50 "
+              f"{diff['latency_p50_s']:.3f}s p90 {diff['latency_p90_s']:.3f}s (pipeline load {diff['load_s']:.1f}s)")
+        first = res["levels"][0] if res["levels"] else None
+        if first is not None and first.get("p50_latency_vs_diffusers") is not None:
+            print(f"latency engine/diffusers at {_label(first)}: p50 {first['latency_p50_s']:.3f}s / "
+                  f"{diff['latency_p50_s']:.3f}s = {first['p50_latency_vs_diffusers']:.2f}")
+    chk = res.get("correctness")
+    if chk:
+        parts = ", ".join(f"{k} {'-' if v['max_abs_diff'] is None else format(v['max_abs_diff'], '.2e')}"
+                          for k, v in chk["per_level"].items())
+        verdict = "OK" if chk["ok"] else "MISMATCH"
+        print(f"correctness, engine vs diffusers max abs diff on requests {list(range(res['config']['check']))}: "
+              f"{parts}  -> {verdict} (tolerance {chk['tolerance']:g})")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, diff = res["config"], res.get("diffusers")
+    modes = [m for m in ("concurrency", "rate") if any(lv["mode"] == m for lv in res["levels"])]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4.2 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        lvs = [lv for lv in res["levels"] if lv["mode"] == mode]
+        xs = [lv["level"] for lv in lvs]
+        xlabel = "concurrency (requests in flight)" if mode == "concurrency" else "offered load (req/s, Poisson)"
+        ax_t, ax_l = axes[row]
+        ax_t.plot(xs, [lv["req_per_s"] or 0.0 for lv in lvs], "o-", label="engine")
+        if diff:
+            ax_t.axhline(diff["req_per_s"], color="tab:red", ls="--",
+                         label=f"diffusers sequential ({diff['req_per_s']:.2f} req/s)")
+        ax_t.set_ylabel("throughput (req/s)")
+        ax_t.set_title("throughput")
+        top = max([lv["req_per_s"] or 0.0 for lv in lvs] + [diff["req_per_s"] if diff else 0.0])
+        ax_t.set_ylim(0, top * 1.2 or 1.0)
+        ax_l.plot(xs, [lv["latency_p50_s"] for lv in lvs], "o-", label="engine p50")
+        ax_l.plot(xs, [lv["latency_p99_s"] for lv in lvs], "s-", label="engine p99")
+        if diff:
+            ax_l.axhline(diff["latency_p50_s"], color="tab:red", ls="--",
+                         label=f"diffusers p50 ({diff['latency_p50_s']:.3f}s)")
+        ax_l.set_ylabel("latency (s)")
+        ax_l.set_title("latency")
+        top = max([lv["latency_p99_s"] or 0.0 for lv in lvs] + [diff["latency_p50_s"] if diff else 0.0])
+        ax_l.set_ylim(0, top * 1.2 or 1.0)
+        for ax in (ax_t, ax_l):
+            ax.set_xlabel(xlabel)
+            if mode == "concurrency" and len(xs) > 1 and min(xs) > 0:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{x:g}" for x in xs])
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{cfg['model']}: {cfg['height']}x{cfg['width']}x{cfg['num_frames']}, {cfg['steps']} steps, "
+                 f"CFG {cfg['guidance']:g}, {cfg['output_type']}; topology {res['engine']['topology']}; "
+                 f"{os.cpu_count()} CPU cores")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                    help="defaults for model, size, steps, load levels and request count (default: tiny)")
+    ap.add_argument("--url", help="a running engine; default: start one with --model/--topology/--extra")
+    ap.add_argument("--model", help="model to start (launch.py --model); default: the preset's")
+    ap.add_argument("--topology", default="encoder=1,denoise=1,decode=1")
+    ap.add_argument("--extra", action="append", default=[],
+                    help="more launch.py flags, shell-quoted, repeatable: --extra='--dtype float32'")
+    ap.add_argument("--height", type=int, help="default: the preset's (the model's default without a preset model)")
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--num-frames", type=int)
+    ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10)")
+    ap.add_argument("--guidance", type=float, help="guidance_scale; > 1 means CFG (default 5.0)")
+    ap.add_argument("--output-type", choices=["frames", "latent"], default="frames")
+    ap.add_argument("--n", type=int, default=1, help="samples per request")
+    ap.add_argument("--concurrency", type=int, nargs="+",
+                    help="closed-loop levels (preset tiny: 1 2 4 8 16 32; small: 1); "
+                         "default none when --rate is given")
+    ap.add_argument("--rate", type=float, nargs="+", help="open-loop Poisson arrival rates, req/s")
+    ap.add_argument("--duration", type=float, help="open loop: seconds of arrivals (default: --requests arrivals)")
+    ap.add_argument("--requests", type=int, help="requests per level (preset tiny: 64, small: 5)")
+    ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny: 4, small: 1)")
+    ap.add_argument("--seed", type=int, default=0, help="request mix and arrival times")
+    ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline and the check")
+    ap.add_argument("--diffusers-requests", type=int, help="requests for the baseline (default: --requests)")
+    ap.add_argument("--check", type=int, default=2, help="requests compared with diffusers at every level")
+    ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="client timeout per request, s")
+    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--png", type=Path, help="write a chart here (matplotlib)")
+    args = ap.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    own_model = args.model is None or args.model == preset["model"]
+    args.model = args.model or preset["model"]
+    for key, attr in (("height", "height"), ("width", "width"), ("num_frames", "num_frames"), ("steps", "steps")):
+        if getattr(args, attr) is None and own_model:  # another model: its own defaults (read from its directory)
+            setattr(args, attr, preset[key])
+    if args.guidance is None:
+        args.guidance = preset["guidance"]
+    if args.concurrency is None:
+        args.concurrency = [] if args.rate else list(preset["concurrency"])
+    if args.requests is None:
+        args.requests = preset["requests"]
+    if args.warmup is None:
+        args.warmup = preset["warmup"]
+    if args.diffusers_requests is None:
+        args.diffusers_requests = args.requests
+    args.check = max(0, min(args.check, args.diffusers_requests))
+    if any(c < 1 for c in args.concurrency) or any(r <= 0 for r in args.rate or []):
+        ap.error("concurrency levels must be >= 1 and rates > 0")
+    if args.requests < 1 or args.n < 1:
+        ap.error("--requests and --n must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    extra = [tok for chunk in args.extra for tok in shlex.split(chunk)]
+    # Other work on the machine skews every number here; the load averages are recorded to tell.
+    load_start = os.getloadavg()
+    engine = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        print(f"starting engine: --model {args.model} --topology {args.topology} {' '.join(extra)}", flush=True)
+        engine = EngineProcess(args.model, args.topology, extra)
+        url = engine.url
+    try:
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        model_dir = Path(health["model"])
+        defaults = ModelInfo.read(model_dir).defaults
+        work = Workload(height=args.height or defaults["height"], width=args.width or defaults["width"],
+                        num_frames=args.num_frames or defaults["num_frames"],
+                        steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
+                        output_type=args.output_type, n=args.n, seed=args.seed)
+        print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
+        levels, engine_outputs = asyncio.run(run_engine_levels(url, work, args))
+        res = {
+            "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
+                       "num_frames": work.num_frames, "steps": work.steps, "guidance": work.guidance,
+                       "output_type": work.output_type, "n": work.n, "seed": work.seed,
+                       "requests_per_level": args.requests, "warmup": args.warmup, "check": args.check,
+                       "concurrency": args.concurrency, "rate": args.rate, "duration": args.duration,
+                       "cpu_count": os.cpu_count(), "loadavg_at_start": load_start},
+            "engine": {"url": url, "started_by_bench": engine is not None, "model_dir": str(model_dir),
+                       "topology": args.topology if engine else "(external)", "extra": extra,
+                       "workers": [{k: w.get(k) for k in ("role", "index", "device", "pid")}
+                                   for w in health["workers"]]},
+            "levels": levels,
+        }
+        if not args.no_diffusers:
+            # The engine is idle now: nothing else competes for the cores.
+            print(f"diffusers WanPipeline baseline: {args.diffusers_requests} requests, sequential", flush=True)
+            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests)
+            res["diffusers"] = diff
+            for lv in levels:
+                lv["throughput_vs_diffusers"] = (lv["req_per_s"] / diff["req_per_s"]) if lv["req_per_s"] else None
+                lv["p50_latency_vs_diffusers"] = (lv["latency_p50_s"] / diff["latency_p50_s"]
+                                                  if lv["latency_p50_s"] is not None else None)
+            if args.check:
+                res["correctness"] = compare(engine_outputs, reference, args.tolerance)
+    finally:
+        if engine is not None:
+            engine.stop()
+    res["config"]["loadavg_at_end"] = os.getloadavg()
+    print_report(res)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.json}")
+    if args.png:
+        plot(res, args.png)
+        print(f"wrote {args.png}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
