@@ -27,6 +27,7 @@ from common.config import DTYPE_CHOICES, EngineConfig, Limits
 from common.supervisor import Supervisor
 from common.tiny_model import SPECS, ensure_tiny_model
 from common.security import provision_curve, remove_secrets, resolve_weight_roots
+from common.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
 from common.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.app import create_app
 from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
@@ -64,9 +65,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
     p.add_argument("--max-pending", type=int, default=d.max_pending, help="samples in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest ZeroMQ message part a socket accepts")
+    p.add_argument("--max-batch-size", type=int, default=16,
+                   help="requests per batched forward (denoise), text-encoder call and VAE call")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--no-restart", action="store_true", help="do not restart workers that die")
-    return p.parse_args(argv)
+    p.add_argument("--shm-threshold", type=int, default=None, metavar="BYTES",
+                   help=f"ipc only: tensors of at least BYTES travel in /dev/shm instead of ZeroMQ frames "
+                        f"(default {DEFAULT_THRESHOLD}; 0: off; ignored with tcp)")
+    p.add_argument("--shm-spare-bytes", type=int, default=DEFAULT_SPARE_BYTES, metavar="BYTES",
+                   help="per process: most bytes of shared-memory segments prepared ahead of time for tensor "
+                        f"sizes sent repeatedly (default {DEFAULT_SPARE_BYTES}; 0: none)")
+    args = p.parse_args(argv)
+    if args.shm_threshold is not None and args.shm_threshold < 0:
+        p.error("--shm-threshold must be >= 0")
+    if args.shm_spare_bytes < 0:
+        p.error("--shm-spare-bytes must be >= 0")
+    return args
 
 
 def resolve_model(name: str) -> Path:
@@ -127,6 +143,12 @@ def main(argv=None) -> int:
                     API_KEY_ENV, ADMIN_KEY_ENV)
     if api_key is None and args.host not in ("127.0.0.1", "localhost"):
         log.warning("HTTP on %s without an API key: anyone who reaches it can use the engine", args.host)
+    shm_threshold = DEFAULT_THRESHOLD if args.shm_threshold is None else args.shm_threshold
+    if args.transport != "ipc":
+        if args.shm_threshold:
+            log.warning("--shm-threshold is ignored with --transport %s (shared memory is same-host only)",
+                        args.transport)
+        shm_threshold = 0
     pick_port = port_picker()
     config = EngineConfig(
         model=str(model),
@@ -134,7 +156,10 @@ def main(argv=None) -> int:
         router_endpoint=router_endpoint(runtime, args.transport, pick_port=pick_port),
         runtime_dir=str(runtime),
         dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
         transport=args.transport,
+        shm_threshold_bytes=shm_threshold,
+        shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,
         weight_roots=weight_roots,
         limits=Limits(
             max_height=args.max_height,
@@ -146,12 +171,15 @@ def main(argv=None) -> int:
             request_timeout_s=args.request_timeout,
             max_pending=args.max_pending,
             max_body_bytes=args.max_body_bytes,
+            max_message_bytes=args.max_message_bytes,
         ),
     )
     if args.transport == "tcp" and not args.no_curve:
         config = provision_curve(config)  # public keys into the config, secret keys into 0600 files
     elif args.transport == "tcp":
         log.warning("--no-curve: the tcp links are neither authenticated nor encrypted; loopback only")
+    shm_prefix = engine_prefix(config.runtime_dir)
+    remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
     config_path = runtime / "engine.json"
     config.save(config_path)
     app = create_app(config, api_key=api_key, admin_key=admin_key)
@@ -175,6 +203,8 @@ def main(argv=None) -> int:
     finally:
         supervisor.stop()
         remove_secrets(config)
+        if remove_engine_segments(shm_prefix):  # messages that never reached their receiver
+            log.info("removed leftover shared-memory segments %s*", shm_prefix)
         if own_runtime:
             shutil.rmtree(runtime, ignore_errors=True)
     return 0

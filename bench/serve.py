@@ -116,6 +116,47 @@ class Result:
     timings: dict = field(default_factory=dict)
 
 
+class CpuMeter:
+    """CPU used during a phase by this benchmark and the engine, and by everything else on the machine.
+
+    Reads /proc (Linux; elsewhere it reports nothing). ``pids``: the engine's processes (router and workers;
+    with ``--url`` only the workers, so the router counts as "other"). Other work on the machine competes for
+    the same cores and skews every number, so each phase reports how many cores it took on average.
+    """
+
+    def __init__(self, pids: list[int]):
+        self.pids = [os.getpid(), *pids]
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _snapshot(self) -> tuple[float, float, float] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+            busy = sum(fields[:8]) - fields[3] - fields[4]
+            ours = 0
+            for pid in self.pids:
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    continue
+                rest = stat.rsplit(")", 1)[1].split()
+                ours += int(rest[11]) + int(rest[12])  # utime, stime (threads included)
+            return busy / self.hz, ours / self.hz, time.monotonic()
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def start(self) -> None:
+        self._t0 = self._snapshot()
+
+    def stop(self) -> dict:
+        t1 = self._snapshot()
+        if self._t0 is None or t1 is None or t1[2] <= self._t0[2]:
+            return {}
+        wall = t1[2] - self._t0[2]
+        busy, ours = (t1[0] - self._t0[0]) / wall, (t1[1] - self._t0[1]) / wall
+        return {"cpu_cores_ours": round(ours, 3), "cpu_cores_other": round(max(0.0, busy - ours), 3)}
+
+
 # --------------------------------------------------------------------------
 # Engine load
 # --------------------------------------------------------------------------
@@ -218,7 +259,8 @@ def summarise(kind: str, level: float, results: list[Result], wall: float, n: in
     }
 
 
-async def run_engine_levels(url: str, work: Workload, args) -> tuple[list[dict], dict[str, dict[int, list]]]:
+async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
+        -> tuple[list[dict], dict[str, dict[int, list]]]:
     levels, outputs = [], {}
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits) as http:
@@ -230,15 +272,17 @@ async def run_engine_levels(url: str, work: Workload, args) -> tuple[list[dict],
                 raise SystemExit(f"warm-up request failed: {r.status}: {r.error}")
         for c in args.concurrency:
             sender = Sender(http, work, keep=args.check)
+            meter.start()
             results, wall = await closed_loop(sender, c, args.requests)
-            levels.append(summarise("concurrency", c, results, wall, work.n))
+            levels.append({**summarise("concurrency", c, results, wall, work.n), **meter.stop()})
             outputs[f"c={c}"] = sender.outputs
             _progress(levels[-1])
         for rate in args.rate or []:
             sender = Sender(http, work, keep=args.check)
             arrivals = poisson_arrivals(rate, args.seed, args.duration, args.requests)
+            meter.start()
             results, wall = await open_loop(sender, arrivals)
-            level = summarise("rate", rate, results, wall, work.n)
+            level = {**summarise("rate", rate, results, wall, work.n), **meter.stop()}
             level["offered_req_per_s"] = len(arrivals) / args.duration if args.duration else rate
             levels.append(level)
             outputs[f"rate={rate:g}"] = sender.outputs
@@ -256,7 +300,7 @@ def _progress(level: dict) -> None:
 # --------------------------------------------------------------------------
 
 
-def run_diffusers(model_dir: Path, work: Workload, count: int) -> tuple[dict, dict[int, list]]:
+def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter) -> tuple[dict, dict[int, list]]:
     """The first ``count`` requests of the mix through WanPipeline, one after another, on all cores."""
     import diffusers.utils.logging as dlog
     import torch
@@ -287,13 +331,15 @@ def run_diffusers(model_dir: Path, work: Workload, count: int) -> tuple[dict, di
     with torch.inference_mode():
         one({**work.body(0), "prompt": "warm-up", "seed": 2**40})
         latencies, outputs = [], {}
+        meter.start()
         t0 = time.perf_counter()
         for i in range(count):
             t = time.perf_counter()
             outputs[i] = one(work.body(i))
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
-    res = {"requests": count, "threads": threads, "load_s": load_s, "wall_s": wall,
+        cpu = meter.stop()
+    res = {**cpu, "requests": count, "threads": threads, "load_s": load_s, "wall_s": wall,
            "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
            "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
@@ -347,6 +393,15 @@ def print_report(res: dict) -> None:
               f"{_f(lv.get('throughput_vs_diffusers'), 2):>9} {_f(lv.get('p50_latency_vs_diffusers'), 2):>9}")
     print("(encode/denoise/decode/total: mean seconds per request from the response timings; "
           "thr/diff: engine req/s / diffusers req/s; p50/diff: engine p50 latency / diffusers p50 latency)")
+    phases = [(_label(lv), lv) for lv in res["levels"]] + ([("diffusers", diff)] if diff else [])
+    busy = [(name, ph["cpu_cores_other"]) for name, ph in phases if ph.get("cpu_cores_other", 0.0) > 0.2]
+    if phases and "cpu_cores_other" in phases[0][1]:
+        print("cores used by this benchmark + engine / by other processes: "
+              + ", ".join(f"{name} {ph.get('cpu_cores_ours', 0):.2f}/{ph.get('cpu_cores_other', 0):.2f}"
+                          for name, ph in phases))
+    if busy:
+        print("WARNING: other processes used CPU during " + ", ".join(f"{n} ({c:.2f} cores)" for n, c in busy)
+              + ": those numbers are skewed; rerun on an idle machine")
     for lv in res["levels"]:
         if lv["errors"]:
             print(f"{_label(lv)} errors: {lv['error_examples']}")
@@ -500,7 +555,9 @@ def main(argv: list[str] | None = None) -> dict:
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
                         output_type=args.output_type, n=args.n, seed=args.seed)
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
-        levels, engine_outputs = asyncio.run(run_engine_levels(url, work, args))
+        pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
+        meter = CpuMeter(pids)
+        levels, engine_outputs = asyncio.run(run_engine_levels(url, work, args, meter))
         res = {
             "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
                        "num_frames": work.num_frames, "steps": work.steps, "guidance": work.guidance,
@@ -517,7 +574,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_diffusers:
             # The engine is idle now: nothing else competes for the cores.
             print(f"diffusers WanPipeline baseline: {args.diffusers_requests} requests, sequential", flush=True)
-            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests)
+            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests, meter)
             res["diffusers"] = diff
             for lv in levels:
                 lv["throughput_vs_diffusers"] = (lv["req_per_s"] / diff["req_per_s"]) if lv["req_per_s"] else None

@@ -39,6 +39,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     request_timeout_s: float = 600.0
     max_pending: int = 256  # samples in flight before the router answers 429
     max_body_bytes: int = 1 << 20
+    # ZeroMQ disconnects a peer that sends a larger message part (bounds hostile frames).
+    max_message_bytes: int = 1 << 30
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -47,12 +49,19 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     router_endpoint: str
     runtime_dir: str
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    # Requests that share one forward (denoise), one text-encoder or one VAE call.
+    max_batch_size: int = 16
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     limits: Limits = msgspec.field(default_factory=Limits)
     # Weight updates may only read below these directories; empty: weight updates are refused.
     weight_roots: list[str] = []
     transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
+    # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/shm.py).
+    # 0: off (always 0 with tcp). Segment names start with common.shm.engine_prefix(runtime_dir).
+    shm_threshold_bytes: int = 0
+    # Most bytes of segments each process prepares ahead of time for sizes it sends repeatedly (0: none).
+    shm_spare_bytes: int = 0
     # CURVE (tcp only; empty: off). Public keys of every process ("router", "encoder-0", ...) and the
     # path of each process's secret key file (mode 0600, in the runtime dir). Never the secret keys.
     curve_public: dict[str, str] = {}

@@ -11,7 +11,7 @@ worker needs to rebuild its own request-local scheduler.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -25,12 +25,18 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-class TensorSpec(_Strict, frozen=True):
-    """Descriptor of one raw tensor frame that follows the header."""
+# A shared-memory segment's name (see common/shm.py): a file name in /dev/shm, never a path.
+ShmName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=255)]
+
+
+class TensorSpec(_Strict, frozen=True, omit_defaults=True):
+    """Descriptor of one tensor: a raw frame that follows the header or, when ``shm``
+    names a segment, the bytes of that shared-memory segment (same host only)."""
 
     name: str
     dtype: str
     shape: list[int]
+    shm: ShmName | None = None
 
 
 class Route(_Strict, frozen=True):

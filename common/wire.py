@@ -1,10 +1,17 @@
 """Wire codec: a msgpack header frame followed by raw tensor frames.
 
 Frame 0 is a :mod:`common.messages` struct encoded with msgpack; it lists a
-``TensorSpec`` (name, dtype, shape) for every following frame. Tensor frames
-are the tensor's C-order little-endian bytes, handed to ZeroMQ without a copy.
-On receive every size is checked against its descriptor before a tensor is
+``TensorSpec`` (name, dtype, shape) for every tensor. Tensor frames are the
+tensor's C-order little-endian bytes, handed to ZeroMQ without a copy. On
+receive every size is checked against its descriptor before a tensor is
 built, and tensors are views over the received frames (no copy).
+
+Same host only: with a sender object from :mod:`common.shm`, a large tensor
+goes into a shared-memory segment instead of a frame and its descriptor names
+the segment (``TensorSpec.shm``); the receiver needs its own receiver object
+to accept such a descriptor, checks the segment's size the same way, and the
+tensor is a view over the mapped segment. Without one (tcp, or shared memory
+off) a descriptor that names a segment is rejected.
 
 Nothing here can execute code from a peer: msgpack plus raw bytes only.
 """
@@ -14,7 +21,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import msgspec
 import torch
@@ -62,6 +69,22 @@ class WireError(ValueError):
         self.request_id = request_id
 
 
+class ShmSend(Protocol):
+    """Sender side of the shared-memory data plane (``common.shm.ShmSender``)."""
+
+    def put(self, t: torch.Tensor) -> str | None: ...  # a segment name, or None: send a frame
+
+    def discard(self, name: str) -> None: ...
+
+
+class ShmReceive(Protocol):
+    """Receiver side (``common.shm.ShmReceiver``)."""
+
+    def open(self, name: str, nbytes: int, request_id: str | None = None) -> memoryview: ...
+
+    def discard(self, name: object) -> None: ...
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's raw bytes as a zero-copy view (after making it contiguous on CPU)."""
     t = t.detach()
@@ -74,17 +97,30 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode(msg: Message, tensors: dict[str, torch.Tensor] | None = None) -> list[Any]:
-    """Frames for ``msg`` plus ``tensors``; ``msg.tensors`` is filled in here."""
+def encode(msg: Message, tensors: dict[str, torch.Tensor] | None = None, shm: ShmSend | None = None) -> list[Any]:
+    """Frames for ``msg`` plus ``tensors``; ``msg.tensors`` is filled in here.
+
+    ``shm`` (same host only) decides per tensor whether it goes into a shared-memory
+    segment instead of a frame.
+    """
     tensors = tensors or {}
-    specs, frames = [], []
-    for name, t in tensors.items():
-        if t.dtype not in DTYPE_NAMES:
-            raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot travel on the wire")
-        specs.append(TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape)))
-        frames.append(tensor_bytes(t))
-    msg = msgspec.structs.replace(msg, tensors=specs)
-    return [_encoder.encode(msg), *frames]
+    specs, frames, segments = [], [], []
+    try:
+        for name, t in tensors.items():
+            if t.dtype not in DTYPE_NAMES:
+                raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot travel on the wire")
+            segment = shm.put(t) if shm is not None else None
+            specs.append(TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), shm=segment))
+            if segment is None:
+                frames.append(tensor_bytes(t))
+            else:
+                segments.append(segment)
+        msg = msgspec.structs.replace(msg, tensors=specs)
+        return [_encoder.encode(msg), *frames]
+    except BaseException:
+        for segment in segments:  # nobody will ever open them
+            shm.discard(segment)
+        raise
 
 
 def _peek_request_id(raw: bytes) -> str | None:
@@ -105,7 +141,8 @@ def _frame_buffer(frame: Any) -> memoryview:
     return memoryview(buf)
 
 
-def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.Tensor:
+def _expected_bytes(spec: TensorSpec, request_id: str) -> int:
+    """The descriptor's byte count, after checking its dtype and shape."""
     if spec.dtype not in DTYPES:
         raise WireError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}", request_id)
     if (
@@ -114,9 +151,12 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
         or math.prod(max(d, 1) for d in spec.shape) > MAX_ELEMENTS
     ):
         raise WireError(f"tensor {spec.name!r}: invalid shape {spec.shape}", request_id)
+    return math.prod(spec.shape) * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+
+
+def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.Tensor:
     dtype = DTYPES[spec.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(spec.shape) * itemsize
+    expected = _expected_bytes(spec, request_id)
     if buf.nbytes != expected:
         raise WireError(
             f"tensor {spec.name!r}: frame has {buf.nbytes} bytes, descriptor "
@@ -132,8 +172,12 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
     return flat.view(dtype).reshape(spec.shape)
 
 
-def decode(frames: Sequence[Any]) -> tuple[Message, dict[str, torch.Tensor]]:
-    """Validate and decode a multipart message. Raises :class:`WireError`."""
+def decode(frames: Sequence[Any], shm: ShmReceive | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Validate and decode a multipart message. Raises :class:`WireError`.
+
+    ``shm``: this process's shared-memory receiver (same host only); without one a
+    descriptor that names a segment is rejected.
+    """
     if not frames:
         raise WireError("empty message")
     head = _frame_buffer(frames[0])
@@ -144,22 +188,42 @@ def decode(frames: Sequence[Any]) -> tuple[Message, dict[str, torch.Tensor]]:
         msg = _decoder.decode(raw)
     except msgspec.DecodeError as e:
         raise WireError(f"invalid header: {e}", _peek_request_id(raw)) from None
+    try:
+        return msg, _tensors(msg, frames, shm)
+    except BaseException:
+        if shm is not None:  # segments of a rejected message: never opened, so removed here
+            for spec in msg.tensors:
+                if spec.shm is not None:
+                    shm.discard(spec.shm)
+        raise
+
+
+def _tensors(msg: Message, frames: Sequence[Any], shm: ShmReceive | None) -> dict[str, torch.Tensor]:
     if msg.v != PROTOCOL_VERSION:
         raise WireError(
             f"protocol version {msg.v} is not {PROTOCOL_VERSION}", msg.request_id or None
         )
     if len(msg.tensors) > MAX_TENSORS:
         raise WireError(f"{len(msg.tensors)} tensors exceed the limit {MAX_TENSORS}", msg.request_id)
-    if len(frames) - 1 != len(msg.tensors):
+    framed = [s for s in msg.tensors if s.shm is None]
+    if len(frames) - 1 != len(framed):
         raise WireError(
-            f"header names {len(msg.tensors)} tensors but {len(frames) - 1} frames follow",
+            f"header names {len(framed)} tensor frames but {len(frames) - 1} frames follow",
             msg.request_id,
         )
     names = [s.name for s in msg.tensors]
     if len(set(names)) != len(names):
         raise WireError("duplicate tensor names", msg.request_id)
-    tensors = {
-        spec.name: _build_tensor(spec, _frame_buffer(f), msg.request_id)
-        for spec, f in zip(msg.tensors, frames[1:])
-    }
-    return msg, tensors
+    if shm is None and len(framed) != len(msg.tensors):
+        raise WireError("a tensor names a shared-memory segment, but this link takes none", msg.request_id)
+    for spec in msg.tensors:  # every descriptor is checked before any segment is opened
+        _expected_bytes(spec, msg.request_id)
+    tensors = {}
+    rest = iter(frames[1:])
+    for spec in msg.tensors:
+        if spec.shm is None:
+            buf = _frame_buffer(next(rest))
+        else:
+            buf = shm.open(spec.shm, _expected_bytes(spec, msg.request_id), msg.request_id)
+        tensors[spec.name] = _build_tensor(spec, buf, msg.request_id)
+    return tensors

@@ -11,6 +11,7 @@ does not look like a dead worker.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import signal
@@ -33,12 +34,14 @@ from common.messages import (
     Message,
     Progress,
 )
-from common.security import Security, bind_pull, connect_push, process_name
+from common.security import ROUTER, Security, bind_pull, connect_push, process_name
+from common.shm import ShmContext
 from common.wire import WireError, decode, encode
 
 log = logging.getLogger("disagg.worker")
 
 POLL_MS = 100
+MAX_DRAIN = 256
 
 
 class RequestError(ValueError):
@@ -68,9 +71,17 @@ class Forward:
 
 
 class Stage:
-    """What is special to one pipeline stage. Subclasses set ``role``."""
+    """What is special to one pipeline stage. Subclasses set ``role``.
+
+    A simple stage implements ``process`` (one request in, one ``Forward`` out).
+    A batching stage sets ``batching = True`` and implements ``accept`` (take a
+    request), ``has_work`` and ``work`` (advance what it holds, e.g. one batched
+    forward, and return the requests that finished or failed); the runtime keeps
+    reading its socket between two calls of ``work``, so new requests join.
+    """
 
     role: ClassVar[str]
+    batching: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, spec: WorkerSpec):
         self.config = config
@@ -84,9 +95,62 @@ class Stage:
     def process(self, msg: Any, tensors: dict[str, torch.Tensor]) -> Forward:
         raise NotImplementedError
 
+    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def can_accept(self) -> bool:
+        return True
+
+    def has_work(self) -> bool:
+        return False
+
+    def held(self) -> int:
+        return 0
+
+    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
+        raise NotImplementedError
+
     def control(self, msg: ControlRequest) -> dict:
         """Administration between requests (weight sync); stages that have none refuse."""
         raise RequestError(f"{self.role} worker takes no {msg.op} requests")
+
+
+class QueuedBatchStage(Stage):
+    """A stage that handles whatever has queued up in one call (encoder, decode).
+
+    ``process_batch`` gets up to ``max_batch_size`` requests and returns one
+    ``Forward`` or exception per request, in order.
+    """
+
+    batching = True
+
+    def __init__(self, config: EngineConfig, spec: WorkerSpec):
+        super().__init__(config, spec)
+        self.queue: collections.deque = collections.deque()
+        self.max_batch = max(1, config.max_batch_size)
+
+    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self.queue.append((msg, tensors))
+
+    def can_accept(self) -> bool:
+        return len(self.queue) < 4 * self.max_batch
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def held(self) -> int:
+        return len(self.queue)
+
+    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
+        items = [self.queue.popleft() for _ in range(min(self.max_batch, len(self.queue)))]
+        try:
+            outcomes = self.process_batch(items)
+        except Exception as e:  # a failed batch fails its requests, nothing else
+            outcomes = [e] * len(items)
+        return [(msg, out) for (msg, _), out in zip(items, outcomes)]
+
+    def process_batch(self, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> list["Forward | BaseException"]:
+        raise NotImplementedError
 
 
 class WorkerRuntime:
@@ -96,9 +160,12 @@ class WorkerRuntime:
         self.spec = stage.spec
         self.ctx = zmq.Context.instance()
         self.security = Security.load(self.config, process_name(self.spec.role, self.spec.index))
+        self.shm = ShmContext(self.config, process_name(self.spec.role, self.spec.index))  # clears leftovers for us
         self.state = "loading"
         self.busy = 0
         self._stop = threading.Event()
+        self._controls: collections.deque[ControlRequest] = collections.deque()
+        self._held: collections.deque = collections.deque()
         self._push: dict[str, zmq.Socket] = {}
         self._parent = os.getppid()
 
@@ -117,8 +184,10 @@ class WorkerRuntime:
         return self.config.worker(fwd.to, index).endpoint
 
     def send(self, fwd: Forward) -> None:
-        frames = encode(fwd.msg, fwd.tensors)
-        self._push_socket(self._endpoint_for(fwd)).send_multipart(frames, copy=False)
+        endpoint = self._endpoint_for(fwd)  # first: a route outside the topology fails before any segment exists
+        dest = ROUTER if fwd.to == "router" else process_name(fwd.to, getattr(fwd.msg.route, fwd.to))
+        frames = encode(fwd.msg, fwd.tensors, shm=self.shm.sender(dest))  # large tensors: /dev/shm (ipc)
+        self._push_socket(endpoint).send_multipart(frames, copy=False)
 
     def reply_error(self, request_id: str, exc: BaseException, status: int | None = None) -> None:
         err = ErrorReply(
@@ -163,7 +232,7 @@ class WorkerRuntime:
     # --- main loop ---------------------------------------------------------
     def handle(self, frames: list[Any]) -> None:
         try:
-            msg, tensors = decode(frames)
+            msg, tensors = decode(frames, shm=self.shm.receiver)
         except WireError as e:
             log.warning("dropped bad message: %s", e)
             if e.request_id:
@@ -171,7 +240,7 @@ class WorkerRuntime:
             return
         expected = REQUEST_KINDS[self.stage.role]
         if isinstance(msg, ControlRequest):
-            self.handle_control(msg)
+            self._controls.append(msg)  # applied between requests, see run()
             return
         if not isinstance(msg, expected):
             log.warning("dropped %s message: this worker takes %s", type(msg).__name__, expected.__name__)
@@ -179,21 +248,45 @@ class WorkerRuntime:
                 err = WireError(f"{self.stage.role} worker does not take {type(msg).__name__} messages")
                 self.reply_error(msg.request_id, err, status=400)
             return
-        self.busy += 1
+        if self._controls:
+            self._held.append((msg, tensors))  # a weight update waits for a quiet moment; so do these
+            return
+        self.admit(msg, tensors)
+
+    def admit(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
         try:
             check_deadline(msg.params)
-            fwd = self.stage.process(msg, tensors)
-            self.send(fwd)
-            if fwd.to != "router":
+            if self.stage.batching:
+                self.stage.accept(msg, tensors)
+                return
+            self.busy += 1
+            try:
+                fwd = self.stage.process(msg, tensors)
+            finally:
+                self.busy -= 1
+        except Exception as e:
+            self.finish(msg, e)
+            return
+        self.finish(msg, fwd)
+
+    def finish(self, msg: Any, outcome: "Forward | BaseException") -> None:
+        """Send a request's result on (and tell the router it moved), or answer its failure."""
+        if isinstance(outcome, DeadlineExceeded):
+            log.info("request %s dropped in %s: deadline passed", msg.request_id, self.stage.role)
+            return
+        if isinstance(outcome, BaseException):  # any failure answers this request; the worker lives on
+            log.error("request %s failed in %s: %s: %s", msg.request_id, self.stage.role,
+                      type(outcome).__name__, outcome, exc_info=outcome)
+            self.reply_error(msg.request_id, outcome)
+            return
+        try:
+            self.send(outcome)
+            if outcome.to != "router":
                 done = Progress(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.stage.role)
                 self.send(Forward("router", done))
-        except DeadlineExceeded:
-            log.info("request %s dropped in %s: deadline passed", msg.request_id, self.stage.role)
-        except Exception as e:  # any failure answers this request; the worker lives on
-            log.exception("request %s failed in %s", msg.request_id, self.stage.role)
+        except Exception as e:
+            log.exception("request %s failed in %s: could not send it on", msg.request_id, self.stage.role)
             self.reply_error(msg.request_id, e)
-        finally:
-            self.busy -= 1
 
     def handle_control(self, msg: ControlRequest) -> None:
         try:
@@ -207,8 +300,35 @@ class WorkerRuntime:
         )
         self.send(Forward("router", reply))
 
+    def step(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
+        """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""
+        stage = self.stage
+        busy = stage.has_work()
+        if poller.poll(0 if busy or self._controls else POLL_MS):
+            for _ in range(MAX_DRAIN):  # everything that is already queued, so it can join the batch
+                if not stage.can_accept():
+                    break
+                try:
+                    frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.handle(frames)
+        if self._controls and not stage.has_work():
+            # Between requests: nothing in flight here, so an update never lands inside one.
+            while self._controls:
+                self.handle_control(self._controls.popleft())
+            held, self._held = self._held, collections.deque()
+            for msg, tensors in held:
+                self.admit(msg, tensors)
+        if stage.has_work():
+            self.busy = stage.held()
+            for msg, outcome in stage.work():
+                self.finish(msg, outcome)
+            self.busy = stage.held()
+
     def run(self) -> None:
-        pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0)
+        pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0,
+                         maxmsgsize=self.config.limits.max_message_bytes)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         t0 = time.perf_counter()
@@ -219,8 +339,7 @@ class WorkerRuntime:
         poller.register(pull, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(POLL_MS):
-                    self.handle(pull.recv_multipart(copy=False))
+                self.step(pull, poller)
         finally:
             self._stop.set()
             hb.join(timeout=2)

@@ -9,7 +9,7 @@ from diffusers import AutoencoderKLWan
 
 from common.messages import PROTOCOL_VERSION, DecodeRequest, Result
 from common.model import ModelInfo
-from common.worker import Forward, Stage
+from common.worker import Forward, QueuedBatchStage, RequestError
 
 
 def to_frames(video: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def to_frames(video: torch.Tensor) -> torch.Tensor:
     return (video[0] / 2 + 0.5).clamp(0, 1).float().permute(1, 2, 3, 0).contiguous()
 
 
-class DecodeStage(Stage):
+class DecodeStage(QueuedBatchStage):
     role = "decode"
 
     def load(self) -> None:
@@ -36,13 +36,31 @@ class DecodeStage(Stage):
         # Same order of operations as diffusers: x / (1 / std) + mean, in the VAE's dtype.
         inv_std = 1.0 / self.latents_std.to(self.device, dtype)
         latents = latents / inv_std + self.latents_mean.to(self.device, dtype)
-        video = self.vae.decode(latents, return_dict=False)[0]
-        return to_frames(video)
+        return self.vae.decode(latents, return_dict=False)[0]
 
-    def process(self, msg: DecodeRequest, tensors: dict[str, torch.Tensor]) -> Forward:
-        t0 = time.perf_counter()
-        frames = self.decode(tensors["latents"])
-        timings = {**msg.timings, "decode_s": time.perf_counter() - t0}
+    def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
+        """Latents of the same shape are decoded in one VAE call; other shapes in their own."""
+        groups: dict[tuple, list[int]] = {}
+        out: list[Forward | BaseException] = [RequestError("decode request without latents")] * len(items)
+        for i, (_, tensors) in enumerate(items):
+            if "latents" in tensors:
+                groups.setdefault(tuple(tensors["latents"].shape), []).append(i)
+        for idx in groups.values():
+            t0 = time.perf_counter()
+            try:
+                video = self.decode(torch.cat([items[i][1]["latents"] for i in idx]))
+            except Exception as e:
+                for i in idx:
+                    out[i] = e
+                continue
+            elapsed = time.perf_counter() - t0
+            for j, i in enumerate(idx):
+                out[i] = self._result(*items[i], video[j : j + 1], elapsed)
+        return out
+
+    def _result(self, msg: DecodeRequest, tensors: dict, video: torch.Tensor, elapsed: float) -> Forward:
+        frames = to_frames(video)
+        timings = {**msg.timings, "decode_s": elapsed}
         out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=msg.info)
         # Rollout tensors (log-probs, trajectory) pass through unchanged.
         extras = {k: v for k, v in tensors.items() if k != "latents"}

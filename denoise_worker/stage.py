@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, guided_velocity, pad_embeddings
+from common.guidance import expert_for_timestep, pad_embeddings
 from common.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
 from common.model import ModelInfo
 from common.weights import WeightsError, load_into, read_weights, state_dict_checksum
-from common.worker import Forward, RequestError, Stage, check_deadline
+from common.worker import DeadlineExceeded, Forward, RequestError, Stage, check_deadline
 from denoise_worker import schedulers
 from denoise_worker.task import DenoiseTask
 
@@ -20,8 +22,20 @@ class UpdatesDisabled(RequestError):
     status = 403
 
 
+@dataclass
+class _Active:
+    """A request being denoised: its message, its task, when it arrived."""
+
+    msg: DenoiseRequest
+    task: DenoiseTask
+    t0: float
+    seq: int
+    largest_batch: int = 0  # reported with the result: the most requests it shared a forward with
+
+
 class DenoiseStage(Stage):
     role = "denoise"
+    batching = True
 
     def load(self) -> None:
         self.info = ModelInfo.read(self.config.model)
@@ -32,18 +46,13 @@ class DenoiseStage(Stage):
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.n_train = self.serving_template.config.num_train_timesteps
         self.weight_version = 0
+        self.max_batch = max(1, self.config.max_batch_size)
+        self.active: list[_Active] = []
+        self._seq = itertools.count()
 
     def _load_transformer(self, name: str) -> WanTransformer3DModel:
         model = WanTransformer3DModel.from_pretrained(self.info.path / name, dtype=self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
-
-    def expert_for(self, t: torch.Tensor, task: DenoiseTask) -> tuple[torch.nn.Module, float]:
-        """Wan2.2 two-expert split: high-noise steps on ``transformer``, the rest on ``transformer_2``."""
-        p = task.params
-        name = expert_for_timestep(t, self.info.boundary_ratio, self.n_train, "transformer_2" in self.experts)
-        if name == "transformer":
-            return self.experts[name], p.guidance_scale
-        return self.experts[name], p.guidance_scale_2 if p.guidance_scale_2 is not None else p.guidance_scale
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
@@ -60,20 +69,96 @@ class DenoiseStage(Stage):
             p, cond, uncond, self.info, self.serving_template, self.rollout_template, self.device
         )
 
-    @torch.no_grad()
-    def run(self, task: DenoiseTask) -> None:
-        while not task.done:
-            check_deadline(task.params)  # stop spending steps on a request already answered
-            t = task.timestep
-            model, scale = self.expert_for(t, task)
-            task.advance(guided_velocity(model, task.latents, t, task.cond, task.uncond, scale))
+    # --- continuous batching ----------------------------------------------
+    def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
+        self.active.append(_Active(msg, self.new_task(msg, tensors), time.perf_counter(), next(self._seq)))
 
-    def process(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> Forward:
-        t0 = time.perf_counter()
-        task = self.new_task(msg, tensors)
-        self.run(task)
-        timings = {**msg.timings, "denoise_s": time.perf_counter() - t0}
-        info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version}
+    def can_accept(self) -> bool:
+        return len(self.active) < 4 * self.max_batch
+
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    def held(self) -> int:
+        return len(self.active)
+
+    def _expert_name(self, task: DenoiseTask) -> str:
+        return expert_for_timestep(task.timestep, self.info.boundary_ratio, self.n_train, "transformer_2" in self.experts)
+
+    def _next_batch(self) -> list["_Active"]:
+        """The oldest request plus up to ``max_batch - 1`` others that can share its forward.
+
+        Sharing needs the same latent shape and the same expert; each sample
+        keeps its own timestep, text embeddings and guidance scale.
+        """
+        oldest = min(self.active, key=lambda a: a.seq)
+        key = (tuple(oldest.task.latents.shape), self._expert_name(oldest.task))
+        same = [a for a in self.active if (tuple(a.task.latents.shape), self._expert_name(a.task)) == key]
+        return sorted(same, key=lambda a: a.seq)[: self.max_batch]
+
+    @torch.no_grad()
+    def batched_velocity(self, tasks: list[DenoiseTask]) -> list[torch.Tensor]:
+        """Guided model outputs for tasks at (possibly) different steps, in one forward.
+
+        Conditional halves come first, then the unconditional halves of the
+        tasks that use guidance; ``uncond + g * (cond - uncond)`` per task, in
+        the model's dtype, as in :func:`common.guidance.guided_velocity`.
+        """
+        name = self._expert_name(tasks[0])
+        model = self.experts[name]
+        guided = [i for i, t in enumerate(tasks) if t.uncond is not None]
+        x = torch.cat([t.latents for t in tasks]).to(model.dtype)
+        ts = torch.stack([t.timestep.float() for t in tasks])
+        hidden = torch.cat([x, x[guided]]) if guided else x
+        steps = torch.cat([ts, ts[guided]]) if guided else ts
+        text = torch.cat([t.cond for t in tasks] + [tasks[i].uncond for i in guided])
+        out = model(hidden_states=hidden, timestep=steps, encoder_hidden_states=text, return_dict=False)[0]
+        result = [out[i : i + 1] for i in range(len(tasks))]
+        for j, i in enumerate(guided):
+            p = tasks[i].params
+            scale = p.guidance_scale
+            if name == "transformer_2" and p.guidance_scale_2 is not None:
+                scale = p.guidance_scale_2
+            v_u = out[len(tasks) + j : len(tasks) + j + 1]
+            result[i] = v_u + scale * (result[i] - v_u)
+        return result
+
+    def work(self) -> list[tuple[DenoiseRequest, Forward | BaseException]]:
+        """One batched step for the oldest compatible group; returns the requests that left."""
+        done: list[tuple[DenoiseRequest, Forward | BaseException]] = []
+        for a in list(self.active):
+            try:
+                check_deadline(a.task.params)  # stop spending steps on a request already answered
+            except DeadlineExceeded as e:
+                self.active.remove(a)
+                done.append((a.msg, e))
+        if not self.active:
+            return done
+        batch = self._next_batch()
+        try:
+            velocities = self.batched_velocity([a.task for a in batch])
+        except Exception as e:  # a failed forward fails the requests that were in it, nothing else
+            for a in batch:
+                self.active.remove(a)
+                done.append((a.msg, e))
+            return done
+        for a, v in zip(batch, velocities):
+            a.largest_batch = max(a.largest_batch, len(batch))
+            try:
+                a.task.advance(v)
+                if a.task.done:
+                    self.active.remove(a)
+                    done.append((a.msg, self._finished(a)))
+            except Exception as e:
+                self.active.remove(a)
+                done.append((a.msg, e))
+        return done
+
+    def _finished(self, a: "_Active") -> Forward:
+        msg, task = a.msg, a.task
+        timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
+        info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
+                "batch": a.largest_batch}
         extras = task.extras()
         if msg.params.output_type == "latent":
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)

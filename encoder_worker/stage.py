@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from common.messages import PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
 from common.model import MAX_SEQUENCE_LENGTH, ModelInfo
-from common.worker import Forward, Stage
+from common.worker import Forward, QueuedBatchStage
 
 try:  # diffusers fixes mojibake with ftfy when it is installed; so do we
     import ftfy
@@ -30,10 +30,10 @@ def clean_prompt(text: str) -> str:
 
 
 @torch.no_grad()
-def encode_prompt(tokenizer, text_encoder, prompt: str) -> torch.Tensor:
-    """Embeddings [L, D] trimmed to the prompt's real token length (trainers use this too)."""
+def encode_prompts(tokenizer, text_encoder, prompts: list[str]) -> list[torch.Tensor]:
+    """One text-encoder call for many prompts: embeddings [L_i, D], each trimmed to its real length."""
     tokens = tokenizer(
-        [clean_prompt(prompt)],
+        [clean_prompt(p) for p in prompts],
         padding="max_length",
         max_length=MAX_SEQUENCE_LENGTH,
         truncation=True,
@@ -42,10 +42,15 @@ def encode_prompt(tokenizer, text_encoder, prompt: str) -> torch.Tensor:
         return_tensors="pt",
     )
     mask = tokens.attention_mask
-    length = int(mask.gt(0).sum())
+    lengths = mask.gt(0).sum(dim=1).tolist()
     device = text_encoder.device
-    hidden = text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
-    return hidden[0, :length].to(text_encoder.dtype)
+    hidden = text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state.to(text_encoder.dtype)
+    return [hidden[i, :n] for i, n in enumerate(lengths)]
+
+
+def encode_prompt(tokenizer, text_encoder, prompt: str) -> torch.Tensor:
+    """Embeddings [L, D] of one prompt (trainers use this to rebuild the engine's conditioning)."""
+    return encode_prompts(tokenizer, text_encoder, [prompt])[0]
 
 
 def load_text_encoder(model_dir, dtype: torch.dtype, device) -> tuple:
@@ -55,23 +60,30 @@ def load_text_encoder(model_dir, dtype: torch.dtype, device) -> tuple:
     return tokenizer, text_encoder.to(device).eval().requires_grad_(False)
 
 
-class EncoderStage(Stage):
+class EncoderStage(QueuedBatchStage):
     role = "encoder"
 
     def load(self) -> None:
         self.tokenizer, self.text_encoder = load_text_encoder(self.config.model, self.dtype, self.device)
 
-    def encode(self, prompt: str) -> torch.Tensor:
-        return encode_prompt(self.tokenizer, self.text_encoder, prompt)
-
-    def process(self, msg: EncodeRequest, tensors: dict[str, torch.Tensor]) -> Forward:
+    def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
+        """Every distinct prompt and negative prompt of the queued requests in one encoder call."""
         t0 = time.perf_counter()
-        p = msg.params
-        out = {"prompt_embeds": self.encode(p.prompt)}
-        if p.guidance_scale > 1.0:
-            out["negative_prompt_embeds"] = self.encode(p.negative_prompt)
-        timings = {**msg.timings, "encode_s": time.perf_counter() - t0}
-        nxt = DenoiseRequest(
-            v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p, timings=timings
-        )
-        return Forward("denoise", nxt, out)
+        texts: dict[str, int] = {}
+        for msg, _ in items:
+            texts.setdefault(msg.params.prompt, len(texts))
+            if msg.params.guidance_scale > 1.0:
+                texts.setdefault(msg.params.negative_prompt, len(texts))
+        embeds = encode_prompts(self.tokenizer, self.text_encoder, list(texts))
+        elapsed = time.perf_counter() - t0
+        out = []
+        for msg, _ in items:
+            p = msg.params
+            tensors = {"prompt_embeds": embeds[texts[p.prompt]]}
+            if p.guidance_scale > 1.0:
+                tensors["negative_prompt_embeds"] = embeds[texts[p.negative_prompt]]
+            timings = {**msg.timings, "encode_s": elapsed}
+            nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
+                                 timings=timings)
+            out.append(Forward("denoise", nxt, tensors))
+        return out

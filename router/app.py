@@ -83,6 +83,8 @@ def _sample_body(seed: int, o, binary: bool) -> dict:
     }
     if "scheduler" in o.info:
         body["scheduler"] = o.info["scheduler"]
+    if "batch" in o.info:
+        body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
     if "log_probs" in t:
         body["log_probs"] = tensor_to_body(t["log_probs"], binary)
         body["log_prob_steps"] = tensor_to_body(t["log_prob_steps"], binary)

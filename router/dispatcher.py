@@ -37,6 +37,7 @@ from common.messages import (
     Route,
 )
 from common.security import ROUTER, Security, bind_pull, connect_push
+from common.shm import ShmContext
 from common.wire import WireError, decode, encode
 
 log = logging.getLogger("disagg.router")
@@ -108,6 +109,7 @@ class Dispatcher:
         self.pending: dict[str, Pending] = {}
         self._ctx = zmq.asyncio.Context()
         self.security = Security.load(config, ROUTER)  # CURVE keys on tcp topologies
+        self.shm = ShmContext(config, ROUTER)  # results' large tensors arrive in /dev/shm (ipc); clears leftovers
         self._pull: zmq.asyncio.Socket | None = None
         self._encoders: dict[int, zmq.asyncio.Socket] = {}
         self._control: dict[tuple[str, int], zmq.asyncio.Socket] = {}
@@ -123,7 +125,8 @@ class Dispatcher:
     async def start(self) -> None:
         sched_cfg = json.loads((Path(self.config.model) / "scheduler" / "scheduler_config.json").read_text())
         self.n_train = int(sched_cfg.get("num_train_timesteps", 1000))
-        self._pull = bind_pull(self._ctx, self.config.router_endpoint, self.security, linger=0)
+        self._pull = bind_pull(self._ctx, self.config.router_endpoint, self.security, linger=0,
+                               maxmsgsize=self.config.limits.max_message_bytes)
         for w in self.config.of_role("encoder"):
             self._encoders[w.index] = connect_push(self._ctx, w.endpoint, self.security, linger=0)
         self._loop = asyncio.get_running_loop()
@@ -308,7 +311,7 @@ class Dispatcher:
         while True:
             frames = await self._pull.recv_multipart(copy=False)
             try:
-                msg, tensors = decode(frames)
+                msg, tensors = decode(frames, shm=self.shm.receiver)
             except WireError as e:
                 log.warning("dropped bad message at router: %s", e)
                 continue

@@ -162,11 +162,13 @@ def test_interleaved_requests_equal_solo_runs(engine_factory):
         solo = [run(r) for r in reqs]
         with ThreadPoolExecutor(16) as pool:
             mixed = list(pool.map(run, reqs))
-    for a, b in zip(solo, mixed):
-        assert torch.equal(a["output"], b["output"])
+    assert all(a["batch"] == 1 for a in solo) and max(b["batch"] for b in mixed) > 1
+    for a, b in zip(solo, mixed):  # shared forwards round differently: within 1e-5 (fp32)
+        assert (a["output"] - b["output"]).abs().max().item() <= 1e-5
         if "log_probs" in a:
-            assert torch.equal(a["log_probs"], b["log_probs"])
-            assert torch.equal(a["trajectory"]["latents"], b["trajectory"]["latents"])
+            assert torch.equal(a["log_prob_steps"], b["log_prob_steps"])
+            assert (a["log_probs"] - b["log_probs"]).abs().max().item() <= 1e-5
+            assert (a["trajectory"]["latents"] - b["trajectory"]["latents"]).abs().max().item() <= 1e-5
 
 
 def test_sigterm_drains_in_flight_requests_and_leaves_no_orphans(engine_factory):

@@ -144,11 +144,14 @@ def test_mixed_concurrent_requests_equal_solo_runs(client):
     solo = [client.rollout(**r)["samples"][0] for r in reqs]
     with ThreadPoolExecutor(8) as pool:
         mixed = list(pool.map(lambda r: client.rollout(**r)["samples"][0], reqs))
+    # Requests that shared a batched forward round differently: within 1e-5 (fp32), not bit for bit.
+    assert max(b["batch"] for b in mixed) > 1
     for r, a, b in zip(reqs, solo, mixed):
         assert b["scheduler"] == (EULER if r["rollout"] else UNIPC)
-        assert torch.equal(a["output"], b["output"])
+        assert a["batch"] == 1
+        assert (a["output"] - b["output"]).abs().max().item() <= 1e-5
         if r["rollout"]:
-            assert torch.equal(a["log_probs"], b["log_probs"])
+            assert (a["log_probs"] - b["log_probs"]).abs().max().item() <= 1e-5
 
 
 def test_rollout_frames_carry_log_probs(client, policy):

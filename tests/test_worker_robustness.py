@@ -254,3 +254,20 @@ def test_engine_still_serves_correct_results(engine, workers, baseline, ctx):
     for role in ("encoder", "denoise", "decode"):
         assert f"{role}-0 WARNING dropped bad message" in log
     assert "answer for unknown or finished request hostile-wrong-version-encoder dropped" in log
+
+
+def test_oversized_message_is_cut_off_by_zeromq(engine_factory, ctx):
+    """A message part above --max-message-bytes never reaches the worker's code; the worker goes on."""
+    eng = engine_factory("tiny", extra=["--max-message-bytes", "65536"])
+    rows = eng.http.get("/health").json()["workers"]
+    for w in rows:
+        role = w["role"]
+        big = _frames(_request(role, f"big-frame-{role}"), {"x": torch.zeros(64, 1024)})  # a 256 KiB frame
+        _send(ctx, w["endpoint"], big)
+        probe = _wrong_version(role, f"probe-{role}")
+        _send(ctx, w["endpoint"], probe)
+        _wait_for(eng, rf"{role}-0 WARNING dropped bad message: protocol version", 1)
+        assert f"big-frame-{role}" not in _log(eng)
+    r = eng.http.post("/generate", json={"prompt": "a fox", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    assert [w["pid"] for w in eng.http.get("/health").json()["workers"]] == [w["pid"] for w in rows]
