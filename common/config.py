@@ -101,5 +101,15 @@ def torch_dtype_for(device: str, dtype: str | None) -> torch.dtype:
     return DTYPE_CHOICES[dtype]
 
 
-def default_threads(workers_on_host: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
+def default_threads(config: "EngineConfig", spec: WorkerSpec) -> int:
+    """CPU threads for a worker when the topology does not say.
+
+    The transformer is where the compute goes: denoise workers split the
+    machine's cores among themselves; encoder and decode workers take one
+    thread each (their models are small next to it, and they run between the
+    denoiser's steps rather than instead of them).
+    """
+    cores = os.cpu_count() or 1
+    if spec.role != "denoise":
+        return 1
+    return max(1, cores // max(1, len(config.of_role("denoise"))))

@@ -40,6 +40,7 @@ and the launcher removes every segment of its engine at start and at exit
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import mmap
@@ -62,6 +63,9 @@ SHM_DIR = "/dev/shm"
 DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_SPARE_BYTES = 1 << 30
 SEEN_SIZES = 16  # a size gets a prepared segment once it repeats among the last SEEN_SIZES sizes sent
+# Below this, a copy into a prepared segment is one memmove: waking torch's worker threads for one isolated
+# copy can cost more than the copy (measured: milliseconds on a busy 2-core host); above, torch's copy.
+THREADED_COPY_BYTES = 16 << 20
 TOKEN_HEX = 32
 NAME_CHARS = re.compile(r"[A-Za-z0-9_-]+")  # a segment name a message may carry
 _LOCAL_CHARS = re.compile(r"[A-Za-z0-9_.-]+")  # also a sender's prepared segments (see SparePool)
@@ -135,9 +139,10 @@ class SparePool:
     zeroing); a background thread does that work between sends. A size gets a spare once it repeats
     among the last few sizes sent; at most ``max_bytes`` of spares wait at a time (least recently
     used go first). Spares are named ``<prefix>spare.<me>.<token>``: the dots make it a name no
-    message can carry (the wire's name pattern and every receiver refuse it); a spare becomes a message's segment by a hard link to the message's name (and the spare name is
-    removed), so a receiver sees exactly what a fresh segment would be. The sender's own mapping is
-    unmapped by the background thread after the send. ``/dev/shm`` full: spares stop, with a warning.
+    message can carry (the wire's name pattern and every receiver refuse it). A spare becomes a
+    message's segment by a hard link to the message's name (the spare name is then removed), so a
+    receiver sees exactly what a fresh segment would be. The sender's own mapping is unmapped by the
+    background thread after the send. ``/dev/shm`` full: spares stop, with a warning.
     """
 
     def __init__(self, prefix: str, me: str, max_bytes: int):
@@ -151,6 +156,7 @@ class SparePool:
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._retired: list[mmap.mmap] = []
         self._thread: threading.Thread | None = None
+        self._busy = False
         self.failed = False
 
     def take(self, nbytes: int) -> _Spare | None:
@@ -165,7 +171,8 @@ class SparePool:
             if repeated and nbytes <= self.max_bytes and not self.failed:
                 self._wanted[nbytes] = None
                 self._start()
-                self._cv.notify_all()
+                if spare is None:  # else retire() wakes the thread, once the send's copy is done
+                    self._cv.notify_all()
         return spare
 
     def retire(self, mm: mmap.mmap) -> None:
@@ -184,12 +191,13 @@ class SparePool:
         """Remove spares left by a previous process of the same name."""
         return _sweep(self.stem)
 
-    def close(self) -> None:
-        """Remove the spares waiting now (the background thread may still prepare one: see ``sweep``)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Prepare nothing more and remove every spare (after one being prepared now is done)."""
         with self._cv:
-            ready, self._ready = list(self._ready.values()), OrderedDict()
+            self.failed = True
             self._wanted.clear()
-            self.failed = True  # prepare nothing more
+            self._cv.wait_for(lambda: not self._busy, timeout)
+            ready, self._ready = list(self._ready.values()), OrderedDict()
         for spare in ready:
             _unlink(spare.name)
             _release(spare.mm)
@@ -200,39 +208,48 @@ class SparePool:
             self._thread.start()
 
     def _run(self) -> None:
+        try:  # Linux: the nice value of this thread only; the process's own work comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._retired or self._wanted)
                 retired, self._retired = self._retired, []
                 nbytes = self._wanted.popitem(last=False)[0] if self._wanted else None
-                evicted = []
                 if nbytes is not None and (nbytes in self._ready or self.failed):
                     nbytes = None
+                evicted = []
                 while nbytes is not None and self._ready and sum(
                         s.nbytes for s in self._ready.values()) + nbytes > self.max_bytes:
                     evicted.append(self._ready.popitem(last=False)[1])
-            for mm in retired:
-                _release(mm)
-            for spare in evicted:
-                _unlink(spare.name)
-                _release(spare.mm)
-            if nbytes is None:
-                continue
+                self._busy = True  # close() waits for what is taken out of the pool here
+            spare = None
             try:
-                spare = self._prepare(nbytes)
-            except (OSError, ValueError) as e:
-                log.warning("cannot prepare shared-memory segments (%s); each large tensor gets a new one", e)
+                for mm in retired:
+                    _release(mm)
+                for old in evicted:
+                    _unlink(old.name)
+                    _release(old.mm)
+                if nbytes is not None:
+                    try:
+                        spare = self._prepare(nbytes)
+                    except (OSError, ValueError) as e:
+                        log.warning("cannot prepare shared-memory segments (%s); each large tensor gets a new one",
+                                    e)
+                        with self._cv:
+                            self.failed = True
                 with self._cv:
-                    self.failed = True
+                    if spare is not None and not self.failed:
+                        self._ready[nbytes] = spare
+                        spare = None
+                if spare is not None:  # closed meanwhile
+                    _unlink(spare.name)
+                    _release(spare.mm)
+            finally:
+                with self._cv:
+                    self._busy = False
                     self._cv.notify_all()
-                continue
-            with self._cv:
-                if not self.failed:
-                    self._ready[nbytes] = spare
-                    self._cv.notify_all()
-                    continue
-            _unlink(spare.name)  # closed meanwhile
-            _release(spare.mm)
 
     def _prepare(self, nbytes: int) -> _Spare:
         name = self.stem + _token()
@@ -291,8 +308,11 @@ class ShmSender:
         """Copy ``t`` into a prepared segment (one copy, also from a strided or GPU tensor) and give it ``name``."""
         try:
             src = t.detach()
-            dst = torch.frombuffer(spare.mm, dtype=torch.uint8).view(src.dtype).reshape(src.shape)
-            dst.copy_(src)
+            dst = torch.frombuffer(spare.mm, dtype=torch.uint8)
+            if src.device.type == "cpu" and src.is_contiguous() and spare.nbytes < THREADED_COPY_BYTES:
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), spare.nbytes)  # one thread, GIL released
+            else:  # large, strided or on a GPU: torch's copy (its threads; one pass)
+                dst.view(src.dtype).reshape(src.shape).copy_(src)
             del dst
             os.link(_path(spare.name), _path(name))
             return True

@@ -367,8 +367,7 @@ def main(stage_cls: type[Stage]) -> None:
 
     dlog.disable_progress_bar()
     tlog.disable_progress_bar()
-    co_located = sum(1 for w in config.workers if w.device == spec.device or w.device == "cpu")
-    torch.set_num_threads(spec.threads or default_threads(co_located))
+    torch.set_num_threads(spec.threads or default_threads(config, spec))
     runtime = WorkerRuntime(stage_cls(config, spec))
     signal.signal(signal.SIGTERM, lambda *_: runtime._stop.set())
     signal.signal(signal.SIGINT, lambda *_: runtime._stop.set())

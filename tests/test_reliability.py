@@ -167,7 +167,7 @@ def test_interleaved_requests_equal_solo_runs(engine_factory):
         assert (a["output"] - b["output"]).abs().max().item() <= 1e-5
         if "log_probs" in a:
             assert torch.equal(a["log_prob_steps"], b["log_prob_steps"])
-            assert (a["log_probs"] - b["log_probs"]).abs().max().item() <= 1e-5
+            assert torch.allclose(a["log_probs"], b["log_probs"], rtol=0, atol=1e-5)  # may be empty (ode)
             assert (a["trajectory"]["latents"] - b["trajectory"]["latents"]).abs().max().item() <= 1e-5
 
 

@@ -20,7 +20,7 @@ import zmq
 
 from common.config import EngineConfig, WorkerSpec
 from common.engine_process import EngineProcess
-from common.messages import PROTOCOL_VERSION, DecodeRequest, GenerationParams, Result, Route
+from common.messages import PROTOCOL_VERSION, DecodeRequest, GenerationParams, Route
 from common.shm import (
     SHM_DIR,
     ShmContext,
@@ -306,7 +306,7 @@ def _spares(prefix: str) -> list[str]:
 
 @pytest.fixture
 def pool(prefix):
-    p = SparePool(prefix, "denoise-0", max_bytes=1 << 20)
+    p = SparePool(prefix, "denoise-0", max_bytes=64 << 20)
     yield p
     p.close()
 
@@ -317,6 +317,7 @@ def test_repeated_sizes_use_prepared_segments(prefix, pool, caplog):
     cases = {name: _sample(dtype, (3, 5, 7)) for name, dtype in DTYPES.items()}
     cases["strided"] = torch.arange(600, dtype=torch.float32).reshape(20, 30).t()
     cases["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    cases["large"] = torch.randn(4, 1 << 20)  # 16 MiB: torch's threaded copy instead of one memmove
     for name, t in cases.items():
         nbytes = t.numel() * t.element_size()
         for _ in range(2):  # the first sends teach the pool the size
