@@ -67,8 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest ZeroMQ message part a socket accepts")
-    p.add_argument("--max-batch-size", type=int, default=16,
+    p.add_argument("--max-batch-size", type=int, default=8,
                    help="requests per batched forward (denoise), text-encoder call and VAE call")
+    p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
+                   help="encoder: bytes of recently encoded prompts kept (0: off)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--no-restart", action="store_true", help="do not restart workers that die")
     p.add_argument("--shm-threshold", type=int, default=None, metavar="BYTES",
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
         runtime_dir=str(runtime),
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
         transport=args.transport,
         shm_threshold_bytes=shm_threshold,
         shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,

@@ -420,6 +420,9 @@ def print_report(res: dict) -> None:
         verdict = "OK" if chk["ok"] else "MISMATCH"
         print(f"correctness, engine vs diffusers max abs diff on requests {list(range(res['config']['check']))}: "
               f"{parts}  -> {verdict} (tolerance {chk['tolerance']:g})")
+        if not chk["ok"] and res["config"]["output_type"] == "frames":
+            print("  (frames go through the VAE, which can amplify a tiny latent difference; "
+                  "--output-type latent checks the denoiser's output alone)")
 
 
 def plot(res: dict, path: Path) -> None:

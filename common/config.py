@@ -50,7 +50,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     runtime_dir: str
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     # Requests that share one forward (denoise), one text-encoder or one VAE call.
-    max_batch_size: int = 16
+    max_batch_size: int = 8
+    prompt_cache_bytes: int = 256 << 20  # encoder: recently encoded prompts kept (0: no cache)
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     limits: Limits = msgspec.field(default_factory=Limits)

@@ -9,13 +9,17 @@ from dataclasses import dataclass
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, pad_embeddings
+from common.guidance import expert_for_timestep, guided_velocity, pad_embeddings
 from common.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
 from common.model import ModelInfo
 from common.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from common.worker import DeadlineExceeded, Forward, RequestError, Stage, check_deadline
 from denoise_worker import schedulers
 from denoise_worker.task import DenoiseTask
+
+
+# Multiply-accumulates (roughly samples x tokens x width^2) below which a forward runs on one thread.
+SMALL_FORWARD = 5e7
 
 
 class UpdatesDisabled(RequestError):
@@ -46,6 +50,7 @@ class DenoiseStage(Stage):
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.n_train = self.serving_template.config.num_train_timesteps
         self.weight_version = 0
+        self.max_threads = torch.get_num_threads()
         self.max_batch = max(1, self.config.max_batch_size)
         self.active: list[_Active] = []
         self._seq = itertools.count()
@@ -106,6 +111,14 @@ class DenoiseStage(Stage):
         """
         name = self._expert_name(tasks[0])
         model = self.experts[name]
+        self._size_threads(model, tasks)
+        if len(tasks) == 1:
+            # Alone: two passes exactly as diffusers' pipeline (and a trainer's recompute) take them.
+            t = tasks[0]
+            scale = t.params.guidance_scale
+            if name == "transformer_2" and t.params.guidance_scale_2 is not None:
+                scale = t.params.guidance_scale_2
+            return [guided_velocity(model, t.latents, t.timestep, t.cond, t.uncond, scale)]
         guided = [i for i, t in enumerate(tasks) if t.uncond is not None]
         x = torch.cat([t.latents for t in tasks]).to(model.dtype)
         ts = torch.stack([t.timestep.float() for t in tasks])
@@ -122,6 +135,25 @@ class DenoiseStage(Stage):
             v_u = out[len(tasks) + j : len(tasks) + j + 1]
             result[i] = v_u + scale * (result[i] - v_u)
         return result
+
+    def _size_threads(self, model: torch.nn.Module, tasks: list[DenoiseTask]) -> None:
+        """Intra-op threads only for forwards big enough to gain from them (CPU).
+
+        On a small forward, waking threads costs more than it saves: measured on
+        the tiny model, one thread halves the denoise CPU time per request, while
+        a compute-bound model needs every core for its latency.
+        """
+        if self.device.type != "cpu" or self.max_threads == 1:
+            return
+        cfg = model.config
+        width = cfg.num_attention_heads * cfg.attention_head_dim
+        p = cfg.patch_size
+        shape = tasks[0].latents.shape
+        tokens = (shape[2] // p[0]) * (shape[3] // p[1]) * (shape[4] // p[2]) + tasks[0].cond.shape[1]
+        samples = sum(2 if t.uncond is not None else 1 for t in tasks)
+        threads = self.max_threads if samples * tokens * width * width >= SMALL_FORWARD else 1
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def work(self) -> list[tuple[DenoiseRequest, Forward | BaseException]]:
         """One batched step for the oldest compatible group; returns the requests that left."""

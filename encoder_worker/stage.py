@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import html
 import time
 
@@ -31,7 +32,13 @@ def clean_prompt(text: str) -> str:
 
 @torch.no_grad()
 def encode_prompts(tokenizer, text_encoder, prompts: list[str]) -> list[torch.Tensor]:
-    """One text-encoder call for many prompts: embeddings [L_i, D], each trimmed to its real length."""
+    """Embeddings [L_i, D] for many prompts in one text-encoder call, each trimmed to its real length.
+
+    Every prompt is padded to 512 tokens with its attention mask, exactly as
+    diffusers' Wan pipeline does: all rows then have the same shape, so a
+    prompt's embeddings are the same whatever else shares the call, and equal
+    to what diffusers (or a trainer calling :func:`encode_prompt`) computes.
+    """
     tokens = tokenizer(
         [clean_prompt(p) for p in prompts],
         padding="max_length",
@@ -46,6 +53,36 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str]) -> list[torch.Te
     device = text_encoder.device
     hidden = text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state.to(text_encoder.dtype)
     return [hidden[i, :n] for i, n in enumerate(lengths)]
+
+
+class EmbeddingCache:
+    """Recently encoded prompts (the text encoder never changes while serving).
+
+    RL groups repeat a prompt n times and most requests share a negative
+    prompt; those then cost no text-encoder call. Bounded by bytes, least
+    recently used first out.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.items: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+
+    def get(self, text: str) -> torch.Tensor | None:
+        hit = self.items.get(text)
+        if hit is not None:
+            self.items.move_to_end(text)
+        return hit
+
+    def put(self, text: str, embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if size > self.max_bytes or text in self.items:
+            return
+        self.items[text] = embeds
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
 
 
 def encode_prompt(tokenizer, text_encoder, prompt: str) -> torch.Tensor:
@@ -65,23 +102,30 @@ class EncoderStage(QueuedBatchStage):
 
     def load(self) -> None:
         self.tokenizer, self.text_encoder = load_text_encoder(self.config.model, self.dtype, self.device)
+        self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
 
     def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
-        """Every distinct prompt and negative prompt of the queued requests in one encoder call."""
+        """Every distinct prompt and negative prompt of the queued requests, in one encoder call
+        for those not in the cache."""
         t0 = time.perf_counter()
-        texts: dict[str, int] = {}
+        texts: set[str] = set()
         for msg, _ in items:
-            texts.setdefault(msg.params.prompt, len(texts))
+            texts.add(msg.params.prompt)
             if msg.params.guidance_scale > 1.0:
-                texts.setdefault(msg.params.negative_prompt, len(texts))
-        embeds = encode_prompts(self.tokenizer, self.text_encoder, list(texts))
+                texts.add(msg.params.negative_prompt)
+        embeds = {t: self.cache.get(t) for t in sorted(texts)}
+        missing = [t for t, e in embeds.items() if e is None]
+        if missing:
+            for text, emb in zip(missing, encode_prompts(self.tokenizer, self.text_encoder, missing)):
+                embeds[text] = emb.clone()  # its own storage, not a view that pins the whole batch
+                self.cache.put(text, embeds[text])
         elapsed = time.perf_counter() - t0
         out = []
         for msg, _ in items:
             p = msg.params
-            tensors = {"prompt_embeds": embeds[texts[p.prompt]]}
+            tensors = {"prompt_embeds": embeds[p.prompt]}
             if p.guidance_scale > 1.0:
-                tensors["negative_prompt_embeds"] = embeds[texts[p.negative_prompt]]
+                tensors["negative_prompt_embeds"] = embeds[p.negative_prompt]
             timings = {**msg.timings, "encode_s": elapsed}
             nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
                                  timings=timings)
