@@ -104,8 +104,10 @@ def test_batched_text_encoding_equals_unbatched_and_diffusers(tiny_dir):
         with torch.no_grad():  # as the pipeline's own __call__ runs it
             ref = pipe._get_t5_prompt_embeds(p, max_sequence_length=512)[0]
         assert torch.equal(ref[: b.shape[0]], b) and not ref[b.shape[0]:].any()
-    cache = EmbeddingCache(max_bytes=2 * batched[3].numel() * 4)
+    size = [b.numel() * b.element_size() for b in batched]
+    cache = EmbeddingCache(max_bytes=size[2] + size[3])  # room for the last two only
     for p, b in zip(prompts, batched):
         cache.put(p, b)
-    assert cache.bytes <= cache.max_bytes and cache.get(prompts[0]) is None  # oldest evicted
-    assert torch.equal(cache.get(prompts[3]), batched[3])
+    assert cache.bytes == size[2] + size[3]
+    assert cache.get(prompts[0]) is None and cache.get(prompts[1]) is None  # least recently used went first
+    assert torch.equal(cache.get(prompts[2]), batched[2]) and torch.equal(cache.get(prompts[3]), batched[3])
