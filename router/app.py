@@ -120,6 +120,10 @@ def create_app(config: EngineConfig, *, api_key: str | None = None, admin_key: s
         limit = config.limits.max_body_bytes
         return error_response(413, "body_too_large", f"request body exceeds {limit} bytes", field="body")
 
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, e: ValidationError):
+        return _validation_error(e)
+
     @app.exception_handler(FieldError)
     async def _field_error(request: Request, e: FieldError):
         return error_response(400, "invalid_request", str(e), field=e.field)
@@ -154,23 +158,17 @@ def create_app(config: EngineConfig, *, api_key: str | None = None, admin_key: s
         }
         return _encode(payload, request)
 
+    async def validated(request: Request, schema):
+        """The request body as ``schema``; a bad one becomes a 400 naming the field (handler above)."""
+        return schema.model_validate(await _parse_body(request, config.limits.max_body_bytes))
+
     @app.post("/generate")
     async def generate(request: Request):
-        data = await _parse_body(request, config.limits.max_body_bytes)
-        try:
-            body = GenerateBody.model_validate(data)
-        except ValidationError as e:
-            return _validation_error(e)
-        return await run_samples(body, request)
+        return await run_samples(await validated(request, GenerateBody), request)
 
     @app.post("/rollout/generate")
     async def rollout_generate(request: Request):
-        data = await _parse_body(request, config.limits.max_body_bytes)
-        try:
-            body = RolloutBody.model_validate(data)
-        except ValidationError as e:
-            return _validation_error(e)
-        return await run_samples(body, request)
+        return await run_samples(await validated(request, RolloutBody), request)
 
     def _module_checked(module: str) -> str:
         if module == "transformer_2" and not info.has_transformer_2:
@@ -195,11 +193,7 @@ def create_app(config: EngineConfig, *, api_key: str | None = None, admin_key: s
         if not config.weight_roots:  # refused here: nothing reaches a worker
             return error_response(403, "forbidden",
                                   "weight updates are disabled: start the engine with --weight-root DIR")
-        data = await _parse_body(request, config.limits.max_body_bytes)
-        try:
-            body = UpdateWeightsBody.model_validate(data)
-        except ValidationError as e:
-            return _validation_error(e)
+        body = await validated(request, UpdateWeightsBody)
         module = _module_checked(body.module)
         async with weights_lock:
             version = dispatcher.weight_version + 1
