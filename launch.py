@@ -10,6 +10,7 @@ or SIGTERM stops everything; a child that dies is reported.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -104,8 +105,6 @@ class EngineServer(uvicorn.Server):
 
 
 def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvicorn.Server) -> None:
-    import json
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not supervisor.stopping.is_set():
         try:

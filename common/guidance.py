@@ -42,6 +42,13 @@ def guided_velocity(
     return v
 
 
+def guidance_for(expert: str, guidance_scale: float, guidance_scale_2: float | None) -> float:
+    """The second expert uses ``guidance_scale_2`` when given, as diffusers' WanPipeline does."""
+    if expert == "transformer_2" and guidance_scale_2 is not None:
+        return guidance_scale_2
+    return guidance_scale
+
+
 def expert_for_timestep(t: float | torch.Tensor, boundary_ratio: float | None, n_train: int, has_second: bool) -> str:
     """Wan2.2 two-expert split: ``transformer`` for t >= boundary_ratio * n_train, else ``transformer_2``."""
     if boundary_ratio is None or not has_second or t >= boundary_ratio * n_train:

@@ -103,11 +103,11 @@ def _token() -> str:
     return secrets.token_hex(TOKEN_HEX // 2)
 
 
-def _sweep(stem: str) -> int:
-    """Remove this user's regular files named ``<stem><token>``."""
+def _remove_own(matches) -> int:
+    """Remove this user's regular files in /dev/shm whose names ``matches`` accepts."""
     removed = 0
     for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(stem) and _TOKEN.fullmatch(entry.name[len(stem):]):
+        if matches(entry.name):
             try:
                 if _own_regular_file(entry.stat(follow_symlinks=False)):
                     os.unlink(entry.path)
@@ -115,6 +115,11 @@ def _sweep(stem: str) -> int:
             except FileNotFoundError:
                 pass
     return removed
+
+
+def _sweep(stem: str) -> int:
+    """Remove this user's regular files named ``<stem><token>``."""
+    return _remove_own(lambda name: name.startswith(stem) and _TOKEN.fullmatch(name[len(stem):]) is not None)
 
 
 @dataclass
@@ -434,13 +439,4 @@ def remove_engine_segments(prefix: str) -> int:
     """Launcher: remove every segment of the engine with ``prefix`` (at start and at exit)."""
     if not (prefix.startswith("disagg-") and NAME_CHARS.fullmatch(prefix)) or not os.path.isdir(SHM_DIR):
         return 0
-    removed = 0
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(prefix) and _LOCAL_CHARS.fullmatch(entry.name):
-            try:
-                if _own_regular_file(entry.stat(follow_symlinks=False)):
-                    os.unlink(entry.path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
+    return _remove_own(lambda name: name.startswith(prefix) and _LOCAL_CHARS.fullmatch(name) is not None)

@@ -73,15 +73,14 @@ class Forward:
 class Stage:
     """What is special to one pipeline stage. Subclasses set ``role``.
 
-    A simple stage implements ``process`` (one request in, one ``Forward`` out).
-    A batching stage sets ``batching = True`` and implements ``accept`` (take a
-    request), ``has_work`` and ``work`` (advance what it holds, e.g. one batched
-    forward, and return the requests that finished or failed); the runtime keeps
-    reading its socket between two calls of ``work``, so new requests join.
+    A stage implements ``accept`` (take a request), ``has_work`` and ``work``
+    (advance what it holds, e.g. one batched forward, and return the requests
+    that finished or failed); the runtime keeps reading its socket between two
+    calls of ``work``, so new requests join. :class:`QueuedBatchStage` is the
+    simple case: handle whatever has queued up in one call.
     """
 
     role: ClassVar[str]
-    batching: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, spec: WorkerSpec):
         self.config = config
@@ -90,9 +89,6 @@ class Stage:
         self.dtype = torch_dtype_for(spec.device, config.dtype)
 
     def load(self) -> None:
-        raise NotImplementedError
-
-    def process(self, msg: Any, tensors: dict[str, torch.Tensor]) -> Forward:
         raise NotImplementedError
 
     def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
@@ -121,8 +117,6 @@ class QueuedBatchStage(Stage):
     ``process_batch`` gets up to ``max_batch_size`` requests and returns one
     ``Forward`` or exception per request, in order.
     """
-
-    batching = True
 
     def __init__(self, config: EngineConfig, spec: WorkerSpec):
         super().__init__(config, spec)
@@ -256,18 +250,9 @@ class WorkerRuntime:
     def admit(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
         try:
             check_deadline(msg.params)
-            if self.stage.batching:
-                self.stage.accept(msg, tensors)
-                return
-            self.busy += 1
-            try:
-                fwd = self.stage.process(msg, tensors)
-            finally:
-                self.busy -= 1
-        except Exception as e:
+            self.stage.accept(msg, tensors)
+        except Exception as e:  # refused at the door (bad tensors, scheduler rebuild, deadline)
             self.finish(msg, e)
-            return
-        self.finish(msg, fwd)
 
     def finish(self, msg: Any, outcome: "Forward | BaseException") -> None:
         """Send a request's result on (and tell the router it moved), or answer its failure."""

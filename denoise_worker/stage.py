@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, guided_velocity, pad_embeddings
+from common.guidance import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
 from common.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
 from common.model import ModelInfo
 from common.weights import WeightsError, load_into, read_weights, state_dict_checksum
@@ -39,7 +39,6 @@ class _Active:
 
 class DenoiseStage(Stage):
     role = "denoise"
-    batching = True
 
     def load(self) -> None:
         self.info = ModelInfo.read(self.config.model)
@@ -115,9 +114,7 @@ class DenoiseStage(Stage):
         if len(tasks) == 1:
             # Alone: two passes exactly as diffusers' pipeline (and a trainer's recompute) take them.
             t = tasks[0]
-            scale = t.params.guidance_scale
-            if name == "transformer_2" and t.params.guidance_scale_2 is not None:
-                scale = t.params.guidance_scale_2
+            scale = guidance_for(name, t.params.guidance_scale, t.params.guidance_scale_2)
             return [guided_velocity(model, t.latents, t.timestep, t.cond, t.uncond, scale)]
         guided = [i for i, t in enumerate(tasks) if t.uncond is not None]
         x = torch.cat([t.latents for t in tasks]).to(model.dtype)
@@ -129,9 +126,7 @@ class DenoiseStage(Stage):
         result = [out[i : i + 1] for i in range(len(tasks))]
         for j, i in enumerate(guided):
             p = tasks[i].params
-            scale = p.guidance_scale
-            if name == "transformer_2" and p.guidance_scale_2 is not None:
-                scale = p.guidance_scale_2
+            scale = guidance_for(name, p.guidance_scale, p.guidance_scale_2)
             v_u = out[len(tasks) + j : len(tasks) + j + 1]
             result[i] = v_u + scale * (result[i] - v_u)
         return result

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, guided_velocity, pad_embeddings
+from common.guidance import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
 from common.model import ModelInfo
 from common.sde import sde_step
 from encoder_worker.stage import encode_prompt, load_text_encoder
@@ -64,7 +64,7 @@ class TrainerPolicy:
 
     def velocity(self, latents, t, cond, uncond, guidance_scale, guidance_scale_2=None) -> torch.Tensor:
         name = expert_for_timestep(t, self.info.boundary_ratio, self.n_train, "transformer_2" in self.experts)
-        scale = guidance_scale if name == "transformer" else (guidance_scale_2 or guidance_scale)
+        scale = guidance_for(name, guidance_scale, guidance_scale_2)
         return guided_velocity(self.experts[name], latents.to(self.device), t.to(self.device), cond, uncond, scale)
 
     def log_probs(

@@ -76,7 +76,6 @@ class Pending:
     uses_decode: bool = True
     done_stage: int = -1  # index in ROLES of the last stage that handed the request on
     target: tuple[str, int] | None = None  # control requests: the one worker asked
-    started: float = field(default_factory=time.perf_counter)
 
     def waits_on(self, role: str, index: int) -> bool:
         """Whether this request is still in (or queued for) worker ``role``-``index``."""

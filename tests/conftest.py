@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,19 @@ sys.path.insert(0, str(ROOT))
 
 from common.engine_process import EngineProcess  # noqa: E402
 from common.tiny_model import ensure_tiny_model  # noqa: E402
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 class Engine(EngineProcess):

@@ -3,13 +3,13 @@
 import base64
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from common.model import ModelInfo
+from conftest import pid_alive
 
 MAX_N = 3  # launched with --max-n 3; every other limit keeps its default
 DEFAULT_LIMITS = dict(max_height=1280, max_width=1280, max_num_frames=129, max_steps=1000, max_prompt_chars=4096)
@@ -24,14 +24,6 @@ def _ppid(pid: int) -> int:
     # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after the last ')'
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _post(engine, body, **kw):
@@ -50,7 +42,7 @@ def test_health_lists_live_ready_workers(engine):
     assert len(set(pids)) == 3 and engine.proc.pid not in pids  # three processes, none of them the router
     for w in rows:
         assert w["device"] == "cpu"
-        assert isinstance(w["pid"], int) and _alive(w["pid"])
+        assert isinstance(w["pid"], int) and pid_alive(w["pid"])
         assert _ppid(w["pid"]) == engine.proc.pid  # children of the launcher
         assert w["endpoint"] == f"ipc://{engine.runtime / (w['role'] + '-0.sock')}"
         assert Path(w["endpoint"][len("ipc://"):]).exists()
@@ -211,12 +203,12 @@ def test_n_samples_get_their_own_seeds_and_request_ids(engine):
 def test_shutdown_leaves_no_orphans(engine_factory):
     eng = engine_factory("tiny")
     pids = eng.worker_pids()
-    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    assert len(pids) == 3 and all(pid_alive(p) for p in pids)
     launcher = eng.proc.pid
     t0 = time.monotonic()
     eng.stop()
-    while time.monotonic() - t0 < 10 and any(_alive(p) for p in pids):
+    while time.monotonic() - t0 < 10 and any(pid_alive(p) for p in pids):
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "worker processes outlived the engine"
-    assert not _alive(launcher)
+    assert not [p for p in pids if pid_alive(p)], "worker processes outlived the engine"
+    assert not pid_alive(launcher)
     assert eng.proc.returncode == 0

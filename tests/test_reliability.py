@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import pid_alive
 from router.client import EngineClient, EngineHTTPError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,19 +185,9 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_orphans(engine_factory)
     deadline = time.monotonic() + 15
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _exists(p)]
+        alive = [p for p in pids if pid_alive(p)]
         time.sleep(0.2)
     assert not alive
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes (its parent is the exited launcher).
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and re.search(r"\) Z ", stat.read_text()))
 
 
 def test_no_pickle_or_eval_in_the_source():

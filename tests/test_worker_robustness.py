@@ -6,7 +6,6 @@ serving: afterwards every process is alive, /health is green and /generate gives
 to what it gave before any hostile message.
 """
 
-import os
 import re
 import time
 
@@ -25,6 +24,7 @@ from common.messages import (
     Route,
 )
 from common.wire import WireError, decode, encode
+from conftest import pid_alive
 
 PARAMS = GenerationParams(
     prompt="a fox at dawn", negative_prompt="", height=32, width=32, num_frames=5,
@@ -163,17 +163,9 @@ def _wait_for(engine, pattern: str, at_least: int) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _assert_all_alive(engine, workers):
     for w in workers:
-        assert _alive(w["pid"]), f"{w['role']} worker died:\n{engine.log()}"
+        assert pid_alive(w["pid"]), f"{w['role']} worker died:\n{engine.log()}"
     r = engine.http.get("/health")
     assert r.status_code == 200, r.text
     assert [w["pid"] for w in r.json()["workers"]] == [w["pid"] for w in workers]  # none was restarted
