@@ -1,7 +1,8 @@
 """The worker loop every stage shares: receive, validate, process, forward.
 
 A stage (encoder, denoise, decode) subclasses :class:`Stage` and implements
-only ``load`` and ``process``. :class:`WorkerRuntime` owns the sockets: it
+only ``load`` and what it does with requests (``accept`` / ``work``, or
+``process_batch`` for a :class:`QueuedBatchStage`). :class:`WorkerRuntime` owns the sockets: it
 binds the stage's PULL input, pushes results to the next stage or to the
 router, turns every failure into an :class:`ErrorReply` for that request, and
 heartbeats to the router from a separate thread so that a long forward pass
