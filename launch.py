@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shm-spare-bytes", type=int, default=DEFAULT_SPARE_BYTES, metavar="BYTES",
                    help="per process: most bytes of shared-memory segments prepared ahead of time for tensor "
                         f"sizes sent repeatedly (default {DEFAULT_SPARE_BYTES}; 0: none)")
+    p.add_argument("--no-cuda-ipc", action="store_true",
+                   help="stage CUDA tensors between GPU workers through host memory instead of CUDA IPC")
     args = p.parse_args(argv)
     if args.shm_threshold is not None and args.shm_threshold < 0:
         p.error("--shm-threshold must be >= 0")
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
         transport=args.transport,
         shm_threshold_bytes=shm_threshold,
         shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,
+        cuda_ipc=args.transport == "ipc" and not args.no_cuda_ipc,
         weight_roots=weight_roots,
         limits=Limits(
             max_height=args.max_height,

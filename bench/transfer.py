@@ -16,6 +16,12 @@ In one run, for each size (MiB, float32):
   Each round waits until the background thread has the spare ready, as a transfer between two
   requests' compute would find it; that preparation is not in the timing.
 
+With ``--device cuda`` (a GPU host) the tensor starts on the GPU and must end on the GPU in the
+receiver: ``copy_`` and ``clone`` are device copies, the zmq and shm modes stage through host memory
+(device -> host in the sender, host -> device in the receiver, what a GPU-to-GPU hop costs without
+CUDA IPC), and a ``cuda ipc`` mode sends a CUDA IPC handle (``common.cuda_ipc``): the receiver copies
+from the sender's GPU memory into its own.
+
 Times run from just before ``encode`` in the sender until the receiver holds a usable tensor
 ("usable": decoded, a view over the frame or the mapping) and until it has also read every byte
 once ("read once": ``tensor.sum()``); both ends read ``CLOCK_MONOTONIC``, which is system-wide.
@@ -42,6 +48,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.cuda_ipc import CudaIpcReceiver, CudaIpcSender  # noqa: E402
 from common.messages import PROTOCOL_VERSION, Result  # noqa: E402
 from common.shm import ShmReceiver, ShmSender, SparePool, engine_prefix, remove_engine_segments  # noqa: E402
 from common.wire import decode, encode  # noqa: E402
@@ -58,7 +65,12 @@ def endpoints(work: Path) -> tuple[str, str]:
     return f"ipc://{work / 'data.sock'}", f"ipc://{work / 'report.sock'}"
 
 
-def child(work: Path) -> None:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def child(work: Path, device: torch.device) -> None:
     """Receiver: decode each message, note when the tensor is usable and when it has been read once."""
     data_ep, report_ep = endpoints(work)
     ctx = zmq.Context()
@@ -67,15 +79,19 @@ def child(work: Path) -> None:
     push = ctx.socket(zmq.PUSH)
     push.connect(report_ep)
     receiver = ShmReceiver(engine_prefix(str(work)), RECEIVER)
+    cuda = CudaIpcReceiver(device) if device.type == "cuda" else None
     push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id="ready", stage="bench")))
     while True:
         frames = pull.recv_multipart(copy=False)
-        msg, tensors = decode(frames, shm=receiver)
-        usable = clock()
+        msg, tensors = decode(frames, shm=receiver, cuda=cuda)
         if msg.request_id == "stop":
             break
-        float(tensors["x"].sum())
+        x = tensors["x"].to(device)  # host-staged modes on a GPU: the host -> device half of the hop
+        sync(device)
+        usable = clock()
+        float(x.sum())
         read = clock()
+        del x
         del tensors, frames  # teardown (munmap / free) happens here, before the report
         push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage="bench",
                                           info={"usable": usable, "read": read})))
@@ -101,13 +117,17 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256], help="MiB")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads in both processes (0: torch's default)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the tensor starts and ends on this GPU")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no GPU")
     if args.child:
-        child(Path(args.child))
+        child(Path(args.child), device)
         return
 
     work = Path(tempfile.mkdtemp(prefix="transfer-"))
@@ -122,8 +142,10 @@ def main() -> None:
     pool = SparePool(prefix, "bench-tx", max_bytes=max(args.sizes) * MiB)
     senders = {"zmq": None, "shm_new": ShmSender(prefix, RECEIVER, threshold=1),
                "shm_prepared": ShmSender(prefix, RECEIVER, threshold=1, spares=pool)}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(work), "--threads", str(args.threads)],
-                            cwd=ROOT)
+    cuda = {"cuda_ipc": CudaIpcSender(RECEIVER)} if device.type == "cuda" else {}
+    senders.update(dict.fromkeys(cuda))
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(work), "--threads", str(args.threads),
+                             "--device", args.device], cwd=ROOT)
     try:
         if not report.poll(60_000):
             raise SystemExit("receiver did not start")
@@ -131,12 +153,12 @@ def main() -> None:
         rows = []
         for mib in args.sizes:
             n = mib * MiB
-            src = torch.randn(n // 4)
+            src = torch.randn(n // 4, device=device)
             dst = torch.empty_like(src)
-            row = {"MiB": mib, "torch_threads": torch.get_num_threads()}
+            row = {"MiB": mib, "torch_threads": torch.get_num_threads(), "device": str(device)}
             inner = max(1, 64 // mib)  # small copies back to back, so that thread wake-ups do not dominate
-            row["copy_"] = n / median_time(lambda: dst.copy_(src), args.repeats, inner) / 1e9
-            row["clone"] = n / median_time(lambda: src.clone(), args.repeats, inner) / 1e9
+            row["copy_"] = n / median_time(lambda: (dst.copy_(src), sync(device)), args.repeats, inner) / 1e9
+            row["clone"] = n / median_time(lambda: (src.clone(), sync(device)), args.repeats, inner) / 1e9
             for mode, shm in senders.items():
                 usable, read = [], []
                 warmup = 2 if shm is not None and shm.spares is not None else 1  # the pool learns the size
@@ -147,7 +169,7 @@ def main() -> None:
                             raise SystemExit(f"no prepared segment of {mib} MiB")
                     t0 = clock()
                     push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id=rid, stage="bench"),
-                                               {"x": src}, shm=shm), copy=False)
+                                               {"x": src}, shm=shm, cuda=cuda.get(mode)), copy=False)
                     if not report.poll(120_000):
                         raise SystemExit(f"no report for {rid}")
                     msg, _ = decode(report.recv_multipart())
@@ -171,10 +193,10 @@ def main() -> None:
         left = remove_engine_segments(prefix)
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nsegments left after the run (removed): {left}")
-    print(f"one tensor between two processes, median of {args.repeats}, GB/s "
+    print(f"one tensor between two processes on {device}, median of {args.repeats}, GB/s "
           f"(ratio to copy_ in parentheses; torch threads {rows[0]['torch_threads']})\n")
     cols = ["clone", "zmq_usable", "zmq_read", "shm_new_usable", "shm_new_read", "shm_prepared_usable",
-            "shm_prepared_read"]
+            "shm_prepared_read"] + [f"{m}_{k}" for m in cuda for k in ("usable", "read")]
     print("| size | copy_ | " + " | ".join(c.replace("_", " ").replace("read", "read once") for c in cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for r in rows:

@@ -63,6 +63,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     shm_threshold_bytes: int = 0
     # Most bytes of segments each process prepares ahead of time for sizes it sends repeatedly (0: none).
     shm_spare_bytes: int = 0
+    # ipc only: CUDA tensors between two GPU workers travel as CUDA IPC handles, not through host memory
+    # (common/cuda_ipc.py).
+    cuda_ipc: bool = True
     # CURVE (tcp only; empty: off). Public keys of every process ("router", "encoder-0", ...) and the
     # path of each process's secret key file (mode 0600, in the runtime dir). Never the secret keys.
     curve_public: dict[str, str] = {}

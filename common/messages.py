@@ -29,14 +29,36 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 ShmName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=255)]
 
 
+# torch's name for the shared-memory file holding CUDA IPC reference counters: "/torch_<digits and _>".
+RefCounterName = Annotated[str, msgspec.Meta(pattern=r"^/torch_[0-9_]+$", max_length=128)]
+
+
+class CudaIpcHandle(_Strict, frozen=True):
+    """A CUDA allocation of the sending process, opened by the receiver with CUDA IPC
+    (same node, both ends GPU workers; see common/cuda_ipc.py). The fields are the
+    ones ``torch.UntypedStorage._share_cuda_`` returns, as plain bytes and integers."""
+
+    device: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    handle: Annotated[bytes, msgspec.Meta(min_length=1, max_length=1024)]
+    storage_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+    offset_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+    ref_counter: RefCounterName
+    # torch keeps 10000 counters per reference-counter file.
+    ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=10000)]
+    event: Annotated[bytes, msgspec.Meta(max_length=1024)] | None  # None when no event needs waiting for
+    event_sync: bool
+
+
 class TensorSpec(_Strict, frozen=True, omit_defaults=True):
     """Descriptor of one tensor: a raw frame that follows the header or, when ``shm``
-    names a segment, the bytes of that shared-memory segment (same host only)."""
+    names a segment, the bytes of that shared-memory segment (same host only), or,
+    when ``cuda`` is set, the sender's GPU memory (same node, GPU to GPU)."""
 
     name: str
     dtype: str
     shape: list[int]
     shm: ShmName | None = None
+    cuda: CudaIpcHandle | None = None
 
 
 class Route(_Strict, frozen=True):
@@ -175,6 +197,9 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     socket_type: str
     state: str
     busy: int = 0
+    # Tensors this worker sent and received as CUDA IPC handles since it started (common/cuda_ipc.py).
+    cuda_ipc_sent: int = 0
+    cuda_ipc_received: int = 0
 
 
 Message = Union[

@@ -13,6 +13,11 @@ to accept such a descriptor, checks the segment's size the same way, and the
 tensor is a view over the mapped segment. Without one (tcp, or shared memory
 off) a descriptor that names a segment is rejected.
 
+Same node, GPU to GPU: with a sender object from :mod:`common.cuda_ipc`, a
+CUDA tensor travels as a CUDA IPC handle (``TensorSpec.cuda``) and the
+receiver's object copies it into its own GPU memory; a receiver without one
+rejects such a descriptor.
+
 Nothing here can execute code from a peer: msgpack plus raw bytes only.
 """
 
@@ -26,7 +31,7 @@ from typing import Any, Protocol, Sequence
 import msgspec
 import torch
 
-from common.messages import PROTOCOL_VERSION, Message, TensorSpec
+from common.messages import PROTOCOL_VERSION, CudaIpcHandle, Message, TensorSpec
 
 if sys.byteorder != "little":  # raw frames are little-endian by contract
     raise RuntimeError("disagg-diffusion's wire format needs a little-endian host")
@@ -85,6 +90,23 @@ class ShmReceive(Protocol):
     def discard(self, name: object) -> None: ...
 
 
+class CudaSend(Protocol):
+    """Sender side of the GPU data plane (``common.cuda_ipc.CudaIpcSender``)."""
+
+    def put(self, t: torch.Tensor) -> CudaIpcHandle | None: ...  # None: stage through host memory
+
+    def discard(self, h: CudaIpcHandle) -> None: ...
+
+
+class CudaReceive(Protocol):
+    """Receiver side (``common.cuda_ipc.CudaIpcReceiver``)."""
+
+    def open(self, h: CudaIpcHandle, dtype: torch.dtype, shape: list[int], nbytes: int,
+             request_id: str | None = None) -> torch.Tensor: ...
+
+    def discard(self, h: CudaIpcHandle) -> None: ...
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's raw bytes as a zero-copy view (after making it contiguous on CPU)."""
     t = t.detach()
@@ -97,29 +119,41 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode(msg: Message, tensors: dict[str, torch.Tensor] | None = None, shm: ShmSend | None = None) -> list[Any]:
+def encode(
+    msg: Message,
+    tensors: dict[str, torch.Tensor] | None = None,
+    shm: ShmSend | None = None,
+    cuda: CudaSend | None = None,
+) -> list[Any]:
     """Frames for ``msg`` plus ``tensors``; ``msg.tensors`` is filled in here.
 
-    ``shm`` (same host only) decides per tensor whether it goes into a shared-memory
-    segment instead of a frame.
+    Per tensor: ``cuda`` (same node, both ends GPU workers) may send a CUDA tensor
+    as a CUDA IPC handle; else ``shm`` (same host) may put it into a shared-memory
+    segment; else it is a frame.
     """
     tensors = tensors or {}
-    specs, frames, segments = [], [], []
+    specs, frames, segments, handles = [], [], [], []
     try:
         for name, t in tensors.items():
             if t.dtype not in DTYPE_NAMES:
                 raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot travel on the wire")
-            segment = shm.put(t) if shm is not None else None
-            specs.append(TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), shm=segment))
-            if segment is None:
-                frames.append(tensor_bytes(t))
-            else:
+            handle = cuda.put(t) if cuda is not None else None
+            segment = shm.put(t) if shm is not None and handle is None else None
+            specs.append(TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), shm=segment,
+                                    cuda=handle))
+            if handle is not None:
+                handles.append(handle)
+            elif segment is not None:
                 segments.append(segment)
+            else:
+                frames.append(tensor_bytes(t))
         msg = msgspec.structs.replace(msg, tensors=specs)
         return [_encoder.encode(msg), *frames]
     except BaseException:
         for segment in segments:  # nobody will ever open them
             shm.discard(segment)
+        for handle in handles:
+            cuda.discard(handle)
         raise
 
 
@@ -172,11 +206,14 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
     return flat.view(dtype).reshape(spec.shape)
 
 
-def decode(frames: Sequence[Any], shm: ShmReceive | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
+def decode(
+    frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
+) -> tuple[Message, dict[str, torch.Tensor]]:
     """Validate and decode a multipart message. Raises :class:`WireError`.
 
     ``shm``: this process's shared-memory receiver (same host only); without one a
-    descriptor that names a segment is rejected.
+    descriptor that names a segment is rejected. ``cuda``: this GPU worker's CUDA IPC
+    receiver; without one a descriptor that carries a CUDA IPC handle is rejected.
     """
     if not frames:
         raise WireError("empty message")
@@ -188,39 +225,56 @@ def decode(frames: Sequence[Any], shm: ShmReceive | None = None) -> tuple[Messag
         msg = _decoder.decode(raw)
     except msgspec.DecodeError as e:
         raise WireError(f"invalid header: {e}", _peek_request_id(raw)) from None
+    opened: set[str] = set()
     try:
-        return msg, _tensors(msg, frames, shm)
+        return msg, _tensors(msg, frames, shm, cuda, opened)
     except BaseException:
-        if shm is not None:  # segments of a rejected message: never opened, so removed here
-            for spec in msg.tensors:
-                if spec.shm is not None:
-                    shm.discard(spec.shm)
+        # Out-of-band data of a rejected message: segments are removed (idempotent: an opened one is
+        # already unlinked); CUDA IPC handles not yet opened are released, exactly once.
+        for spec in msg.tensors:
+            if spec.shm is not None and shm is not None:
+                shm.discard(spec.shm)
+            if spec.cuda is not None and cuda is not None and spec.name not in opened:
+                cuda.discard(spec.cuda)
         raise
 
 
-def _tensors(msg: Message, frames: Sequence[Any], shm: ShmReceive | None) -> dict[str, torch.Tensor]:
+def _tensors(
+    msg: Message, frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None, opened: set[str]
+) -> dict[str, torch.Tensor]:
     if msg.v != PROTOCOL_VERSION:
         raise WireError(
             f"protocol version {msg.v} is not {PROTOCOL_VERSION}", msg.request_id or None
         )
     if len(msg.tensors) > MAX_TENSORS:
         raise WireError(f"{len(msg.tensors)} tensors exceed the limit {MAX_TENSORS}", msg.request_id)
-    framed = [s for s in msg.tensors if s.shm is None]
+    names = [s.name for s in msg.tensors]
+    if len(set(names)) != len(names):
+        raise WireError("duplicate tensor names", msg.request_id)
+    if any(s.shm is not None and s.cuda is not None for s in msg.tensors):
+        raise WireError("a tensor names both a shared-memory segment and a CUDA IPC handle", msg.request_id)
+    framed = [s for s in msg.tensors if s.shm is None and s.cuda is None]
     if len(frames) - 1 != len(framed):
         raise WireError(
             f"header names {len(framed)} tensor frames but {len(frames) - 1} frames follow",
             msg.request_id,
         )
-    names = [s.name for s in msg.tensors]
-    if len(set(names)) != len(names):
-        raise WireError("duplicate tensor names", msg.request_id)
-    if shm is None and len(framed) != len(msg.tensors):
+    if shm is None and any(s.shm is not None for s in msg.tensors):
         raise WireError("a tensor names a shared-memory segment, but this link takes none", msg.request_id)
-    for spec in msg.tensors:  # every descriptor is checked before any segment is opened
+    if cuda is None and any(s.cuda is not None for s in msg.tensors):
+        raise WireError("a tensor carries a CUDA IPC handle, but this process takes none", msg.request_id)
+    for spec in msg.tensors:  # every descriptor is checked before any segment or handle is opened
         _expected_bytes(spec, msg.request_id)
+        if spec.cuda is not None and _expected_bytes(spec, msg.request_id) == 0:
+            raise WireError(f"tensor {spec.name!r}: an empty tensor never travels by CUDA IPC", msg.request_id)
     tensors = {}
     rest = iter(frames[1:])
     for spec in msg.tensors:
+        if spec.cuda is not None:
+            opened.add(spec.name)  # open() releases the handle itself if it fails
+            tensors[spec.name] = cuda.open(spec.cuda, DTYPES[spec.dtype], spec.shape,
+                                           _expected_bytes(spec, msg.request_id), msg.request_id)
+            continue
         if spec.shm is None:
             buf = _frame_buffer(next(rest))
         else:

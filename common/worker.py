@@ -36,6 +36,7 @@ from common.messages import (
     Progress,
 )
 from common.security import ROUTER, Security, bind_pull, connect_push, process_name
+from common.cuda_ipc import CudaIpcContext
 from common.shm import ShmContext
 from common.wire import WireError, decode, encode
 
@@ -156,6 +157,7 @@ class WorkerRuntime:
         self.ctx = zmq.Context.instance()
         self.security = Security.load(self.config, process_name(self.spec.role, self.spec.index))
         self.shm = ShmContext(self.config, process_name(self.spec.role, self.spec.index))  # clears leftovers for us
+        self.cuda_ipc = CudaIpcContext(self.config, self.spec)  # GPU worker to GPU worker: tensors stay on GPUs
         self.state = "loading"
         self.busy = 0
         self._stop = threading.Event()
@@ -180,8 +182,10 @@ class WorkerRuntime:
 
     def send(self, fwd: Forward) -> None:
         endpoint = self._endpoint_for(fwd)  # first: a route outside the topology fails before any segment exists
-        dest = ROUTER if fwd.to == "router" else process_name(fwd.to, getattr(fwd.msg.route, fwd.to))
-        frames = encode(fwd.msg, fwd.tensors, shm=self.shm.sender(dest))  # large tensors: /dev/shm (ipc)
+        index = None if fwd.to == "router" else getattr(fwd.msg.route, fwd.to)
+        dest = ROUTER if index is None else process_name(fwd.to, index)
+        frames = encode(fwd.msg, fwd.tensors, shm=self.shm.sender(dest),  # large tensors: /dev/shm (ipc)
+                        cuda=self.cuda_ipc.sender(fwd.to, index))  # CUDA tensors to a GPU worker: CUDA IPC
         self._push_socket(endpoint).send_multipart(frames, copy=False)
 
     def reply_error(self, request_id: str, exc: BaseException, status: int | None = None) -> None:
@@ -212,6 +216,8 @@ class WorkerRuntime:
                     socket_type="PULL",
                     state=self.state,
                     busy=self.busy,
+                    cuda_ipc_sent=self.cuda_ipc.sent,
+                    cuda_ipc_received=self.cuda_ipc.received,
                 )
                 try:
                     sock.send_multipart(encode(hb), flags=zmq.NOBLOCK)
@@ -227,7 +233,7 @@ class WorkerRuntime:
     # --- main loop ---------------------------------------------------------
     def handle(self, frames: list[Any]) -> None:
         try:
-            msg, tensors = decode(frames, shm=self.shm.receiver)
+            msg, tensors = decode(frames, shm=self.shm.receiver, cuda=self.cuda_ipc.receiver)
         except WireError as e:
             log.warning("dropped bad message: %s", e)
             if e.request_id:
@@ -311,6 +317,8 @@ class WorkerRuntime:
             for msg, outcome in stage.work():
                 self.finish(msg, outcome)
             self.busy = stage.held()
+        if self.cuda_ipc.receiver is not None:
+            self.cuda_ipc.receiver.reap()  # let senders free the blocks whose copies have run
 
     def run(self) -> None:
         pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0,

@@ -61,6 +61,7 @@ class WorkerState:
     last_seen: float | None = None
     outstanding: int = 0
     dead_pids: set[int] = field(default_factory=set)
+    cuda_ipc: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
 
     def alive(self, timeout_s: float) -> bool:
         return self.last_seen is not None and time.monotonic() - self.last_seen < timeout_s
@@ -166,6 +167,7 @@ class Dispatcher:
                     "state": state,
                     "outstanding": w.outstanding,
                     "seconds_since_heartbeat": None if w.last_seen is None else round(now - w.last_seen, 3),
+                    "cuda_ipc": dict(w.cuda_ipc),
                 }
             )
         return all(r["state"] == "ready" for r in rows), rows
@@ -192,6 +194,7 @@ class Dispatcher:
         if w.state == "dead" and hb.state == "ready":
             log.info("%s worker %d is back (pid %d)", hb.role, hb.index, hb.pid)
         w.state, w.pid, w.last_seen = hb.state, hb.pid, time.monotonic()
+        w.cuda_ipc = {"sent": hb.cuda_ipc_sent, "received": hb.cuda_ipc_received}
 
     def worker_lost(self, role: str, index: int, reason: str) -> None:
         """Fail at once every request still in (or queued for) this worker; stop routing to it."""
