@@ -118,6 +118,7 @@ class CudaIpcReceiver:
         if h.device >= torch.cuda.device_count():
             _release(h)
             raise WireError(f"CUDA IPC handle on device {h.device}, which this process does not see", request_id)
+        torch.cuda.init()  # no-op once this process has used CUDA; opening a handle needs a context
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
                 h.device, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter.encode("ascii"),
