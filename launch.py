@@ -127,25 +127,8 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
     print(f"\n{table}\n\ndisagg-diffusion serving {body['model']} at {url}\n", flush=True)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
-    # Before any child starts: the key variables leave the environment the workers inherit.
-    try:
-        api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
-        weight_roots = resolve_weight_roots(args.weight_root)
-    except ValueError as e:
-        sys.exit(f"launch.py: error: {e}")
-    model = resolve_model(args.model)
-    own_runtime = args.runtime_dir is None
-    runtime = Path(args.runtime_dir or tempfile.mkdtemp(prefix="disagg-"))
-    runtime.mkdir(parents=True, exist_ok=True)
-    os.chmod(runtime, 0o700)  # ipc sockets are files: keep other users out
-    if args.api_key or args.admin_key:
-        log.warning("a key given on the command line is visible to local users in ps; prefer $%s / $%s",
-                    API_KEY_ENV, ADMIN_KEY_ENV)
-    if api_key is None and args.host not in ("127.0.0.1", "localhost"):
-        log.warning("HTTP on %s without an API key: anyone who reaches it can use the engine", args.host)
+def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_roots: list[str]) -> EngineConfig:
+    """The configuration every process of this engine reads, from the parsed flags (before CURVE keys)."""
     shm_threshold = DEFAULT_THRESHOLD if args.shm_threshold is None else args.shm_threshold
     if args.transport != "ipc":
         if args.shm_threshold:
@@ -153,7 +136,7 @@ def main(argv=None) -> int:
                         args.transport)
         shm_threshold = 0
     pick_port = port_picker()
-    config = EngineConfig(
+    return EngineConfig(
         model=str(model),
         workers=parse_topology(args.topology, runtime, args.transport, pick_port),
         router_endpoint=router_endpoint(runtime, args.transport, pick_port=pick_port),
@@ -179,6 +162,28 @@ def main(argv=None) -> int:
             max_message_bytes=args.max_message_bytes,
         ),
     )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
+    # Before any child starts: the key variables leave the environment the workers inherit.
+    try:
+        api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
+        weight_roots = resolve_weight_roots(args.weight_root)
+    except ValueError as e:
+        sys.exit(f"launch.py: error: {e}")
+    model = resolve_model(args.model)
+    own_runtime = args.runtime_dir is None
+    runtime = Path(args.runtime_dir or tempfile.mkdtemp(prefix="disagg-"))
+    runtime.mkdir(parents=True, exist_ok=True)
+    os.chmod(runtime, 0o700)  # ipc sockets are files: keep other users out
+    if args.api_key or args.admin_key:
+        log.warning("a key given on the command line is visible to local users in ps; prefer $%s / $%s",
+                    API_KEY_ENV, ADMIN_KEY_ENV)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost"):
+        log.warning("HTTP on %s without an API key: anyone who reaches it can use the engine", args.host)
+    config = engine_config(args, model, runtime, weight_roots)
     if args.transport == "tcp" and not args.no_curve:
         config = provision_curve(config)  # public keys into the config, secret keys into 0600 files
     elif args.transport == "tcp":

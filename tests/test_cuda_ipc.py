@@ -69,16 +69,16 @@ def test_a_host_tensor_is_never_exported():
     assert CudaIpcSender("denoise-0").put(torch.ones(4)) is None
 
 
-def test_launcher_flag_and_transport_decide_the_config():
+def test_launcher_flag_and_transport_decide_the_config(tmp_path):
     import launch
 
     def config_of(*argv):
-        args = launch.parse_args(["--model", "tiny", *argv])
-        return args.transport == "ipc" and not args.no_cuda_ipc
+        return launch.engine_config(launch.parse_args(["--model", "tiny", *argv]), tmp_path / "m", tmp_path, [])
 
-    assert config_of() is True
-    assert config_of("--no-cuda-ipc") is False
-    assert config_of("--transport", "tcp") is False
+    assert config_of().cuda_ipc is True
+    assert config_of("--no-cuda-ipc").cuda_ipc is False
+    tcp = config_of("--transport", "tcp")
+    assert tcp.cuda_ipc is False and tcp.shm_threshold_bytes == 0
 
 
 # --- the descriptor --------------------------------------------------------------
