@@ -2,6 +2,7 @@
 
     python bench/serve.py                                   # preset tiny: concurrency 1..32, 64 requests each
     python bench/serve.py --preset small                    # single-request latency of the ~17M model
+    python bench/serve.py --preset wan-1.3b                 # Wan2.1-1.3B-shaped model, bf16 on a GPU (bench/gpu.sh)
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -10,8 +11,9 @@
 
 What it does, in this order:
 
-1. Starts an engine (``--model``, ``--topology``, ``--extra`` passed to launch.py) on a free loopback port,
-   or uses ``--url``. The model directory comes from the engine's ``/health``.
+1. Starts an engine (``--model``, ``--topology``, ``--extra`` passed to launch.py, and ``--dtype``) on a free
+   loopback port, or uses ``--url``. The model directory comes from the engine's ``/health``. The workers'
+   devices come from the topology: the compact form puts them on the visible GPUs, else on the CPU.
 2. Builds a fixed request mix, deterministic from ``--seed``: request ``i`` has a prompt from a small list
    and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
    model's default size, ``--steps`` from the preset, CFG on with guidance 5.0, ``--output-type frames``).
@@ -22,13 +24,15 @@ What it does, in this order:
    Per level: throughput (req/s, samples/s), latency p50/p90/p99, mean per-stage time from each response's
    ``timings`` (encode_s, denoise_s, decode_s; total_s is the router's wall time for the request), errors.
 4. While the engine sits idle, runs the same requests (same prompts, seeds, sizes, steps, guidance) through
-   diffusers' ``WanPipeline`` loaded in this process from the same directory, one after another, with
-   ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process pipeline, the fair sequential
-   baseline on a CPU (the engine's workers share the same cores between them). One untimed warm-up call first.
+   diffusers' ``WanPipeline`` loaded in this process from the same directory in ``--dtype`` on ``--device``,
+   one after another, with ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process
+   pipeline, the fair sequential baseline on a CPU (the engine's workers share the same cores between them).
+   One untimed warm-up call first; on a GPU each request's time ends with a device synchronisation.
    Reports its throughput and per-request latency, and per load level the ratios engine / diffusers
    (throughput, and p50 latency).
 5. Correctness: for the first ``--check`` requests, the max abs difference between the engine's output at
-   every load level and diffusers' output (expected <= ``--tolerance``, 1e-4, batched or not).
+   every load level and diffusers' output (expected <= ``--tolerance``: 1e-4 in float32, batched or not;
+   the bfloat16 preset wan-1.3b sets a looser one, see PRESETS).
 
 Prints a table; ``--json`` writes every number, ``--png`` a chart (throughput and p50/p99 latency against
 concurrency or offered rate, diffusers' sequential figures as horizontal lines).
@@ -78,7 +82,21 @@ PRESETS = {
     # A compute-bound model: single-request latency against diffusers in-process.
     "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=5.0,
                   concurrency=[1], requests=5, warmup=1),
+    # Wan2.1-T2V-1.3B's shape (common.tiny_model "wan2.1-1.3b") in bfloat16 on one GPU, sized so that the
+    # whole run (engine start, 2 levels x 8 requests, diffusers' 8) takes a few minutes on an H100-class
+    # card: 480x832 as the real default but 17 frames (5 latent frames, 7800 tokens) and 10 steps instead
+    # of 81 frames and 50 steps, about 3e13 FLOP per transformer call, ~6e14 per request with CFG.
+    # Tolerance: in bfloat16 a batched forward rounds differently from diffusers' unbatched one (c=1 can
+    # match exactly). This model on the CPU at 64x64, batches of 2-4, 2-10 steps: max abs frame
+    # difference 0.055-0.078, mean <= 0.01; a wrong video (other seed or prompt) differs by ~1. 0.25 leaves
+    # room for the ~300x more pixels of the GPU size; the max and mean are recorded either way.
+    "wan-1.3b": dict(model="wan2.1-1.3b", height=480, width=832, num_frames=17, steps=10, guidance=5.0,
+                     concurrency=[1, 4], requests=8, warmup=1, device="cuda", dtype="bfloat16",
+                     tolerance=0.25),
 }
+# Used where a preset does not say.
+PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 # --------------------------------------------------------------------------
@@ -300,7 +318,8 @@ def _progress(level: dict) -> None:
 # --------------------------------------------------------------------------
 
 
-def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter) -> tuple[dict, dict[int, list]]:
+def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, device: str = "cpu",
+                  dtype: str = "float32") -> tuple[dict, dict[int, list]]:
     """The first ``count`` requests of the mix through WanPipeline, one after another, on all cores."""
     import diffusers.utils.logging as dlog
     import torch
@@ -311,21 +330,30 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter) 
     tlog.disable_progress_bar()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
+    dev = torch.device(device)
+
+    def sync() -> None:  # CUDA calls return before the work is done
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     t_load = time.perf_counter()
-    pipe = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev)
     pipe.set_progress_bar_config(disable=True)
+    sync()
     load_s = time.perf_counter() - t_load
     output_type = "latent" if work.output_type == "latent" else "np"
 
     def one(body: dict) -> list:
         outs = []
         for k in range(body["n"]):  # the engine's n samples use seeds seed, seed+1, ...
+            # A CPU generator, as the engine draws its initial noise on the CPU whatever the device.
             out = pipe(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
                        width=body["width"], num_frames=body["num_frames"],
                        num_inference_steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"],
                        generator=torch.Generator("cpu").manual_seed(body["seed"] + k),
                        output_type=output_type).frames
-            outs.append(torch.from_numpy(out[0]) if output_type == "np" else out[0])
+            outs.append(torch.from_numpy(out[0]) if output_type == "np" else out[0].cpu())
+        sync()
         return outs
 
     with torch.inference_mode():
@@ -339,7 +367,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter) 
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
         cpu = meter.stop()
-    res = {**cpu, "requests": count, "threads": threads, "load_s": load_s, "wall_s": wall,
+    res = {**cpu, "requests": count, "threads": threads, "device": device, "dtype": dtype, "load_s": load_s,
+           "wall_s": wall,
            "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
            "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
@@ -349,11 +378,14 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter) 
 def compare(engine_outputs: dict[str, dict[int, list]], reference: dict[int, list], tolerance: float) -> dict:
     per_level = {}
     for label, outs in engine_outputs.items():
-        diffs = {}
+        diffs, means = {}, {}
         for i, samples in outs.items():
             if i in reference:
-                diffs[i] = max((a.float() - b.float()).abs().max().item() for a, b in zip(samples, reference[i]))
-        per_level[label] = {"requests": sorted(diffs), "max_abs_diff": max(diffs.values()) if diffs else None}
+                d = [(a.float() - b.float()).abs() for a, b in zip(samples, reference[i])]
+                diffs[i] = max(x.max().item() for x in d)
+                means[i] = max(x.mean().item() for x in d)
+        per_level[label] = {"requests": sorted(diffs), "max_abs_diff": max(diffs.values()) if diffs else None,
+                            "mean_abs_diff": max(means.values()) if means else None}
     worst = [v["max_abs_diff"] for v in per_level.values() if v["max_abs_diff"] is not None]
     return {"tolerance": tolerance, "per_level": per_level, "max_abs_diff": max(worst) if worst else None,
             "ok": bool(worst) and max(worst) <= tolerance}
@@ -372,13 +404,18 @@ def _label(level: dict) -> str:
     return f"c={level['level']}" if level["mode"] == "concurrency" else f"rate={level['level']:g}"
 
 
+def _gpu_note(cfg: dict) -> str:
+    return f"; GPU: {cfg['gpu']}" if cfg.get("gpu") else ""
+
+
 def print_report(res: dict) -> None:
     cfg, eng, diff = res["config"], res["engine"], res.get("diffusers")
-    print(f"\nengine: model {Path(eng['model_dir']).name} ({cfg['model']}), topology {eng['topology']}"
+    print(f"\nengine: model {Path(eng['model_dir']).name} ({cfg['model']}), topology {eng['topology']}, "
+          f"devices {','.join(sorted({str(w['device']) for w in eng['workers']}))}"
           f"{' ' + ' '.join(eng['extra']) if eng['extra'] else ''}, {eng['url']}")
     print(f"requests: {cfg['height']}x{cfg['width']}, {cfg['num_frames']} frames, {cfg['steps']} steps, "
           f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
-          f"warm-up {cfg['warmup']}; CPU cores: {os.cpu_count()}; load average (1/5/15 min) at start "
+          f"warm-up {cfg['warmup']}; CPU cores: {os.cpu_count()}{_gpu_note(cfg)}; load average (1/5/15 min) at start "
           f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
           f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_end'])}")
     head = (f"{'load':<10} {'ok':>4} {'err':>4} {'req/s':>7} {'smp/s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
@@ -406,7 +443,8 @@ def print_report(res: dict) -> None:
         if lv["errors"]:
             print(f"{_label(lv)} errors: {lv['error_examples']}")
     if diff:
-        print(f"\ndiffusers WanPipeline in-process, sequential, torch threads {diff['threads']}: "
+        print(f"\ndiffusers WanPipeline in-process, sequential, {diff['device']} {diff['dtype']}, "
+              f"torch threads {diff['threads']}: "
               f"{diff['requests']} requests in {diff['wall_s']:.2f}s = {diff['req_per_s']:.2f} req/s; latency p50 "
               f"{diff['latency_p50_s']:.3f}s p90 {diff['latency_p90_s']:.3f}s (pipeline load {diff['load_s']:.1f}s)")
         first = res["levels"][0] if res["levels"] else None
@@ -416,6 +454,7 @@ def print_report(res: dict) -> None:
     chk = res.get("correctness")
     if chk:
         parts = ", ".join(f"{k} {'-' if v['max_abs_diff'] is None else format(v['max_abs_diff'], '.2e')}"
+                          + ("" if v.get("mean_abs_diff") is None else f" (mean {v['mean_abs_diff']:.1e})")
                           for k, v in chk["per_level"].items())
         verdict = "OK" if chk["ok"] else "MISMATCH"
         print(f"correctness, engine vs diffusers max abs diff on requests {list(range(res['config']['check']))}: "
@@ -466,7 +505,7 @@ def plot(res: dict, path: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(f"{cfg['model']}: {cfg['height']}x{cfg['width']}x{cfg['num_frames']}, {cfg['steps']} steps, "
                  f"CFG {cfg['guidance']:g}, {cfg['output_type']}; topology {res['engine']['topology']}; "
-                 f"{os.cpu_count()} CPU cores")
+                 f"{os.cpu_count()} CPU cores{_gpu_note(cfg)}; {cfg['dtype']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -476,6 +515,17 @@ def plot(res: dict, path: Path) -> None:
 # --------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------
+
+
+def _flag_value(tokens: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) in a launch.py command line."""
+    value = None
+    for k, tok in enumerate(tokens):
+        if tok == flag and k + 1 < len(tokens):
+            value = tokens[k + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.split("=", 1)[1]
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -488,26 +538,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help="model to start (launch.py --model); default: the preset's")
     ap.add_argument("--topology", default="encoder=1,denoise=1,decode=1")
     ap.add_argument("--extra", action="append", default=[],
-                    help="more launch.py flags, shell-quoted, repeatable: --extra='--dtype float32'")
+                    help="more launch.py flags, shell-quoted, repeatable: --extra='--max-batch-size 4'")
+    ap.add_argument("--device", help="device of the diffusers baseline, cpu or cuda[:N] (default: the preset's; "
+                                     "tiny, small: cpu; wan-1.3b: cuda); the engine's come from --topology")
+    ap.add_argument("--dtype", choices=DTYPES,
+                    help="weights dtype of the engine (launch.py --dtype) and of the baseline "
+                         "(default: the preset's; tiny, small: float32; wan-1.3b: bfloat16)")
     ap.add_argument("--height", type=int, help="default: the preset's (the model's default without a preset model)")
     ap.add_argument("--width", type=int)
     ap.add_argument("--num-frames", type=int)
-    ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10)")
+    ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10, wan-1.3b: 10)")
     ap.add_argument("--guidance", type=float, help="guidance_scale; > 1 means CFG (default 5.0)")
     ap.add_argument("--output-type", choices=["frames", "latent"], default="frames")
     ap.add_argument("--n", type=int, default=1, help="samples per request")
     ap.add_argument("--concurrency", type=int, nargs="+",
-                    help="closed-loop levels (preset tiny: 1 2 4 8 16 32; small: 1); "
+                    help="closed-loop levels (preset tiny: 1 2 4 8 16 32; small: 1; wan-1.3b: 1 4); "
                          "default none when --rate is given")
     ap.add_argument("--rate", type=float, nargs="+", help="open-loop Poisson arrival rates, req/s")
     ap.add_argument("--duration", type=float, help="open loop: seconds of arrivals (default: --requests arrivals)")
-    ap.add_argument("--requests", type=int, help="requests per level (preset tiny: 64, small: 5)")
-    ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny: 4, small: 1)")
+    ap.add_argument("--requests", type=int, help="requests per level (preset tiny: 64, small: 5, wan-1.3b: 8)")
+    ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny: 4, small, wan-1.3b: 1)")
     ap.add_argument("--seed", type=int, default=0, help="request mix and arrival times")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline and the check")
     ap.add_argument("--diffusers-requests", type=int, help="requests for the baseline (default: --requests)")
     ap.add_argument("--check", type=int, default=2, help="requests compared with diffusers at every level")
-    ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--tolerance", type=float, help="max abs difference allowed by the check "
+                                                     "(default: the preset's; 1e-4, wan-1.3b: 0.25)")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="client timeout per request, s")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--png", type=Path, help="write a chart here (matplotlib)")
@@ -527,6 +583,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests = preset["requests"]
     if args.warmup is None:
         args.warmup = preset["warmup"]
+    # One dtype for engine and baseline: a --dtype inside --extra counts as this one.
+    extra = [tok for chunk in args.extra for tok in shlex.split(chunk)]
+    extra_dtype = _flag_value(extra, "--dtype")
+    if extra_dtype is not None:
+        if args.dtype is not None and args.dtype != extra_dtype:
+            ap.error(f"--dtype {args.dtype} disagrees with --extra's --dtype {extra_dtype}")
+        args.dtype = extra_dtype
+    for key in ("device", "dtype", "tolerance"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, PRESET_FALLBACKS[key]))
+    args.launch_flags = extra if extra_dtype is not None else [*extra, "--dtype", args.dtype]
     if args.diffusers_requests is None:
         args.diffusers_requests = args.requests
     args.check = max(0, min(args.check, args.diffusers_requests))
@@ -537,9 +604,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _gpu_name(device: str) -> str | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    extra = [tok for chunk in args.extra for tok in shlex.split(chunk)]
+    extra = args.launch_flags
     # Other work on the machine skews every number here; the load averages are recorded to tell.
     load_start = os.getloadavg()
     engine = None
@@ -567,7 +642,9 @@ def main(argv: list[str] | None = None) -> dict:
                        "output_type": work.output_type, "n": work.n, "seed": work.seed,
                        "requests_per_level": args.requests, "warmup": args.warmup, "check": args.check,
                        "concurrency": args.concurrency, "rate": args.rate, "duration": args.duration,
-                       "cpu_count": os.cpu_count(), "loadavg_at_start": load_start},
+                       "device": args.device, "dtype": args.dtype, "tolerance": args.tolerance,
+                       "gpu": _gpu_name(args.device), "cpu_count": os.cpu_count(),
+                       "loadavg_at_start": load_start},
             "engine": {"url": url, "started_by_bench": engine is not None, "model_dir": str(model_dir),
                        "topology": args.topology if engine else "(external)", "extra": extra,
                        "workers": [{k: w.get(k) for k in ("role", "index", "device", "pid")}
@@ -577,7 +654,12 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_diffusers:
             # The engine is idle now: nothing else competes for the cores.
             print(f"diffusers WanPipeline baseline: {args.diffusers_requests} requests, sequential", flush=True)
-            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests, meter)
+            devices = {str(w.get("device", "")).split(":")[0] for w in health["workers"]}
+            if devices != {args.device.split(":")[0]}:
+                print(f"WARNING: the engine's workers run on {sorted(devices)}, the baseline on {args.device}: "
+                      "the ratios compare different hardware", flush=True)
+            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests, meter, args.device,
+                                            args.dtype)
             res["diffusers"] = diff
             for lv in levels:
                 lv["throughput_vs_diffusers"] = (lv["req_per_s"] / diff["req_per_s"]) if lv["req_per_s"] else None

@@ -45,7 +45,11 @@ class EngineProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **(env or {})})
         self.http = httpx.Client(base_url=self.url, timeout=600)
-        self._wait_ready(ready_timeout_s)
+        try:
+            self._wait_ready(ready_timeout_s)
+        except BaseException:  # Ctrl-C or a timeout while waiting: the engine has its own session, so stop it
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -58,7 +62,6 @@ class EngineProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        self.stop()
         raise TimeoutError(f"engine not ready in {timeout_s}s:\n{self.log()}")
 
     def log_text(self) -> str:

@@ -10,9 +10,13 @@ downloadable weights.
 Generation is deterministic: the same spec and library versions give
 byte-identical files.
 
+Besides the tiny specs there is ``wan2.1-1.3b``: a transformer and VAE of
+exactly Wan2.1-T2V-1.3B's shape (random weights, stored in bfloat16) for
+benchmarking on a GPU; see its comment in ``SPECS``.
+
 Usage::
 
-    python -m common.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR]
+    python -m common.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import shutil
 import string
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,11 +59,18 @@ _VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "tokenizers")
 # 64 rotary positions per axis allows latent grids up to 128x128 (1024 px),
 # far beyond what tests use, at negligible cost.
 _ROPE_MAX_SEQ_LEN = 64
+_WEIGHT_DTYPES = ("float32", "bfloat16")
 _SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
 _MAX_PIECE_LEN = 8
 # Every printable ASCII character is a piece, so English prompts never
 # collapse to <unk> and different prompts give different ids.
 _ALPHABET = sorted(set("\u2581" + string.ascii_letters + string.digits + string.punctuation))
+
+
+def _later_field(default):
+    """A spec field added after cached models existed: part of the cache key
+    only when it differs from ``default`` (see ``_keyed_fields``)."""
+    return field(default=default, metadata={"keyed_if_set": True})
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class TinyWanSpec:
     attention_head_dim: int = 12
     ffn_dim: int = 32
     freq_dim: int = 16
+    rope_max_seq_len: int = _later_field(_ROPE_MAX_SEQ_LEN)
     # Text encoder (UMT5EncoderModel); text_dim is both its d_model and the
     # transformer's text_dim.
     text_dim: int = 32
@@ -83,12 +95,17 @@ class TinyWanSpec:
     vocab_size: int = 256
     # VAE (AutoencoderKLWan).
     vae_base_dim: int = 4
+    vae_dim_mult: tuple[int, ...] = _later_field((1, 1, 1, 1))
+    vae_num_res_blocks: int = _later_field(1)
     # Scheduler (UniPCMultistepScheduler with flow sigmas).
     flow_shift: float = 3.0
     # Wan2.2-style mixture of two experts.
     two_experts: bool = False
     boundary_ratio: float | None = None
     seed: int = 0
+    # How the safetensors files store the weights (they are generated in
+    # float32 either way; loaders cast to the dtype they ask for).
+    weights_dtype: str = _later_field("float32")
     # Default request for this model.
     height: int = 32
     width: int = 32
@@ -97,6 +114,8 @@ class TinyWanSpec:
     guidance_scale: float = 5.0
 
     def __post_init__(self) -> None:
+        # A list would leave the spec unhashable and its cache key different.
+        object.__setattr__(self, "vae_dim_mult", tuple(self.vae_dim_mult))
         if self.two_experts != (self.boundary_ratio is not None):
             raise ValueError("boundary_ratio must be set exactly when two_experts is True")
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
@@ -114,6 +133,11 @@ class TinyWanSpec:
             raise ValueError("num_frames must be of the form 4k+1")
         if self.vocab_size <= len(_SPECIAL_TOKENS) + len(_ALPHABET):
             raise ValueError("vocab_size too small for the tokenizer alphabet")
+        # Four VAE levels: three spatial downsamplings (stride 8) as in Wan.
+        if len(self.vae_dim_mult) != 4 or self.vae_num_res_blocks < 1:
+            raise ValueError("vae_dim_mult must have 4 entries and vae_num_res_blocks be >= 1")
+        if self.weights_dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {_WEIGHT_DTYPES}")
 
 
 SPECS: dict[str, TinyWanSpec] = {
@@ -169,6 +193,40 @@ SPECS: dict[str, TinyWanSpec] = {
             num_inference_steps=10,
             guidance_scale=5.0,
         ),
+        # Exactly the shape of Wan2.1-T2V-1.3B's transformer (1.42e9
+        # parameters) and VAE (1.27e8), with random weights: its denoise and
+        # decode timings are the real model's. The text encoder has the real
+        # width (d_model 4096 = text_dim, 64 heads x 64, d_ff 10240) but 2
+        # layers instead of umt5-xxl's 24 and a tiny vocabulary: the full
+        # encoder would be ~5.7e9 parameters (23 GB in float32) to generate,
+        # and its cost is once per prompt, not per step. Stored in bfloat16
+        # (3.9 GB instead of 7.8) since it is only ever served in bfloat16 on
+        # a GPU; its default request is the real model's.
+        TinyWanSpec(
+            name="wan2.1-1.3b",
+            num_layers=30,
+            num_attention_heads=12,
+            attention_head_dim=128,
+            ffn_dim=8960,
+            freq_dim=256,
+            text_dim=4096,
+            text_layers=2,
+            text_heads=64,
+            text_d_ff=10240,
+            text_d_kv=64,
+            vae_base_dim=96,
+            vae_dim_mult=(1, 2, 4, 4),
+            vae_num_res_blocks=2,
+            rope_max_seq_len=1024,
+            weights_dtype="bfloat16",
+            flow_shift=3.0,
+            seed=4,
+            height=480,
+            width=832,
+            num_frames=81,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+        ),
     )
 }
 
@@ -178,10 +236,24 @@ SPECS: dict[str, TinyWanSpec] = {
 # --------------------------------------------------------------------------
 
 
+def _keyed_fields(spec: TinyWanSpec) -> dict:
+    """The spec fields that go into its cache key.
+
+    Fields added after the first cached models existed (``_later_field``)
+    count only when they differ from their default, so the keys (directory
+    names) of specs that leave them alone stay what they were.
+    """
+    out = dataclasses.asdict(spec)
+    for f in dataclasses.fields(spec):
+        if f.metadata.get("keyed_if_set") and getattr(spec, f.name) == f.default:
+            del out[f.name]
+    return out
+
+
 def _cache_key(spec: TinyWanSpec) -> str:
     payload = {
         "format": _FORMAT_VERSION,
-        "spec": dataclasses.asdict(spec),
+        "spec": _keyed_fields(spec),
         "versions": {pkg: importlib.metadata.version(pkg) for pkg in _VERSIONED_PACKAGES},
     }
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -345,13 +417,9 @@ def _reinit_(module: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise / math.sqrt(param[0].numel()))
 
 
-def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DModel:
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    seed = _component_seed(spec, component)
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(
+def transformer_config(spec: TinyWanSpec) -> dict:
+    """``WanTransformer3DModel`` arguments for ``spec`` (Wan2.1 T2V's, with the spec's sizes)."""
+    return dict(
         patch_size=(1, 2, 2),
         num_attention_heads=spec.num_attention_heads,
         attention_head_dim=spec.attention_head_dim,
@@ -366,8 +434,34 @@ def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DMod
         eps=1e-6,
         image_dim=None,
         added_kv_proj_dim=None,
-        rope_max_seq_len=_ROPE_MAX_SEQ_LEN,
+        rope_max_seq_len=spec.rope_max_seq_len,
     )
+
+
+def vae_config(spec: TinyWanSpec) -> dict:
+    """``AutoencoderKLWan`` arguments for ``spec``.
+
+    Same strides as the real Wan VAE (8x spatial, 4x temporal, z_dim 16) and
+    its default latents_mean/std; the tiny specs only shrink the widths.
+    """
+    return dict(
+        base_dim=spec.vae_base_dim,
+        z_dim=16,
+        dim_mult=list(spec.vae_dim_mult),
+        num_res_blocks=spec.vae_num_res_blocks,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        dropout=0.0,
+    )
+
+
+def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DModel:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    seed = _component_seed(spec, component)
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**transformer_config(spec))
     _reinit_(model, seed)
     return model.eval()
 
@@ -378,17 +472,7 @@ def _build_vae(spec: TinyWanSpec) -> AutoencoderKLWan:
 
     seed = _component_seed(spec, "vae")
     torch.manual_seed(seed)
-    # Same strides as the real Wan VAE (8x spatial, 4x temporal, z_dim 16) and
-    # its default latents_mean/std; only the widths are tiny.
-    model = AutoencoderKLWan(
-        base_dim=spec.vae_base_dim,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[False, True, True],
-        dropout=0.0,
-    )
+    model = AutoencoderKLWan(**vae_config(spec))
     _reinit_(model, seed)
     return model.eval()
 
@@ -454,6 +538,8 @@ def build_tiny_model(spec: TinyWanSpec, out_dir: str | Path) -> Path:
             )
     finally:
         torch.set_default_dtype(default_dtype)
+    if spec.weights_dtype != "float32":
+        pipe.to(getattr(torch, spec.weights_dtype))
     # Writes model_index.json exactly as a real WanPipeline checkpoint has it.
     pipe.save_pretrained(out, safe_serialization=True)
     # The request sizes this tiny model is meant to serve (see common.model).
@@ -469,11 +555,17 @@ def _main(argv: list[str] | None = None) -> None:
                         help="write the model into this directory instead of the cache")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"cache root (default: ${CACHE_ENV} or {DEFAULT_CACHE_DIR})")
+    parser.add_argument("--dtype", choices=_WEIGHT_DTYPES, default=None,
+                        help="dtype the weights are stored in (default: the spec's; "
+                             "a different one is cached separately)")
     args = parser.parse_args(argv)
+    spec = SPECS[args.name]
+    if args.dtype is not None:
+        spec = dataclasses.replace(spec, weights_dtype=args.dtype)
     if args.out is not None:
-        path = build_tiny_model(SPECS[args.name], args.out)
+        path = build_tiny_model(spec, args.out)
     else:
-        path = ensure_tiny_model(args.name, args.cache_dir)
+        path = ensure_tiny_model(spec, args.cache_dir)
     print(path.resolve())
 
 
