@@ -12,11 +12,11 @@ a CUDA IPC handle in its descriptor (``TensorSpec.cuda``):
   torch keeps the block alive (its "limbo") while the receiver's reference
   counter is held. The descriptor is bytes and integers in the msgpack header:
   no pickle;
-* the receiver opens the handle (torch waits on the sender's CUDA event, so it
-  never reads before the sender's copy finished), copies the tensor into its
-  own memory on its own device, and releases the handle as soon as that copy
-  has run on the GPU (checked with an event, without blocking the host), which
-  lets the sender's block go back to its allocator.
+* the receiver opens the handle on a side stream (which waits on the sender's
+  CUDA event, so it never reads before the sender's copy finished), copies the
+  tensor into its own memory and releases the handle at once; releasing waits
+  for that side stream only (the copy), never for the worker's own queued
+  compute, and lets the sender's block go back to its allocator.
 
 What it does not cover: a message that never reaches a live receiver (the
 receiver died with it queued) leaves its block in the sender's limbo until the
@@ -28,7 +28,6 @@ this path: such tensors are staged through host memory as before.
 
 from __future__ import annotations
 
-import collections
 import logging
 
 import msgspec
@@ -39,10 +38,6 @@ from common.messages import CudaIpcHandle
 from common.wire import WireError
 
 log = logging.getLogger("disagg.cuda_ipc")
-
-# Opened handles whose copy may still be running; past this many, the oldest is waited for.
-MAX_HELD = 64
-
 
 def link_uses_cuda_ipc(config: EngineConfig, sender: WorkerSpec, dest: WorkerSpec | None) -> bool:
     """Whether CUDA tensors from ``sender`` to ``dest`` (None: the router) travel as CUDA IPC handles."""
@@ -107,7 +102,14 @@ class CudaIpcReceiver:
     def __init__(self, device: torch.device):
         self.device = device
         self.received = 0
-        self._held: collections.deque[tuple[torch.cuda.Event, torch.UntypedStorage]] = collections.deque()
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def _stream(self, index: int) -> torch.cuda.Stream:
+        # A side stream: releasing a handle synchronises the stream current at that moment (torch's deleter
+        # does), and on this one only the copy is queued, never the worker's own compute.
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
 
     def open(self, h: CudaIpcHandle, dtype: torch.dtype, shape: list[int], nbytes: int,
              request_id: str | None = None) -> torch.Tensor:
@@ -119,33 +121,25 @@ class CudaIpcReceiver:
             _release(h)
             raise WireError(f"CUDA IPC handle on device {h.device}, which this process does not see", request_id)
         torch.cuda.init()  # no-op once this process has used CUDA; opening a handle needs a context
-        try:
-            storage = torch.UntypedStorage._new_shared_cuda(
-                h.device, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter.encode("ascii"),
-                h.ref_counter_offset, h.event, h.event_sync)
-        except Exception as e:  # e.g. the sender exited and its memory is gone
-            raise WireError(f"CUDA IPC handle cannot be opened: {e}", request_id) from None
-        view = torch.empty(0, dtype=dtype, device=torch.device("cuda", h.device)).set_(storage, 0, shape)
-        own = torch.empty(shape, dtype=dtype, device=self.device)
-        own.copy_(view)
-        if own.device != view.device:  # a peer copy: rare, so simply wait for it
-            torch.cuda.synchronize(view.device)
+        source = torch.device("cuda", h.device)
+        stream = self._stream(h.device)
+        with torch.cuda.device(source), torch.cuda.stream(stream):
+            try:
+                # Makes the current (side) stream wait on the sender's event: no read before its copy ran.
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    h.device, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter.encode("ascii"),
+                    h.ref_counter_offset, h.event if h.event is not None else b"", h.event_sync)
+            except Exception as e:  # e.g. the sender exited and its memory is gone
+                raise WireError(f"CUDA IPC handle cannot be opened: {e}", request_id) from None
+            view = torch.empty(0, dtype=dtype, device=source).set_(storage, 0, shape)
+            copy = view.clone()
+            # Freeing the last reference synchronises the side stream (the copy has run), closes the
+            # mapping and gives the counter back: the sender's block is free from here on.
             del view, storage
-        else:
-            # The counter may go back only after the copy ran; an event says when, without blocking here.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._held.append((done, storage))
-            del view
-        self.reap()
+        # ``copy`` was allocated on the side stream and is used on the worker's stream from now on.
+        copy.record_stream(torch.cuda.current_stream(source))
         self.received += 1
-        return own
-
-    def reap(self) -> None:
-        """Release the handles whose copies have finished (and the oldest, waited for, past MAX_HELD)."""
-        while self._held and (self._held[0][0].query() or len(self._held) > MAX_HELD):
-            done, _ = self._held.popleft()
-            done.synchronize()
+        return copy if source == self.device else copy.to(self.device)
 
     def discard(self, h: CudaIpcHandle) -> None:
         """A handle of a message rejected before it was opened: release it so the sender can free the block."""

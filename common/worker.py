@@ -317,8 +317,6 @@ class WorkerRuntime:
             for msg, outcome in stage.work():
                 self.finish(msg, outcome)
             self.busy = stage.held()
-        if self.cuda_ipc.receiver is not None:
-            self.cuda_ipc.receiver.reap()  # let senders free the blocks whose copies have run
 
     def run(self) -> None:
         pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0,

@@ -246,7 +246,6 @@ _CHILD = textwrap.dedent("""
             break
         x = tensors["x"]
         torch.cuda.synchronize()
-        rx.reap()
         info = {{"device": str(x.device)}}
         push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage="t", info=info),
                                    {{"x": x.cpu()}}))
