@@ -72,8 +72,13 @@ class CudaIpcSender:
         if not self.enabled or not t.is_cuda or t.numel() == 0:
             return None
         private = t.detach().clone(memory_format=torch.contiguous_format)
-        (device, handle, storage_bytes, offset_bytes, ref_counter, ref_counter_offset,
-         event, event_sync) = private.untyped_storage()._share_cuda_()
+        try:
+            (device, handle, storage_bytes, offset_bytes, ref_counter, ref_counter_offset,
+             event, event_sync) = private.untyped_storage()._share_cuda_()
+        except Exception as e:  # e.g. an allocator or a container that cannot export IPC handles
+            self.enabled = False
+            log.warning("cannot export CUDA IPC handles (%s); tensors to %s go through host memory", e, self.dest)
+            return None
         raw = dict(device=device, handle=handle, storage_bytes=storage_bytes, offset_bytes=offset_bytes,
                    ref_counter=ref_counter.decode("ascii", "replace") if isinstance(ref_counter, bytes)
                    else ref_counter, ref_counter_offset=ref_counter_offset, event=event, event_sync=event_sync)
