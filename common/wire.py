@@ -264,8 +264,7 @@ def _tensors(
     if cuda is None and any(s.cuda is not None for s in msg.tensors):
         raise WireError("a tensor carries a CUDA IPC handle, but this process takes none", msg.request_id)
     for spec in msg.tensors:  # every descriptor is checked before any segment or handle is opened
-        _expected_bytes(spec, msg.request_id)
-        if spec.cuda is not None and _expected_bytes(spec, msg.request_id) == 0:
+        if _expected_bytes(spec, msg.request_id) == 0 and spec.cuda is not None:
             raise WireError(f"tensor {spec.name!r}: an empty tensor never travels by CUDA IPC", msg.request_id)
     tensors = {}
     rest = iter(frames[1:])

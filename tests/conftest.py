@@ -29,6 +29,16 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def sample_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
+    """Seeded values of any wire dtype (bool, signed/unsigned ints, floats, bfloat16)."""
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
 class Engine(EngineProcess):
     """One running topology for a test module, in a pytest temp directory."""
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import zmq
 
+from conftest import sample_tensor
 from common.config import EngineConfig, WorkerSpec
 from common.engine_process import EngineProcess
 from common.messages import PROTOCOL_VERSION, DecodeRequest, GenerationParams, Route
@@ -45,15 +46,6 @@ def _segments(prefix: str) -> list[str]:
 
 def _token() -> str:
     return secrets.token_hex(16)
-
-
-def _sample(dtype, shape):
-    g = torch.Generator().manual_seed(0)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -181,7 +173,7 @@ def echo(tmp_path, prefix):
 
 
 def test_every_dtype_round_trips_between_processes(echo, prefix):
-    tensors = {name: _sample(dtype, (3, 5, 7)) for name, dtype in DTYPES.items()}
+    tensors = {name: sample_tensor(dtype, (3, 5, 7)) for name, dtype in DTYPES.items()}
     tensors["large"] = torch.randn(1024, 1024)  # 4 MiB
     tensors["strided"] = torch.arange(600, dtype=torch.float32).reshape(20, 30).t()
     tensors["empty"] = torch.empty(0, 4)  # no bytes: travels as a (empty) frame
@@ -314,7 +306,7 @@ def pool(prefix):
 def test_repeated_sizes_use_prepared_segments(prefix, pool, caplog):
     caplog.set_level(logging.DEBUG, logger="disagg.shm")
     sender, receiver = ShmSender(prefix, "router", 1, spares=pool), ShmReceiver(prefix, "router")
-    cases = {name: _sample(dtype, (3, 5, 7)) for name, dtype in DTYPES.items()}
+    cases = {name: sample_tensor(dtype, (3, 5, 7)) for name, dtype in DTYPES.items()}
     cases["strided"] = torch.arange(600, dtype=torch.float32).reshape(20, 30).t()
     cases["scalar"] = torch.tensor(2.5, dtype=torch.float64)
     cases["large"] = torch.randn(4, 1 << 20)  # 16 MiB: torch's threaded copy instead of one memmove

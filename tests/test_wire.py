@@ -6,6 +6,7 @@ import pytest
 import torch
 import zmq
 
+from conftest import sample_tensor
 from common.messages import (
     PROTOCOL_VERSION,
     DecodeRequest,
@@ -54,18 +55,9 @@ def _roundtrip(pair, frames):
     return decode(pull.recv_multipart(copy=False))
 
 
-def _sample(dtype, shape):
-    g = torch.Generator().manual_seed(0)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_roundtrip_every_dtype_over_zmq(pair, dtype):
-    t = _sample(dtype, (2, 3, 5))
+    t = sample_tensor(dtype, (2, 3, 5))
     msg, tensors = _roundtrip(pair, encode(_msg(), {"latents": t}))
     assert msg.params == PARAMS and msg.route == ROUTE and msg.request_id == "r1"
     got = tensors["latents"]
