@@ -39,15 +39,15 @@ from common.wire import WireError
 
 log = logging.getLogger("disagg.cuda_ipc")
 
+def takes_cuda_ipc(config: EngineConfig, worker: WorkerSpec) -> bool:
+    """Whether ``worker`` is a GPU worker of an engine whose same-host links may carry CUDA IPC handles."""
+    # ipc transport: one host, the only case where a CUDA IPC handle means anything.
+    return config.cuda_ipc and config.transport == "ipc" and worker.device.startswith("cuda")
+
+
 def link_uses_cuda_ipc(config: EngineConfig, sender: WorkerSpec, dest: WorkerSpec | None) -> bool:
     """Whether CUDA tensors from ``sender`` to ``dest`` (None: the router) travel as CUDA IPC handles."""
-    return (
-        config.cuda_ipc
-        and config.transport == "ipc"  # one host: the only case where a CUDA IPC handle means anything
-        and dest is not None
-        and sender.device.startswith("cuda")
-        and dest.device.startswith("cuda")
-    )
+    return dest is not None and takes_cuda_ipc(config, sender) and takes_cuda_ipc(config, dest)
 
 
 def _release(h: CudaIpcHandle) -> None:
@@ -154,10 +154,9 @@ class CudaIpcReceiver:
 class CudaIpcContext:
     """One worker's side of the GPU data plane: a receiver if it is a GPU worker, a sender per GPU peer."""
 
-    def __init__(self, config: EngineConfig, me: WorkerSpec | None):
+    def __init__(self, config: EngineConfig, me: WorkerSpec):
         self.config, self.me = config, me
-        enabled = (me is not None and config.cuda_ipc and config.transport == "ipc"
-                   and me.device.startswith("cuda") and torch.cuda.is_available())
+        enabled = takes_cuda_ipc(config, me) and torch.cuda.is_available()
         self.receiver = CudaIpcReceiver(torch.device(me.device)) if enabled else None
         self._senders: dict[tuple[str, int], CudaIpcSender | None] = {}
 
