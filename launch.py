@@ -24,12 +24,13 @@ from pathlib import Path
 
 import uvicorn
 
-from common.config import DTYPE_CHOICES, EngineConfig, Limits
-from common.supervisor import Supervisor
-from common.tiny_model import SPECS, ensure_tiny_model
-from common.security import provision_curve, remove_secrets, resolve_weight_roots
-from common.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
-from common.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
+from common.config.engine import DTYPE_CHOICES, EngineConfig, Limits
+from common.runtime.supervisor import Supervisor
+from common.wan.tiny_model import SPECS, ensure_tiny_model
+from common.transport.security import provision_curve, remove_secrets
+from common.wan.weights import resolve_weight_roots
+from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
+from common.config.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.app import create_app
 from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine_process import EngineProcess  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
 from router.client import EngineClient, EngineHTTPError  # noqa: E402
 
 SLOW = dict(height=128, width=128, num_frames=9, num_inference_steps=300, output_type="frames")

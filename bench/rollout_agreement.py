@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine_process import EngineProcess  # noqa: E402
-from common.model import ModelInfo  # noqa: E402
-from common.tiny_model import ensure_tiny_model  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
+from common.wan.model_info import ModelInfo  # noqa: E402
+from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
 from rl import TrainerPolicy, Trajectory  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 

@@ -22,7 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine_process import EngineProcess  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
 
 INVALID = [
     {"prompt": "x", "height": 33},

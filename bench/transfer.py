@@ -7,9 +7,9 @@ In one run, for each size (MiB, float32):
 * ``copy_``: an in-memory copy into a preallocated tensor in this process (the yardstick);
 * ``clone``: an in-memory copy into fresh memory (what making a new tensor costs);
   both time small copies back to back (64 MiB per sample) so that thread wake-ups do not dominate;
-* ``zmq``: ``common.wire.encode`` -> ZeroMQ PUSH over ``ipc://`` -> ``decode`` in a second process
+* ``zmq``: ``common.protocol.codec.encode`` -> ZeroMQ PUSH over ``ipc://`` -> ``decode`` in a second process
   (a child started with ``subprocess``; only the codec's msgpack header and raw bytes cross);
-* ``shm new``: the same with the codec's shared-memory sender and receiver (``common.shm``): the
+* ``shm new``: the same with the codec's shared-memory sender and receiver (``common.transport.shm``): the
   sender writes the tensor into a new ``/dev/shm`` segment (``write(2)``), the receiver maps it;
 * ``shm prepared``: the same, with a segment of that size prepared ahead of time by the sender's
   ``SparePool`` (what the engine does for sizes it sends repeatedly); the sender copies into it.
@@ -19,7 +19,7 @@ In one run, for each size (MiB, float32):
 With ``--device cuda`` (a GPU host) the tensor starts on the GPU and must end on the GPU in the
 receiver: ``copy_`` and ``clone`` are device copies, the zmq and shm modes stage through host memory
 (device -> host in the sender, host -> device in the receiver, what a GPU-to-GPU hop costs without
-CUDA IPC), and a ``cuda ipc`` mode sends a CUDA IPC handle (``common.cuda_ipc``): the receiver copies
+CUDA IPC), and a ``cuda ipc`` mode sends a CUDA IPC handle (``common.transport.cuda_ipc``): the receiver copies
 from the sender's GPU memory into its own.
 
 Times run from just before ``encode`` in the sender until the receiver holds a usable tensor
@@ -48,10 +48,10 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.cuda_ipc import CudaIpcReceiver, CudaIpcSender  # noqa: E402
-from common.messages import PROTOCOL_VERSION, Result  # noqa: E402
-from common.shm import ShmReceiver, ShmSender, SparePool, engine_prefix, remove_engine_segments  # noqa: E402
-from common.wire import decode, encode  # noqa: E402
+from common.transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender  # noqa: E402
+from common.protocol.messages import PROTOCOL_VERSION, Result  # noqa: E402
+from common.transport.shm import ShmReceiver, ShmSender, SparePool, engine_prefix, remove_engine_segments  # noqa: E402
+from common.protocol.codec import decode, encode  # noqa: E402
 
 RECEIVER = "bench-rx"
 MiB = 1 << 20

@@ -23,9 +23,9 @@ from diffusers import WanTransformer3DModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine_process import EngineProcess  # noqa: E402
-from common.tiny_model import ensure_tiny_model  # noqa: E402
-from common.weights import save_weights, state_dict_checksum  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
+from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.wan.weights import save_weights, state_dict_checksum  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-from common.worker import main
+from common.runtime.worker import main
 from decode_worker.stage import DecodeStage
 
 if __name__ == "__main__":

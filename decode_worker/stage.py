@@ -7,9 +7,10 @@ import time
 import torch
 from diffusers import AutoencoderKLWan
 
-from common.messages import PROTOCOL_VERSION, DecodeRequest, Result
-from common.model import ModelInfo
-from common.worker import Forward, QueuedBatchStage, RequestError
+from common.protocol.messages import PROTOCOL_VERSION, DecodeRequest, Result
+from common.wan.model_info import ModelInfo
+from common.protocol.errors import RequestError
+from common.runtime.stage import Forward, QueuedBatchStage
 
 
 def to_frames(video: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-from common.worker import main
+from common.runtime.worker import main
 from denoise_worker.stage import DenoiseStage
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
-from common.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
-from common.model import ModelInfo
-from common.weights import WeightsError, load_into, read_weights, state_dict_checksum
-from common.worker import DeadlineExceeded, Forward, RequestError, Stage, check_deadline
-from denoise_worker import schedulers
+from common.wan.policy import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
+from common.protocol.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
+from common.wan.model_info import ModelInfo
+from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
+from common.protocol.errors import DeadlineExceeded, RequestError, check_deadline
+from common.runtime.stage import Forward, Stage
+from common.wan import schedulers
 from denoise_worker.task import DenoiseTask
 
 
@@ -106,7 +107,7 @@ class DenoiseStage(Stage):
 
         Conditional halves come first, then the unconditional halves of the
         tasks that use guidance; ``uncond + g * (cond - uncond)`` per task, in
-        the model's dtype, as in :func:`common.guidance.guided_velocity`.
+        the model's dtype, as in :func:`common.wan.policy.guided_velocity`.
         """
         name = self._expert_name(tasks[0])
         model = self.experts[name]

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.messages import GenerationParams, RolloutParams
-from common.model import ModelInfo
-from common.sde import sde_step
-from denoise_worker import schedulers
+from common.protocol.messages import GenerationParams, RolloutParams
+from common.wan.model_info import ModelInfo
+from common.wan.sde import sde_step
+from common.wan import schedulers
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generator: torch.Generator) -> torch.Tensor:

@@ -1,4 +1,4 @@
-from common.worker import main
+from common.runtime.worker import main
 from encoder_worker.stage import EncoderStage
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import regex
 import torch
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from common.messages import PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
-from common.model import MAX_SEQUENCE_LENGTH, ModelInfo
-from common.worker import Forward, QueuedBatchStage
+from common.protocol.messages import PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
+from common.wan.model_info import MAX_SEQUENCE_LENGTH, ModelInfo
+from common.runtime.stage import Forward, QueuedBatchStage
 
 try:  # diffusers fixes mojibake with ftfy when it is installed; so do we
     import ftfy

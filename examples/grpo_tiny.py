@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.engine_process import EngineProcess  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
 from rl import TrainerPolicy, Trajectory, save_weights, state_dict_checksum  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 

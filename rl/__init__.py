@@ -3,8 +3,8 @@
     from rl import TrainerPolicy, Trajectory, sde_step, state_dict_checksum, save_weights
 """
 
-from common.sde import log_prob_of, sde_step
-from common.weights import save_weights, state_dict_checksum
+from common.wan.sde import log_prob_of, sde_step
+from common.wan.weights import save_weights, state_dict_checksum
 from rl.policy import TrainerPolicy, Trajectory
 
 __all__ = ["TrainerPolicy", "Trajectory", "sde_step", "log_prob_of", "state_dict_checksum", "save_weights"]

@@ -3,7 +3,7 @@
 :class:`TrainerPolicy` loads the text encoder and the transformer(s) from the
 same model directory the engine serves, and recomputes the log-probs of a
 returned trajectory with the very functions the denoise worker used
-(:func:`common.guidance.guided_velocity` and :func:`common.sde.sde_step`), so
+(:func:`common.wan.policy.guided_velocity` and :func:`common.wan.sde.sde_step`), so
 that rollout and recompute agree to float32 rounding.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.guidance import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
-from common.model import ModelInfo
-from common.sde import sde_step
+from common.wan.policy import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
+from common.wan.model_info import ModelInfo
+from common.wan.sde import sde_step
 from encoder_worker.stage import encode_prompt, load_text_encoder
 
 

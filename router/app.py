@@ -14,9 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from common.config import EngineConfig
-from common.http_tensors import tensor_to_body
-from common.model import ModelInfo
+from common.config.engine import EngineConfig
+from common.protocol.http_tensors import tensor_to_body
+from common.wan.model_info import ModelInfo
 from router.auth import ApiKeyMiddleware
 from router.dispatcher import Dispatcher, EngineError
 from router.schemas import FieldError, GenerateBody, RolloutBody, UpdateWeightsBody, to_params

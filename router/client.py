@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import msgpack
 
-from common.http_tensors import decode_tensors
+from common.protocol.http_tensors import decode_tensors
 
 MSGPACK = "application/msgpack"
 

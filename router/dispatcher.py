@@ -22,8 +22,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from common.config import EngineConfig, WorkerSpec
-from common.messages import (
+from common.config.engine import EngineConfig, WorkerSpec
+from common.protocol.messages import (
     PROTOCOL_VERSION,
     ROLES,
     ControlReply,
@@ -36,9 +36,9 @@ from common.messages import (
     Result,
     Route,
 )
-from common.security import ROUTER, Security, bind_pull, connect_push
-from common.shm import ShmContext
-from common.wire import WireError, decode, encode
+from common.transport.security import ROUTER, Security, bind_pull, connect_push
+from common.transport.shm import ShmContext
+from common.protocol.codec import WireError, decode, encode
 
 log = logging.getLogger("disagg.router")
 

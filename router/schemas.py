@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import Limits
-from common.messages import GenerationParams, RolloutParams
+from common.config.engine import Limits
+from common.protocol.messages import GenerationParams, RolloutParams
 
 MAX_SEED = 2**63 - 1
 

@@ -12,8 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.engine_process import EngineProcess  # noqa: E402
-from common.tiny_model import ensure_tiny_model  # noqa: E402
+from common.runtime.engine_process import EngineProcess  # noqa: E402
+from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 
 def pid_alive(pid: int) -> bool:

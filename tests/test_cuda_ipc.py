@@ -1,4 +1,4 @@
-"""CUDA IPC data plane (common/cuda_ipc.py).
+"""CUDA IPC data plane (common/transport/cuda_ipc.py).
 
 On any machine: which links use it, the descriptor's validation, that a process
 without CUDA refuses a handle, and the codec's bookkeeping (every handle of a
@@ -23,10 +23,10 @@ import pytest
 import torch
 import zmq
 
-from common.config import EngineConfig, WorkerSpec
-from common.cuda_ipc import CudaIpcContext, CudaIpcSender, link_uses_cuda_ipc
-from common.messages import PROTOCOL_VERSION, CudaIpcHandle, Result, TensorSpec
-from common.wire import WireError, decode, encode
+from common.config.engine import EngineConfig, WorkerSpec
+from common.transport.cuda_ipc import CudaIpcContext, CudaIpcSender, link_uses_cuda_ipc
+from common.protocol.messages import PROTOCOL_VERSION, CudaIpcHandle, Result, TensorSpec
+from common.protocol.codec import WireError, decode, encode
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 
@@ -227,9 +227,9 @@ def test_a_failed_encode_releases_the_handles_it_made():
 _CHILD = textwrap.dedent("""
     import sys, torch, zmq
     sys.path.insert(0, {root!r})
-    from common.cuda_ipc import CudaIpcReceiver
-    from common.messages import PROTOCOL_VERSION, Result
-    from common.wire import WireError, decode, encode
+    from common.transport.cuda_ipc import CudaIpcReceiver
+    from common.protocol.messages import PROTOCOL_VERSION, Result
+    from common.protocol.codec import WireError, decode, encode
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind({data!r}); push.connect({report!r})

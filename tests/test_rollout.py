@@ -7,11 +7,11 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-from common.model import ModelInfo
-from common.sde import sde_step
-from common.weights import state_dict_checksum
+from common.wan.model_info import ModelInfo
+from common.wan.sde import sde_step
+from common.wan.weights import state_dict_checksum
 from conftest import diffusers_generate
-from denoise_worker import schedulers
+from common.wan import schedulers
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient, EngineHTTPError
 
@@ -163,7 +163,7 @@ def test_rollout_frames_carry_log_probs(client, policy):
 
 def test_convention_check_rejects_mismatch_and_logs_once(caplog):
     template = schedulers.rollout_template_for(schedulers.load_serving_template(ModelInfo.read(
-        __import__("common.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny")).path))
+        __import__("common.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny")).path))
     bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
     bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
     with pytest.raises(schedulers.ConventionError, match="flow-match convention"):
@@ -221,7 +221,7 @@ def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, we
     assert after["weight_version"] == v0 + 1 and after["samples"][0]["weight_version"] == v0 + 1
     assert not torch.equal(before["samples"][0]["output"], after["samples"][0]["output"])
     # A single safetensors file works too, and a bad update changes nothing.
-    from common.weights import save_weights
+    from common.wan.weights import save_weights
 
     orig = WanTransformer3DModel.from_pretrained(tiny_dir / "transformer")
     save_weights(orig, work / "orig.safetensors")
@@ -250,7 +250,7 @@ def test_update_of_missing_expert_is_refused(client):
 
 @pytest.fixture(scope="module")
 def moe(engine_factory, weights_dir):
-    from common.tiny_model import ensure_tiny_model
+    from common.wan.tiny_model import ensure_tiny_model
 
     d = ensure_tiny_model("tiny-moe")
     eng = engine_factory("tiny-moe", extra=["--weight-root", str(weights_dir)])

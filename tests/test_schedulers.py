@@ -8,9 +8,9 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from common.messages import GenerationParams
-from common.worker import RequestError
-from denoise_worker import schedulers
+from common.protocol.messages import GenerationParams
+from common.protocol.errors import RequestError
+from common.wan import schedulers
 
 WAN_UNIPC = dict(
     prediction_type="flow_prediction",

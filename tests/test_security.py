@@ -23,11 +23,11 @@ import torch
 import zmq
 import zmq.auth
 
-from common.config import EngineConfig, WorkerSpec
-from common.engine_process import EngineProcess
-from common.messages import PROTOCOL_VERSION, EncodeRequest, ErrorReply, GenerationParams, Route
-from common.security import SecurityError, Security, bind_pull, connect_push, provision_curve
-from common.wire import encode
+from common.config.engine import EngineConfig, WorkerSpec
+from common.runtime.engine_process import EngineProcess
+from common.protocol.messages import PROTOCOL_VERSION, EncodeRequest, ErrorReply, GenerationParams, Route
+from common.transport.security import SecurityError, Security, bind_pull, connect_push, provision_curve
+from common.protocol.codec import encode
 from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, bearer_token, keys_from_environment
 from router.client import EngineClient
 
@@ -302,7 +302,7 @@ def _tcp_config(tmp_path, ports) -> EngineConfig:
 
 
 def test_security_refuses_loose_or_mismatched_key_files(tmp_path):
-    from common.topology import port_picker
+    from common.config.topology import port_picker
 
     pick = port_picker()
     config = provision_curve(_tcp_config(tmp_path, [pick("127.0.0.1"), pick("127.0.0.1")]))
@@ -324,7 +324,7 @@ def test_security_refuses_loose_or_mismatched_key_files(tmp_path):
 
 
 def test_socket_helpers_admit_only_engine_keys(tmp_path):
-    from common.topology import port_picker
+    from common.config.topology import port_picker
 
     pick = port_picker()
     config = provision_curve(_tcp_config(tmp_path, [pick("127.0.0.1"), pick("127.0.0.1")]))
@@ -358,7 +358,7 @@ def test_asyncio_pull_survives_new_curve_peers(tmp_path):
 
     import zmq.asyncio
 
-    from common.topology import port_picker
+    from common.config.topology import port_picker
 
     pick = port_picker()
     config = provision_curve(_tcp_config(tmp_path, [pick("127.0.0.1"), pick("127.0.0.1")]))

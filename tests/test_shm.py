@@ -1,4 +1,4 @@
-"""The same-host shared-memory data plane (common/shm.py): round trips between processes, zero-copy receive,
+"""The same-host shared-memory data plane (common/transport/shm.py): round trips between processes, zero-copy receive,
 no names left behind, hostile segment names, leftover removal, and whole engines with and without it."""
 
 import errno
@@ -19,10 +19,10 @@ import torch
 import zmq
 
 from conftest import sample_tensor
-from common.config import EngineConfig, WorkerSpec
-from common.engine_process import EngineProcess
-from common.messages import PROTOCOL_VERSION, DecodeRequest, GenerationParams, Route
-from common.shm import (
+from common.config.engine import EngineConfig, WorkerSpec
+from common.runtime.engine_process import EngineProcess
+from common.protocol.messages import PROTOCOL_VERSION, DecodeRequest, GenerationParams, Route
+from common.transport.shm import (
     SHM_DIR,
     ShmContext,
     ShmReceiver,
@@ -31,7 +31,7 @@ from common.shm import (
     engine_prefix,
     remove_engine_segments,
 )
-from common.wire import DTYPES, WireError, decode, encode
+from common.protocol.codec import DTYPES, WireError, decode, encode
 from router.client import EngineClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,9 +87,9 @@ ECHO = r"""
 import sys
 from pathlib import Path
 import zmq
-from common.messages import PROTOCOL_VERSION, ErrorReply, Result
-from common.shm import ShmReceiver, ShmSender
-from common.wire import WireError, decode, encode
+from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, Result
+from common.transport.shm import ShmReceiver, ShmSender
+from common.protocol.codec import WireError, decode, encode
 
 work, prefix = sys.argv[1], sys.argv[2]
 rx, tx = ShmReceiver(prefix, "echo"), ShmSender(prefix, "parent", 1)
@@ -250,7 +250,7 @@ def test_threshold_decides(prefix):
 
 
 def test_full_dev_shm_falls_back_to_frames(prefix, monkeypatch, caplog):
-    import common.shm as shm
+    import common.transport.shm as shm
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -361,7 +361,7 @@ def test_pool_keeps_to_its_byte_budget(prefix):
 
 
 def test_pool_without_room_falls_back(prefix, pool, monkeypatch, caplog):
-    import common.shm as shm
+    import common.transport.shm as shm
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -405,8 +405,8 @@ def _naming(segment: str, shape=(4,), dtype="float32", rid="r1", frames_after=()
 
 @pytest.fixture
 def opened(monkeypatch):
-    """Every path common.shm opens or unlinks."""
-    import common.shm as shm
+    """Every path common.transport.shm opens or unlinks."""
+    import common.transport.shm as shm
 
     seen = {"open": [], "unlink": []}
     real_open, real_unlink = shm.os.open, shm.os.unlink

@@ -7,9 +7,9 @@ import msgspec
 import pytest
 import torch
 
-from common import topology
-from common.config import EngineConfig, Limits
-from common.topology import parse_topology
+from common.config import topology
+from common.config.engine import EngineConfig, Limits
+from common.config.topology import parse_topology
 
 
 @pytest.fixture

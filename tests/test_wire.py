@@ -7,7 +7,7 @@ import torch
 import zmq
 
 from conftest import sample_tensor
-from common.messages import (
+from common.protocol.messages import (
     PROTOCOL_VERSION,
     DecodeRequest,
     DenoiseRequest,
@@ -15,7 +15,7 @@ from common.messages import (
     GenerationParams,
     Route,
 )
-from common.wire import DTYPES, WireError, decode, encode
+from common.protocol.codec import DTYPES, WireError, decode, encode
 
 PARAMS = GenerationParams(
     prompt="a fox at dawn",

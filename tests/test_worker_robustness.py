@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from common.messages import (
+from common.protocol.messages import (
     PROTOCOL_VERSION,
     DecodeRequest,
     DenoiseRequest,
@@ -23,7 +23,7 @@ from common.messages import (
     Result,
     Route,
 )
-from common.wire import WireError, decode, encode
+from common.protocol.codec import WireError, decode, encode
 from conftest import pid_alive
 
 PARAMS = GenerationParams(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.model import MAX_SEQUENCE_LENGTH
+from common.wan.model_info import MAX_SEQUENCE_LENGTH
 
 
 def pad_embeddings(embeds: torch.Tensor, length: int = MAX_SEQUENCE_LENGTH) -> torch.Tensor:

@@ -1,9 +1,7 @@
 """The worker loop every stage shares: receive, validate, process, forward.
 
-A stage (encoder, denoise, decode) subclasses :class:`Stage` and implements
-only ``load`` and what it does with requests (``accept`` / ``work``, or
-``process_batch`` for a :class:`QueuedBatchStage`). :class:`WorkerRuntime` owns the sockets: it
-binds the stage's PULL input, pushes results to the next stage or to the
+:class:`WorkerRuntime` owns the sockets around one :class:`~common.runtime.stage.Stage`:
+it binds the stage's PULL input, pushes results to the next stage or to the
 router, turns every failure into an :class:`ErrorReply` for that request, and
 heartbeats to the router from a separate thread so that a long forward pass
 does not look like a dead worker.
@@ -18,135 +16,32 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import zmq
 
-from common.config import EngineConfig, WorkerSpec, default_threads, torch_dtype_for
-from common.messages import (
+from common.config.engine import EngineConfig, default_threads
+from common.protocol.codec import WireError, decode, encode
+from common.protocol.errors import DeadlineExceeded, check_deadline
+from common.protocol.messages import (
     PROTOCOL_VERSION,
     REQUEST_KINDS,
     ControlReply,
     ControlRequest,
     ErrorReply,
     Heartbeat,
-    Message,
     Progress,
 )
-from common.security import ROUTER, Security, bind_pull, connect_push, process_name
-from common.cuda_ipc import CudaIpcContext
-from common.shm import ShmContext
-from common.wire import WireError, decode, encode
+from common.runtime.stage import Forward, Stage
+from common.transport.cuda_ipc import CudaIpcContext
+from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
+from common.transport.shm import ShmContext
 
 log = logging.getLogger("disagg.worker")
 
 POLL_MS = 100
 MAX_DRAIN = 256
-
-
-class RequestError(ValueError):
-    """The request itself is wrong (answered with HTTP 400), not the engine."""
-
-    status = 400
-
-
-class DeadlineExceeded(RuntimeError):
-    """The request's deadline passed; the router has answered it with 504 already."""
-
-    status = 504
-
-
-def check_deadline(params) -> None:
-    if params.deadline is not None and time.time() > params.deadline:
-        raise DeadlineExceeded("request deadline passed")
-
-
-@dataclass
-class Forward:
-    """Where a processed request goes next: ``"router"`` or a stage role."""
-
-    to: str
-    msg: Message
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class Stage:
-    """What is special to one pipeline stage. Subclasses set ``role``.
-
-    A stage implements ``accept`` (take a request), ``has_work`` and ``work``
-    (advance what it holds, e.g. one batched forward, and return the requests
-    that finished or failed); the runtime keeps reading its socket between two
-    calls of ``work``, so new requests join. :class:`QueuedBatchStage` is the
-    simple case: handle whatever has queued up in one call.
-    """
-
-    role: ClassVar[str]
-
-    def __init__(self, config: EngineConfig, spec: WorkerSpec):
-        self.config = config
-        self.spec = spec
-        self.device = torch.device(spec.device)
-        self.dtype = torch_dtype_for(spec.device, config.dtype)
-
-    def load(self) -> None:
-        raise NotImplementedError
-
-    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
-
-    def can_accept(self) -> bool:
-        return True
-
-    def has_work(self) -> bool:
-        return False
-
-    def held(self) -> int:
-        return 0
-
-    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
-        raise NotImplementedError
-
-    def control(self, msg: ControlRequest) -> dict:
-        """Administration between requests (weight sync); stages that have none refuse."""
-        raise RequestError(f"{self.role} worker takes no {msg.op} requests")
-
-
-class QueuedBatchStage(Stage):
-    """A stage that handles whatever has queued up in one call (encoder, decode).
-
-    ``process_batch`` gets up to ``max_batch_size`` requests and returns one
-    ``Forward`` or exception per request, in order.
-    """
-
-    def __init__(self, config: EngineConfig, spec: WorkerSpec):
-        super().__init__(config, spec)
-        self.queue: collections.deque = collections.deque()
-        self.max_batch = max(1, config.max_batch_size)
-
-    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        self.queue.append((msg, tensors))
-
-    def can_accept(self) -> bool:
-        return len(self.queue) < 4 * self.max_batch
-
-    def has_work(self) -> bool:
-        return bool(self.queue)
-
-    def held(self) -> int:
-        return len(self.queue)
-
-    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
-        items = [self.queue.popleft() for _ in range(min(self.max_batch, len(self.queue)))]
-        try:
-            outcomes = self.process_batch(items)
-        except Exception as e:  # a failed batch fails its requests, nothing else
-            outcomes = [e] * len(items)
-        return [(msg, out) for (msg, _), out in zip(items, outcomes)]
-
-    def process_batch(self, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> list["Forward | BaseException"]:
-        raise NotImplementedError
 
 
 class WorkerRuntime:

@@ -42,6 +42,7 @@ __all__ = [
     "save_weights",
     "state_dict_checksum",
     "validate_against",
+    "resolve_weight_roots",
 ]
 
 # File names diffusers' ModelMixin.save_pretrained uses.
@@ -369,3 +370,20 @@ def save_weights(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+# --------------------------------------------------------------------------
+# Weight-path allow-list (launcher side: --weight-root)
+# --------------------------------------------------------------------------
+
+
+def resolve_weight_roots(dirs: list[str]) -> list[str]:
+    """``--weight-root`` values as absolute real paths of existing directories (symlinks resolved)."""
+    roots: list[str] = []
+    for d in dirs:
+        real = os.path.realpath(os.path.expanduser(d))
+        if not os.path.isdir(real):
+            raise ValueError(f"--weight-root {d}: not a directory")
+        if real not in roots:
+            roots.append(real)
+    return roots

@@ -35,7 +35,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.config import EngineConfig
+from common.config.engine import EngineConfig
 
 log = logging.getLogger("disagg.security")
 
@@ -275,20 +275,3 @@ def connect_push(ctx: zmq.Context, endpoint: str, security: Security, **options)
         sock.close(linger=0)
         raise
     return sock
-
-
-# --------------------------------------------------------------------------
-# Weight-path allow-list (launcher side)
-# --------------------------------------------------------------------------
-
-
-def resolve_weight_roots(dirs: list[str]) -> list[str]:
-    """``--weight-root`` values as absolute real paths of existing directories (symlinks resolved)."""
-    roots: list[str] = []
-    for d in dirs:
-        real = os.path.realpath(os.path.expanduser(d))
-        if not os.path.isdir(real):
-            raise ValueError(f"--weight-root {d}: not a directory")
-        if real not in roots:
-            roots.append(real)
-    return roots

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from common.config import WorkerSpec, validate_workers
-from common.messages import ROLES
+from common.config.engine import WorkerSpec, validate_workers
+from common.protocol.messages import ROLES
 
 _COMPACT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")

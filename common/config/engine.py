@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from common.messages import ROLES
+from common.protocol.messages import ROLES
 
 DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,13 +58,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Weight updates may only read below these directories; empty: weight updates are refused.
     weight_roots: list[str] = []
     transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
-    # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/shm.py).
-    # 0: off (always 0 with tcp). Segment names start with common.shm.engine_prefix(runtime_dir).
+    # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/transport/shm.py).
+    # 0: off (always 0 with tcp). Segment names start with common.transport.shm.engine_prefix(runtime_dir).
     shm_threshold_bytes: int = 0
     # Most bytes of segments each process prepares ahead of time for sizes it sends repeatedly (0: none).
     shm_spare_bytes: int = 0
     # ipc only: CUDA tensors between two GPU workers travel as CUDA IPC handles, not through host memory
-    # (common/cuda_ipc.py).
+    # (common/transport/cuda_ipc.py).
     cuda_ipc: bool = True
     # CURVE (tcp only; empty: off). Public keys of every process ("router", "encoder-0", ...) and the
     # path of each process's secret key file (mode 0600, in the runtime dir). Never the secret keys.

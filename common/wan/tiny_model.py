@@ -16,7 +16,7 @@ benchmarking on a GPU; see its comment in ``SPECS``.
 
 Usage::
 
-    python -m common.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
+    python -m common.wan.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .model import SERVING_DEFAULTS_FILE
+from common.wan.model_info import SERVING_DEFAULTS_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -542,7 +542,7 @@ def build_tiny_model(spec: TinyWanSpec, out_dir: str | Path) -> Path:
         pipe.to(getattr(torch, spec.weights_dtype))
     # Writes model_index.json exactly as a real WanPipeline checkpoint has it.
     pipe.save_pretrained(out, safe_serialization=True)
-    # The request sizes this tiny model is meant to serve (see common.model).
+    # The request sizes this tiny model is meant to serve (see common.wan.model_info).
     defaults = {k: getattr(spec, k) for k in SERVING_DEFAULT_KEYS}
     (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
     return out

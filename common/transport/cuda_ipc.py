@@ -33,9 +33,9 @@ import logging
 import msgspec
 import torch
 
-from common.config import EngineConfig, WorkerSpec
-from common.messages import CudaIpcHandle
-from common.wire import WireError
+from common.config.engine import EngineConfig, WorkerSpec
+from common.protocol.messages import CudaIpcHandle
+from common.protocol.codec import WireError
 
 log = logging.getLogger("disagg.cuda_ipc")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from common.wire import DTYPE_NAMES, DTYPES, tensor_bytes
+from common.protocol.codec import DTYPE_NAMES, DTYPES, tensor_bytes
 
 
 def tensor_to_body(t: torch.Tensor, binary: bool) -> dict[str, Any]:

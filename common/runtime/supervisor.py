@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.config import EngineConfig, WorkerSpec
+from common.config.engine import EngineConfig, WorkerSpec
 
 log = logging.getLogger("disagg.supervisor")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.1
 QUICK_DEATH_S = 10.0  # a worker that dies this soon after starting is restarted with backoff
 MAX_BACKOFF_S = 30.0

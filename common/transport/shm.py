@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig
-from common.wire import WireError, tensor_bytes
+from common.config.engine import EngineConfig
+from common.protocol.codec import WireError, tensor_bytes
 
 log = logging.getLogger("disagg.shm")
 

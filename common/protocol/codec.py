@@ -1,19 +1,19 @@
 """Wire codec: a msgpack header frame followed by raw tensor frames.
 
-Frame 0 is a :mod:`common.messages` struct encoded with msgpack; it lists a
+Frame 0 is a :mod:`common.protocol.messages` struct encoded with msgpack; it lists a
 ``TensorSpec`` (name, dtype, shape) for every tensor. Tensor frames are the
 tensor's C-order little-endian bytes, handed to ZeroMQ without a copy. On
 receive every size is checked against its descriptor before a tensor is
 built, and tensors are views over the received frames (no copy).
 
-Same host only: with a sender object from :mod:`common.shm`, a large tensor
+Same host only: with a sender object from :mod:`common.transport.shm`, a large tensor
 goes into a shared-memory segment instead of a frame and its descriptor names
 the segment (``TensorSpec.shm``); the receiver needs its own receiver object
 to accept such a descriptor, checks the segment's size the same way, and the
 tensor is a view over the mapped segment. Without one (tcp, or shared memory
 off) a descriptor that names a segment is rejected.
 
-Same node, GPU to GPU: with a sender object from :mod:`common.cuda_ipc`, a
+Same node, GPU to GPU: with a sender object from :mod:`common.transport.cuda_ipc`, a
 CUDA tensor travels as a CUDA IPC handle (``TensorSpec.cuda``) and the
 receiver's object copies it into its own GPU memory; a receiver without one
 rejects such a descriptor.
@@ -31,7 +31,7 @@ from typing import Any, Protocol, Sequence
 import msgspec
 import torch
 
-from common.messages import PROTOCOL_VERSION, CudaIpcHandle, Message, TensorSpec
+from common.protocol.messages import PROTOCOL_VERSION, CudaIpcHandle, Message, TensorSpec
 
 if sys.byteorder != "little":  # raw frames are little-endian by contract
     raise RuntimeError("disagg-diffusion's wire format needs a little-endian host")
@@ -75,7 +75,7 @@ class WireError(ValueError):
 
 
 class ShmSend(Protocol):
-    """Sender side of the shared-memory data plane (``common.shm.ShmSender``)."""
+    """Sender side of the shared-memory data plane (``common.transport.shm.ShmSender``)."""
 
     def put(self, t: torch.Tensor) -> str | None: ...  # a segment name, or None: send a frame
 
@@ -83,7 +83,7 @@ class ShmSend(Protocol):
 
 
 class ShmReceive(Protocol):
-    """Receiver side (``common.shm.ShmReceiver``)."""
+    """Receiver side (``common.transport.shm.ShmReceiver``)."""
 
     def open(self, name: str, nbytes: int, request_id: str | None = None) -> memoryview: ...
 
@@ -91,7 +91,7 @@ class ShmReceive(Protocol):
 
 
 class CudaSend(Protocol):
-    """Sender side of the GPU data plane (``common.cuda_ipc.CudaIpcSender``)."""
+    """Sender side of the GPU data plane (``common.transport.cuda_ipc.CudaIpcSender``)."""
 
     def put(self, t: torch.Tensor) -> CudaIpcHandle | None: ...  # None: stage through host memory
 
@@ -99,7 +99,7 @@ class CudaSend(Protocol):
 
 
 class CudaReceive(Protocol):
-    """Receiver side (``common.cuda_ipc.CudaIpcReceiver``)."""
+    """Receiver side (``common.transport.cuda_ipc.CudaIpcReceiver``)."""
 
     def open(self, h: CudaIpcHandle, dtype: torch.dtype, shape: list[int], nbytes: int,
              request_id: str | None = None) -> torch.Tensor: ...

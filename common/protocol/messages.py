@@ -1,7 +1,7 @@
 """Typed messages exchanged between the router and the workers.
 
 Every message is a msgspec Struct tagged by ``kind``; the wire codec
-(:mod:`common.wire`) encodes the struct as frame 0 and the tensors it names
+(:mod:`common.protocol.codec`) encodes the struct as frame 0 and the tensors it names
 as the following raw frames. Decoding is strict: wrong types, unknown fields
 and unknown kinds are rejected before any worker code sees the message.
 
@@ -25,7 +25,7 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-# A shared-memory segment's name (see common/shm.py): a file name in /dev/shm, never a path.
+# A shared-memory segment's name (see common/transport/shm.py): a file name in /dev/shm, never a path.
 ShmName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=255)]
 
 
@@ -35,7 +35,7 @@ RefCounterName = Annotated[str, msgspec.Meta(pattern=r"^/torch_[0-9_]+$", max_le
 
 class CudaIpcHandle(_Strict, frozen=True):
     """A CUDA allocation of the sending process, opened by the receiver with CUDA IPC
-    (same node, both ends GPU workers; see common/cuda_ipc.py). The fields are the
+    (same node, both ends GPU workers; see common/transport/cuda_ipc.py). The fields are the
     ones ``torch.UntypedStorage._share_cuda_`` returns, as plain bytes and integers."""
 
     device: Annotated[int, msgspec.Meta(ge=0, le=255)]
@@ -197,7 +197,7 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     socket_type: str
     state: str
     busy: int = 0
-    # Tensors this worker sent and received as CUDA IPC handles since it started (common/cuda_ipc.py).
+    # Tensors this worker sent and received as CUDA IPC handles since it started (common/transport/cuda_ipc.py).
     cuda_ipc_sent: int = 0
     cuda_ipc_received: int = 0
 

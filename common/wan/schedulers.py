@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from common.messages import GenerationParams
-from common.worker import RequestError
+from common.protocol.messages import GenerationParams
+from common.protocol.errors import RequestError
 
 log = logging.getLogger("disagg.denoise")
 

@@ -1,0 +1,27 @@
+"""Failures a stage reports for one request, with the HTTP status the router answers with.
+
+Any other exception raised while a request is processed is an engine fault
+(500); these two say something more precise about whose fault it is.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (answered with HTTP 400), not the engine."""
+
+    status = 400
+
+
+class DeadlineExceeded(RuntimeError):
+    """The request's deadline passed; the router has answered it with 504 already."""
+
+    status = 504
+
+
+def check_deadline(params) -> None:
+    """Raise :class:`DeadlineExceeded` once ``params.deadline`` (seconds since the epoch) has passed."""
+    if params.deadline is not None and time.time() > params.deadline:
+        raise DeadlineExceeded("request deadline passed")

@@ -1,0 +1,105 @@
+"""What a pipeline stage is: the interface each worker directory implements.
+
+A stage (encoder, denoise, decode) subclasses :class:`Stage` and implements
+only ``load`` and what it does with requests (``accept`` / ``work``), or
+``process_batch`` for a :class:`QueuedBatchStage`. The loop around it, with the
+sockets, lives in :mod:`common.runtime.worker`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from common.config.engine import EngineConfig, WorkerSpec, torch_dtype_for
+from common.protocol.errors import RequestError
+from common.protocol.messages import ControlRequest, Message
+
+
+@dataclass
+class Forward:
+    """Where a processed request goes next: ``"router"`` or a stage role."""
+
+    to: str
+    msg: Message
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Stage:
+    """What is special to one pipeline stage. Subclasses set ``role``.
+
+    A stage implements ``accept`` (take a request), ``has_work`` and ``work``
+    (advance what it holds, e.g. one batched forward, and return the requests
+    that finished or failed); the runtime keeps reading its socket between two
+    calls of ``work``, so new requests join. :class:`QueuedBatchStage` is the
+    simple case: handle whatever has queued up in one call.
+    """
+
+    role: ClassVar[str]
+
+    def __init__(self, config: EngineConfig, spec: WorkerSpec):
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.dtype = torch_dtype_for(spec.device, config.dtype)
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def can_accept(self) -> bool:
+        return True
+
+    def has_work(self) -> bool:
+        return False
+
+    def held(self) -> int:
+        return 0
+
+    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
+        raise NotImplementedError
+
+    def control(self, msg: ControlRequest) -> dict:
+        """Administration between requests (weight sync); stages that have none refuse."""
+        raise RequestError(f"{self.role} worker takes no {msg.op} requests")
+
+
+class QueuedBatchStage(Stage):
+    """A stage that handles whatever has queued up in one call (encoder, decode).
+
+    ``process_batch`` gets up to ``max_batch_size`` requests and returns one
+    ``Forward`` or exception per request, in order.
+    """
+
+    def __init__(self, config: EngineConfig, spec: WorkerSpec):
+        super().__init__(config, spec)
+        self.queue: collections.deque = collections.deque()
+        self.max_batch = max(1, config.max_batch_size)
+
+    def accept(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self.queue.append((msg, tensors))
+
+    def can_accept(self) -> bool:
+        return len(self.queue) < 4 * self.max_batch
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def held(self) -> int:
+        return len(self.queue)
+
+    def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
+        items = [self.queue.popleft() for _ in range(min(self.max_batch, len(self.queue)))]
+        try:
+            outcomes = self.process_batch(items)
+        except Exception as e:  # a failed batch fails its requests, nothing else
+            outcomes = [e] * len(items)
+        return [(msg, out) for (msg, _), out in zip(items, outcomes)]
+
+    def process_batch(self, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> list["Forward | BaseException"]:
+        raise NotImplementedError
