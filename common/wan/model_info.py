@@ -2,7 +2,8 @@
 
 Each worker loads only its own components (see the stage modules); this
 module holds the facts every process needs without loading any weights:
-the pipeline index, the sizes to serve by default, and the VAE's strides.
+the pipeline index, the sizes to serve by default, the VAE's strides and the
+scheduler facts (training timesteps, flow shift), read once here for every user.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class ModelInfo:
     vae_scale_temporal: int
     latent_channels: int
     patch_size: tuple[int, int, int]
+    # The scheduler facts both schedulers (serving UniPC, rollout Euler) and the expert split depend on.
+    scheduler_config: dict
+    num_train_timesteps: int
+    flow_shift: float
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelInfo":
@@ -52,6 +57,7 @@ class ModelInfo:
             tdir = path / "transformer_2"
         tcfg = json.loads((tdir / "config.json").read_text())
         vcfg = json.loads((path / "vae" / "config.json").read_text())
+        scfg = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
         # AutoencoderKLWan stores its strides in the config; Wan2.1's VAE uses 8 and 4.
         return cls(
             path=path,
@@ -62,6 +68,10 @@ class ModelInfo:
             vae_scale_temporal=int(vcfg.get("scale_factor_temporal", 4)),
             latent_channels=int(tcfg.get("in_channels", 16)),
             patch_size=tuple(tcfg.get("patch_size", (1, 2, 2))),
+            scheduler_config=scfg,
+            num_train_timesteps=int(scfg.get("num_train_timesteps", 1000)),
+            # UniPC calls it flow_shift, flow-match Euler shift; Wan's 480p default is 3.
+            flow_shift=float(scfg.get("flow_shift") or scfg.get("shift") or 1.0),
         )
 
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
