@@ -133,6 +133,83 @@ def _check_like(name: str, t: torch.Tensor | None, sample: torch.Tensor) -> None
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
+def _checked_noise_level(sde_type: str, noise_level: float) -> float:
+    """``noise_level`` as a float, after checking it and ``sde_type``."""
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
+    if not isinstance(noise_level, numbers.Real) or isinstance(noise_level, bool) or not math.isfinite(noise_level):
+        raise ValueError(f"noise_level must be a finite number, got {noise_level!r}")
+    noise_level = float(noise_level)
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    if sde_type == "cps" and noise_level > 1:
+        raise ValueError(f"cps noise_level must be in [0, 1], got {noise_level}")
+    return noise_level
+
+
+def _check_tensors(model_output: torch.Tensor, sample: torch.Tensor, noise: torch.Tensor | None,
+                   generator: torch.Generator | None, prev_sample: torch.Tensor | None) -> None:
+    if not isinstance(sample, torch.Tensor) or sample.ndim < 2:
+        raise ValueError("sample must be a tensor of shape [B, ...] with ndim >= 2")
+    if not sample.is_floating_point():
+        raise ValueError(f"sample must be a floating-point tensor, got {sample.dtype}")
+    _check_like("model_output", model_output, sample)
+    _check_like("noise", noise, sample)
+    _check_like("prev_sample", prev_sample, sample)
+    if noise is not None and prev_sample is not None:
+        raise ValueError("give either noise (sampling) or prev_sample (evaluation), not both")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"generator must be a CPU generator, got one on {generator.device}")
+
+
+def _sigmas(sigma: SigmaLike, sigma_next: SigmaLike, sigma_max: SigmaLike,
+            batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three sigmas as float32 CPU tensors of shape [batch], with ``sigma_next <= sigma`` checked."""
+    s = _per_sample("sigma", sigma, batch)
+    s_next = _per_sample("sigma_next", sigma_next, batch)
+    s_max = _per_sample("sigma_max", sigma_max, batch)
+    if bool((s_next > s).any()):
+        raise ValueError(f"sigma_next must not exceed sigma, got sigma={s.tolist()}, sigma_next={s_next.tolist()}")
+    return s, s_next, s_max
+
+
+def _is_deterministic(sd: torch.Tensor) -> bool:
+    """Whether every sample's noise scale is 0; a batch in which only some are is an error (see the module doc)."""
+    zero = sd == 0
+    deterministic = bool(zero.all())
+    if not deterministic and bool(zero.any()):
+        raise ValueError(f"batch mixes deterministic and stochastic samples (noise scale {sd.tolist()}); "
+                         "split it or use sde_type='ode' for the deterministic ones")
+    return deterministic
+
+
+def _euler_step(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor, noise_scale: torch.Tensor,
+                prev_sample: torch.Tensor | None) -> SdeStep:
+    """The deterministic step ``x + dt v`` (``dt`` and ``noise_scale`` already shaped [B, 1, ..., 1])."""
+    mean = x + dt * v
+    out = mean if prev_sample is None else prev_sample.float()
+    return SdeStep(prev_sample=out, log_prob=None, mean=mean, noise_scale=noise_scale)
+
+
+def _add_noise(mean: torch.Tensor, sd: torch.Tensor, noise: torch.Tensor | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """``mean + sd eps``; ``eps`` drawn on the CPU (device-independent noise) unless given."""
+    if noise is None:
+        noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device="cpu")
+    return torch.addcmul(mean, noise.to(device=mean.device, dtype=torch.float32), sd)
+
+
+def _log_prob(sde_type: str, x_next: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """[B] log-density of ``x_next`` averaged over the non-batch elements; ``sd`` is [B] on ``mean``'s device.
+
+    ``x_next`` is a constant here: gradients flow through ``mean`` only.
+    """
+    sq = (x_next.detach() - mean).square().flatten(1).mean(1)
+    if sde_type == "sde":
+        return -sq / (2 * sd.square()) - torch.log(sd) - _LOG_SQRT_2PI
+    return -sq  # cps: constants dropped
+
+
 def sde_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -171,64 +248,17 @@ def sde_step(
             shape mismatches, both ``noise`` and ``prev_sample`` given, a non-CPU generator, or a
             batch mixing deterministic and stochastic samples.
     """
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
-    if not isinstance(noise_level, numbers.Real) or isinstance(noise_level, bool) or not math.isfinite(noise_level):
-        raise ValueError(f"noise_level must be a finite number, got {noise_level!r}")
-    noise_level = float(noise_level)
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
-    if sde_type == "cps" and noise_level > 1:
-        raise ValueError(f"cps noise_level must be in [0, 1], got {noise_level}")
-    if not isinstance(sample, torch.Tensor) or sample.ndim < 2:
-        raise ValueError("sample must be a tensor of shape [B, ...] with ndim >= 2")
-    if not sample.is_floating_point():
-        raise ValueError(f"sample must be a floating-point tensor, got {sample.dtype}")
-    _check_like("model_output", model_output, sample)
-    _check_like("noise", noise, sample)
-    _check_like("prev_sample", prev_sample, sample)
-    if noise is not None and prev_sample is not None:
-        raise ValueError("give either noise (sampling) or prev_sample (evaluation), not both")
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError(f"generator must be a CPU generator, got one on {generator.device}")
-
-    batch = sample.shape[0]
-    s = _per_sample("sigma", sigma, batch)
-    s_next = _per_sample("sigma_next", sigma_next, batch)
-    s_max = _per_sample("sigma_max", sigma_max, batch)
-    if bool((s_next > s).any()):
-        raise ValueError(f"sigma_next must not exceed sigma, got sigma={s.tolist()}, sigma_next={s_next.tolist()}")
+    noise_level = _checked_noise_level(sde_type, noise_level)
+    _check_tensors(model_output, sample, noise, generator, prev_sample)
+    s, s_next, s_max = _sigmas(sigma, sigma_next, sigma_max, sample.shape[0])
     a, b, sd = _coefficients(sde_type, s, s_next, s_max, noise_level)
-    zero = sd == 0
-    deterministic = bool(zero.all())
-    if not deterministic and bool(zero.any()):
-        raise ValueError(f"batch mixes deterministic and stochastic samples (noise scale {sd.tolist()}); "
-                         "split it or use sde_type='ode' for the deterministic ones")
-
-    device = sample.device
-    view = (batch,) + (1,) * (sample.ndim - 1)
-    x = sample.float()
-    v = model_output.float()
-    sd_dev = sd.to(device)
-
-    if deterministic:
-        mean = x + (s_next - s).to(device).view(view) * v
-        out = mean if prev_sample is None else prev_sample.float()
-        return SdeStep(prev_sample=out, log_prob=None, mean=mean, noise_scale=sd_dev.view(view))
-
+    device, view = sample.device, (sample.shape[0],) + (1,) * (sample.ndim - 1)
+    x, v, sd_dev = sample.float(), model_output.float(), sd.to(device)
+    if _is_deterministic(sd):
+        return _euler_step(x, v, (s_next - s).to(device).view(view), sd_dev.view(view), prev_sample)
     mean = torch.addcmul(x * a.to(device).view(view), v, b.to(device).view(view))
-    if prev_sample is not None:
-        x_next = prev_sample.float()
-    else:
-        if noise is None:
-            noise = torch.randn(sample.shape, generator=generator, dtype=torch.float32, device="cpu")
-        x_next = torch.addcmul(mean, noise.to(device=device, dtype=torch.float32), sd_dev.view(view))
-
-    sq = (x_next.detach() - mean).square().flatten(1).mean(1)
-    if sde_type == "sde":
-        log_prob = -sq / (2 * sd_dev.square()) - torch.log(sd_dev) - _LOG_SQRT_2PI
-    else:  # cps
-        log_prob = -sq
+    x_next = prev_sample.float() if prev_sample is not None else _add_noise(mean, sd_dev.view(view), noise, generator)
+    log_prob = _log_prob(sde_type, x_next, mean, sd_dev)
     return SdeStep(prev_sample=x_next, log_prob=log_prob, mean=mean, noise_scale=sd_dev.view(view))
 
 
