@@ -1,5 +1,6 @@
-"""The same-host shared-memory data plane (common/transport/shm.py): round trips between processes, zero-copy receive,
-no names left behind, hostile segment names, leftover removal, and whole engines with and without it."""
+"""The same-host shared-memory data plane (common/transport/shm.py, shm_segments.py): round trips between
+processes, zero-copy receive, no names left behind, hostile segment names, leftover removal, and whole engines
+with and without it."""
 
 import errno
 import gc
@@ -27,10 +28,10 @@ from common.transport.shm import (
     ShmContext,
     ShmReceiver,
     ShmSender,
-    SparePool,
     engine_prefix,
     remove_engine_segments,
 )
+from common.transport.shm_segments import SparePool
 from common.protocol.codec import DTYPES, WireError, decode, encode
 from router.client import EngineClient
 
@@ -361,12 +362,10 @@ def test_pool_keeps_to_its_byte_budget(prefix):
 
 
 def test_pool_without_room_falls_back(prefix, pool, monkeypatch, caplog):
-    import common.transport.shm as shm
-
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)  # what SparePool._prepare allocates pages with
     sender, receiver = ShmSender(prefix, "router", 1, spares=pool), ShmReceiver(prefix, "router")
     t = torch.randn(64)
     for _ in range(2):
@@ -405,11 +404,9 @@ def _naming(segment: str, shape=(4,), dtype="float32", rid="r1", frames_after=()
 
 @pytest.fixture
 def opened(monkeypatch):
-    """Every path common.transport.shm opens or unlinks."""
-    import common.transport.shm as shm
-
+    """Every path the shared-memory modules open or unlink (both call them through the os module)."""
     seen = {"open": [], "unlink": []}
-    real_open, real_unlink = shm.os.open, shm.os.unlink
+    real_open, real_unlink = os.open, os.unlink
 
     def spy_open(path, *a, **kw):
         seen["open"].append(str(path))
@@ -419,8 +416,8 @@ def opened(monkeypatch):
         seen["unlink"].append(str(path))
         return real_unlink(path, *a, **kw)
 
-    monkeypatch.setattr(shm.os, "open", spy_open)
-    monkeypatch.setattr(shm.os, "unlink", spy_unlink)
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "unlink", spy_unlink)
     return seen
 
 

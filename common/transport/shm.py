@@ -17,7 +17,8 @@ Segment names are ``<prefix><destination>-<token>``:
 The sender creates the file with ``O_CREAT | O_EXCL`` and mode 0600 and writes
 the bytes with ``write(2)`` (a full ``/dev/shm`` is an error it falls back
 from, to a frame, where a store into a mapping would raise SIGBUS). For sizes it
-sends repeatedly it keeps segments prepared ahead of time (:class:`SparePool`:
+sends repeatedly it keeps segments prepared ahead of time (:class:`SparePool`,
+in :mod:`common.transport.shm_segments` with the other file-level helpers:
 pages allocated and mapped by a background thread), so that a send is one
 memcpy; a prepared segment gets the message's name by a hard link. The sender
 never unlinks a segment it has sent: it cannot know when the receiver opened it.
@@ -45,33 +46,40 @@ import hashlib
 import logging
 import mmap
 import os
-import re
-import secrets
-import stat
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from common.config.engine import EngineConfig
 from common.protocol.codec import WireError, tensor_bytes
+from common.transport.shm_segments import (
+    LOCAL_CHARS,
+    NAME_CHARS,
+    SHM_DIR,
+    Spare,
+    SparePool,
+    create_segment,
+    is_token,
+    new_token,
+    open_segment,
+    own_regular_file,
+    remove_own,
+    segment_path,
+    sweep_stem,
+    unlink_segment,
+)
+
+__all__ = [
+    "DEFAULT_SPARE_BYTES", "DEFAULT_THRESHOLD", "NAME_CHARS", "SHM_DIR", "ShmContext", "ShmReceiver", "ShmSender",
+    "SparePool", "available", "engine_prefix", "remove_engine_segments",
+]
 
 log = logging.getLogger("disagg.shm")
 
-SHM_DIR = "/dev/shm"
 DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_SPARE_BYTES = 1 << 30
-SEEN_SIZES = 16  # a size gets a prepared segment once it repeats among the last SEEN_SIZES sizes sent
 # Below this, a copy into a prepared segment is one memmove: waking torch's worker threads for one isolated
 # copy can cost more than the copy (measured: milliseconds on a busy 2-core host); above, torch's copy.
 THREADED_COPY_BYTES = 16 << 20
-TOKEN_HEX = 32
-NAME_CHARS = re.compile(r"[A-Za-z0-9_-]+")  # a segment name a message may carry
-_LOCAL_CHARS = re.compile(r"[A-Za-z0-9_.-]+")  # also a sender's prepared segments (see SparePool)
-_TOKEN = re.compile(rf"[0-9a-f]{{{TOKEN_HEX}}}")
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def engine_prefix(runtime_dir: str) -> str:
@@ -82,193 +90,6 @@ def engine_prefix(runtime_dir: str) -> str:
 def available(config: EngineConfig) -> bool:
     """Whether this engine moves large tensors through shared memory (ipc only, threshold > 0)."""
     return config.transport == "ipc" and config.shm_threshold_bytes > 0 and os.path.isdir(SHM_DIR)
-
-
-def _path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
-
-
-def _own_regular_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
-
-
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(_path(name))
-    except FileNotFoundError:
-        pass
-
-
-def _token() -> str:
-    return secrets.token_hex(TOKEN_HEX // 2)
-
-
-def _remove_own(matches) -> int:
-    """Remove this user's regular files in /dev/shm whose names ``matches`` accepts."""
-    removed = 0
-    for entry in os.scandir(SHM_DIR):
-        if matches(entry.name):
-            try:
-                if _own_regular_file(entry.stat(follow_symlinks=False)):
-                    os.unlink(entry.path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _sweep(stem: str) -> int:
-    """Remove this user's regular files named ``<stem><token>``."""
-    return _remove_own(lambda name: name.startswith(stem) and _TOKEN.fullmatch(name[len(stem):]) is not None)
-
-
-@dataclass
-class _Spare:
-    name: str
-    nbytes: int
-    mm: mmap.mmap
-
-
-def _release(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # a tensor still views it (a traceback holding a frame): unmapped when that goes
-        pass
-
-
-class SparePool:
-    """Segments allocated and mapped ahead of time, so that sending a tensor of a size seen before is
-    one memcpy into memory that is already there.
-
-    Making a segment's pages and mapping them is most of the cost of a fresh segment (page faults,
-    zeroing); a background thread does that work between sends. A size gets a spare once it repeats
-    among the last few sizes sent; at most ``max_bytes`` of spares wait at a time (least recently
-    used go first). Spares are named ``<prefix>spare.<me>.<token>``: the dots make it a name no
-    message can carry (the wire's name pattern and every receiver refuse it). A spare becomes a
-    message's segment by a hard link to the message's name (the spare name is then removed), so a
-    receiver sees exactly what a fresh segment would be. The sender's own mapping is unmapped by the
-    background thread after the send. ``/dev/shm`` full: spares stop, with a warning.
-    """
-
-    def __init__(self, prefix: str, me: str, max_bytes: int):
-        if not NAME_CHARS.fullmatch(prefix + me):
-            raise ValueError(f"bad shared-memory prefix or process name: {prefix!r}, {me!r}")
-        self.stem = f"{prefix}spare.{me}."
-        self.max_bytes = max_bytes
-        self._cv = threading.Condition()
-        self._ready: OrderedDict[int, _Spare] = OrderedDict()  # size -> spare, least recently used first
-        self._wanted: OrderedDict[int, None] = OrderedDict()
-        self._seen: OrderedDict[int, None] = OrderedDict()
-        self._retired: list[mmap.mmap] = []
-        self._thread: threading.Thread | None = None
-        self._busy = False
-        self.failed = False
-
-    def take(self, nbytes: int) -> _Spare | None:
-        """A ready spare of exactly ``nbytes`` (never waits); asks for the next one of that size."""
-        with self._cv:
-            spare = self._ready.pop(nbytes, None)
-            repeated = spare is not None or nbytes in self._seen
-            self._seen[nbytes] = None
-            self._seen.move_to_end(nbytes)
-            while len(self._seen) > SEEN_SIZES:
-                self._seen.popitem(last=False)
-            if repeated and nbytes <= self.max_bytes and not self.failed:
-                self._wanted[nbytes] = None
-                self._start()
-                if spare is None:  # else retire() wakes the thread, once the send's copy is done
-                    self._cv.notify_all()
-        return spare
-
-    def retire(self, mm: mmap.mmap) -> None:
-        """The sender is done with a spare's mapping: unmapped in the background."""
-        with self._cv:
-            self._retired.append(mm)
-            self._start()
-            self._cv.notify_all()
-
-    def wait_ready(self, nbytes: int, timeout: float) -> bool:
-        """Wait until a spare of ``nbytes`` is ready (benchmarks and tests)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: nbytes in self._ready or self.failed, timeout) and nbytes in self._ready
-
-    def sweep(self) -> int:
-        """Remove spares left by a previous process of the same name."""
-        return _sweep(self.stem)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Prepare nothing more and remove every spare (after one being prepared now is done)."""
-        with self._cv:
-            self.failed = True
-            self._wanted.clear()
-            self._cv.wait_for(lambda: not self._busy, timeout)
-            ready, self._ready = list(self._ready.values()), OrderedDict()
-        for spare in ready:
-            _unlink(spare.name)
-            _release(spare.mm)
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="shm-spares", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:  # Linux: the nice value of this thread only; the process's own work comes first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._retired or self._wanted)
-                retired, self._retired = self._retired, []
-                nbytes = self._wanted.popitem(last=False)[0] if self._wanted else None
-                if nbytes is not None and (nbytes in self._ready or self.failed):
-                    nbytes = None
-                evicted = []
-                while nbytes is not None and self._ready and sum(
-                        s.nbytes for s in self._ready.values()) + nbytes > self.max_bytes:
-                    evicted.append(self._ready.popitem(last=False)[1])
-                self._busy = True  # close() waits for what is taken out of the pool here
-            spare = None
-            try:
-                for mm in retired:
-                    _release(mm)
-                for old in evicted:
-                    _unlink(old.name)
-                    _release(old.mm)
-                if nbytes is not None:
-                    try:
-                        spare = self._prepare(nbytes)
-                    except (OSError, ValueError) as e:
-                        log.warning("cannot prepare shared-memory segments (%s); each large tensor gets a new one",
-                                    e)
-                        with self._cv:
-                            self.failed = True
-                with self._cv:
-                    if spare is not None and not self.failed:
-                        self._ready[nbytes] = spare
-                        spare = None
-                if spare is not None:  # closed meanwhile
-                    _unlink(spare.name)
-                    _release(spare.mm)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def _prepare(self, nbytes: int) -> _Spare:
-        name = self.stem + _token()
-        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_NOFOLLOW | _O_CLOEXEC, 0o600)
-        try:
-            # Pages exist from here on: a full /dev/shm is an error now, never a SIGBUS in a later store.
-            os.posix_fallocate(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except BaseException:
-            _unlink(name)
-            raise
-        finally:
-            os.close(fd)
-        return _Spare(name, nbytes, mm)
 
 
 class ShmSender:
@@ -285,14 +106,14 @@ class ShmSender:
         nbytes = t.numel() * t.element_size()
         if self.threshold <= 0 or nbytes < self.threshold or nbytes == 0:
             return None
-        name = f"{self.prefix}{self.dest}-{_token()}"
+        name = f"{self.prefix}{self.dest}-{new_token()}"
         spare = self.spares.take(nbytes) if self.spares is not None else None
         if spare is not None and self._from_spare(spare, t, name):
             log.debug("%d bytes to %s through shared memory (prepared segment)", nbytes, self.dest)
             return name
         data = tensor_bytes(t)
         try:
-            fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_NOFOLLOW | _O_CLOEXEC, 0o600)
+            fd = create_segment(name, os.O_WRONLY)
         except OSError as e:
             self._fall_back(e)
             return None
@@ -301,7 +122,7 @@ class ShmSender:
             while written < data.nbytes:
                 written += os.write(fd, data[written:])
         except OSError as e:  # e.g. ENOSPC: /dev/shm is full
-            _unlink(name)
+            unlink_segment(name)
             self._fall_back(e)
             return None
         finally:
@@ -309,7 +130,7 @@ class ShmSender:
         log.debug("%d bytes to %s through shared memory (new segment)", data.nbytes, self.dest)
         return name
 
-    def _from_spare(self, spare: _Spare, t: torch.Tensor, name: str) -> bool:
+    def _from_spare(self, spare: Spare, t: torch.Tensor, name: str) -> bool:
         """Copy ``t`` into a prepared segment (one copy, also from a strided or GPU tensor) and give it ``name``."""
         try:
             src = t.detach()
@@ -319,19 +140,19 @@ class ShmSender:
             else:  # large, strided or on a GPU: torch's copy (its threads; one pass)
                 dst.view(src.dtype).reshape(src.shape).copy_(src)
             del dst
-            os.link(_path(spare.name), _path(name))
+            os.link(segment_path(spare.name), segment_path(name))
             return True
         except (OSError, RuntimeError) as e:
             log.warning("prepared shared-memory segment unusable (%s); writing a new one", e)
             return False
         finally:
-            _unlink(spare.name)
+            unlink_segment(spare.name)
             self.spares.retire(spare.mm)
 
     def discard(self, name: str) -> None:
         """Remove a segment this sender made whose message was never sent."""
         if name.startswith(f"{self.prefix}{self.dest}-") and NAME_CHARS.fullmatch(name):
-            _unlink(name)
+            unlink_segment(name)
 
     def _fall_back(self, e: OSError) -> None:
         if not self._warned:
@@ -353,7 +174,7 @@ class ShmReceiver:
         return (
             isinstance(name, str)
             and name.startswith(self.own)
-            and _TOKEN.fullmatch(name[len(self.own):]) is not None
+            and is_token(name[len(self.own):])
         )
 
     def open(self, name: str, nbytes: int, request_id: str | None = None) -> memoryview:
@@ -365,17 +186,17 @@ class ShmReceiver:
         if not self.valid(name):
             raise WireError(f"shared-memory segment {name!r} is not addressed to this process", request_id)
         if nbytes <= 0:
-            _unlink(name)
+            unlink_segment(name)
             raise WireError("an empty tensor never travels in shared memory", request_id)
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+            fd = open_segment(name)
         except OSError as e:
             raise WireError(f"shared-memory segment {name!r} cannot be opened: {e.strerror}", request_id) from None
         try:
             st = os.fstat(fd)
-            if not _own_regular_file(st):
+            if not own_regular_file(st):
                 raise WireError(f"shared-memory segment {name!r} is not a file of this engine", request_id)
-            os.unlink(_path(name))
+            os.unlink(segment_path(name))
             if st.st_size != nbytes:
                 raise WireError(
                     f"shared-memory segment {name!r} has {st.st_size} bytes, the descriptor needs {nbytes}",
@@ -391,15 +212,15 @@ class ShmReceiver:
         """Remove a segment of a message that was rejected before the segment was opened."""
         if self.valid(name):
             try:
-                st = os.lstat(_path(name))
+                st = os.lstat(segment_path(name))
             except FileNotFoundError:
                 return
-            if _own_regular_file(st):
-                _unlink(name)
+            if own_regular_file(st):
+                unlink_segment(name)
 
     def sweep(self) -> int:
         """Remove leftovers addressed to this process (from a previous process in its place)."""
-        removed = _sweep(self.own)
+        removed = sweep_stem(self.own)
         if removed:
             log.warning("removed %d leftover shared-memory segment(s) addressed to %s", removed, self.own[:-1])
         return removed
@@ -439,4 +260,4 @@ def remove_engine_segments(prefix: str) -> int:
     """Launcher: remove every segment of the engine with ``prefix`` (at start and at exit)."""
     if not (prefix.startswith("disagg-") and NAME_CHARS.fullmatch(prefix)) or not os.path.isdir(SHM_DIR):
         return 0
-    return _remove_own(lambda name: name.startswith(prefix) and _LOCAL_CHARS.fullmatch(name) is not None)
+    return remove_own(lambda name: name.startswith(prefix) and LOCAL_CHARS.fullmatch(name) is not None)
