@@ -14,6 +14,9 @@ Besides the tiny specs there is ``wan2.1-1.3b``: a transformer and VAE of
 exactly Wan2.1-T2V-1.3B's shape (random weights, stored in bfloat16) for
 benchmarking on a GPU; see its comment in ``SPECS``.
 
+The specs live in :mod:`common.wan.tiny_specs` and the tokenizer in
+:mod:`common.wan.tiny_tokenizer`; this module caches and builds the models.
+
 Usage::
 
     python -m common.wan.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
@@ -29,19 +32,18 @@ import json
 import math
 import os
 import shutil
-import string
 import tempfile
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from common.wan.model_info import SERVING_DEFAULTS_FILE
+from common.wan.tiny_specs import SPECS, WEIGHT_DTYPES, TinyWanSpec
+from common.wan.tiny_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import T5Tokenizer, UMT5EncoderModel
+    from transformers import UMT5EncoderModel
 
 __all__ = ["SPECS", "TinyWanSpec", "build_tiny_model", "ensure_tiny_model"]
 
@@ -55,180 +57,6 @@ SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "num_inference_steps", 
 _FORMAT_VERSION = 1
 # Generation output depends on these packages (weights init, serialisation).
 _VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "tokenizers")
-
-# 64 rotary positions per axis allows latent grids up to 128x128 (1024 px),
-# far beyond what tests use, at negligible cost.
-_ROPE_MAX_SEQ_LEN = 64
-_WEIGHT_DTYPES = ("float32", "bfloat16")
-_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
-_MAX_PIECE_LEN = 8
-# Every printable ASCII character is a piece, so English prompts never
-# collapse to <unk> and different prompts give different ids.
-_ALPHABET = sorted(set("\u2581" + string.ascii_letters + string.digits + string.punctuation))
-
-
-def _later_field(default):
-    """A spec field added after cached models existed: part of the cache key
-    only when it differs from ``default`` (see ``_keyed_fields``)."""
-    return field(default=default, metadata={"keyed_if_set": True})
-
-
-@dataclass(frozen=True)
-class TinyWanSpec:
-    """One tiny Wan T2V configuration plus the request it is meant to serve."""
-
-    name: str
-    # Transformer (WanTransformer3DModel).
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 12
-    ffn_dim: int = 32
-    freq_dim: int = 16
-    rope_max_seq_len: int = _later_field(_ROPE_MAX_SEQ_LEN)
-    # Text encoder (UMT5EncoderModel); text_dim is both its d_model and the
-    # transformer's text_dim.
-    text_dim: int = 32
-    text_layers: int = 2
-    text_heads: int = 2
-    text_d_ff: int = 64
-    text_d_kv: int = 16
-    vocab_size: int = 256
-    # VAE (AutoencoderKLWan).
-    vae_base_dim: int = 4
-    vae_dim_mult: tuple[int, ...] = _later_field((1, 1, 1, 1))
-    vae_num_res_blocks: int = _later_field(1)
-    # Scheduler (UniPCMultistepScheduler with flow sigmas).
-    flow_shift: float = 3.0
-    # Wan2.2-style mixture of two experts.
-    two_experts: bool = False
-    boundary_ratio: float | None = None
-    seed: int = 0
-    # How the safetensors files store the weights (they are generated in
-    # float32 either way; loaders cast to the dtype they ask for).
-    weights_dtype: str = _later_field("float32")
-    # Default request for this model.
-    height: int = 32
-    width: int = 32
-    num_frames: int = 5
-    num_inference_steps: int = 4
-    guidance_scale: float = 5.0
-
-    def __post_init__(self) -> None:
-        # A list would leave the spec unhashable and its cache key different.
-        object.__setattr__(self, "vae_dim_mult", tuple(self.vae_dim_mult))
-        if self.two_experts != (self.boundary_ratio is not None):
-            raise ValueError("boundary_ratio must be set exactly when two_experts is True")
-        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
-            raise ValueError("boundary_ratio must be in (0, 1)")
-        # Wan's 3-axis RoPE splits the head dim into even t/h/w parts.
-        if self.attention_head_dim % 2 or self.attention_head_dim < 6:
-            raise ValueError("attention_head_dim must be even and >= 6")
-        if self.freq_dim % 2:
-            raise ValueError("freq_dim must be even")
-        # WanPipeline requires multiples of 16 (VAE stride 8 x patch 2) and
-        # 4k+1 frames (VAE temporal stride 4).
-        if self.height % 16 or self.width % 16:
-            raise ValueError("height and width must be multiples of 16")
-        if self.num_frames % 4 != 1:
-            raise ValueError("num_frames must be of the form 4k+1")
-        if self.vocab_size <= len(_SPECIAL_TOKENS) + len(_ALPHABET):
-            raise ValueError("vocab_size too small for the tokenizer alphabet")
-        # Four VAE levels: three spatial downsamplings (stride 8) as in Wan.
-        if len(self.vae_dim_mult) != 4 or self.vae_num_res_blocks < 1:
-            raise ValueError("vae_dim_mult must have 4 entries and vae_num_res_blocks be >= 1")
-        if self.weights_dtype not in _WEIGHT_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {_WEIGHT_DTYPES}")
-
-
-SPECS: dict[str, TinyWanSpec] = {
-    spec.name: spec
-    for spec in (
-        TinyWanSpec(name="tiny"),
-        TinyWanSpec(
-            name="tiny-alt",
-            num_layers=3,
-            num_attention_heads=3,
-            attention_head_dim=8,
-            ffn_dim=48,
-            freq_dim=8,
-            text_dim=24,
-            text_layers=3,
-            text_heads=3,
-            text_d_ff=40,
-            text_d_kv=8,
-            vocab_size=320,
-            vae_base_dim=6,
-            flow_shift=5.0,
-            seed=1,
-            height=32,
-            width=48,
-            num_frames=9,
-            num_inference_steps=3,
-            guidance_scale=4.0,
-        ),
-        # Like Wan2.2 A14B: two experts switching at t = 0.875 * 1000. With
-        # flow_shift 3 and 4 steps, timesteps 999/900 use the high-noise
-        # expert and 750/500 the low-noise one.
-        TinyWanSpec(name="tiny-moe", two_experts=True, boundary_ratio=0.875, seed=2),
-        # A ~17M-parameter transformer (8 blocks, 6 heads x 64 = 384 wide,
-        # Wan's own freq_dim 256): large enough that weight updates, their
-        # transfer and checksums are measurable, still quick on a CPU. The
-        # text encoder and VAE stay tiny.
-        TinyWanSpec(
-            name="small",
-            num_layers=8,
-            num_attention_heads=6,
-            attention_head_dim=64,
-            ffn_dim=1024,
-            freq_dim=256,
-            text_dim=64,
-            text_layers=2,
-            text_heads=2,
-            text_d_ff=128,
-            text_d_kv=32,
-            seed=3,
-            height=128,
-            width=128,
-            num_frames=9,
-            num_inference_steps=10,
-            guidance_scale=5.0,
-        ),
-        # Exactly the shape of Wan2.1-T2V-1.3B's transformer (1.42e9
-        # parameters) and VAE (1.27e8), with random weights: its denoise and
-        # decode timings are the real model's. The text encoder has the real
-        # width (d_model 4096 = text_dim, 64 heads x 64, d_ff 10240) but 2
-        # layers instead of umt5-xxl's 24 and a tiny vocabulary: the full
-        # encoder would be ~5.7e9 parameters (23 GB in float32) to generate,
-        # and its cost is once per prompt, not per step. Stored in bfloat16
-        # (3.9 GB instead of 7.8) since it is only ever served in bfloat16 on
-        # a GPU; its default request is the real model's.
-        TinyWanSpec(
-            name="wan2.1-1.3b",
-            num_layers=30,
-            num_attention_heads=12,
-            attention_head_dim=128,
-            ffn_dim=8960,
-            freq_dim=256,
-            text_dim=4096,
-            text_layers=2,
-            text_heads=64,
-            text_d_ff=10240,
-            text_d_kv=64,
-            vae_base_dim=96,
-            vae_dim_mult=(1, 2, 4, 4),
-            vae_num_res_blocks=2,
-            rope_max_seq_len=1024,
-            weights_dtype="bfloat16",
-            flow_shift=3.0,
-            seed=4,
-            height=480,
-            width=832,
-            num_frames=81,
-            num_inference_steps=50,
-            guidance_scale=5.0,
-        ),
-    )
-}
 
 
 # --------------------------------------------------------------------------
@@ -297,89 +125,6 @@ def ensure_tiny_model(name: str | TinyWanSpec = "tiny", cache_dir: str | Path | 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return target
-
-
-# --------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------
-
-
-def _corpus() -> list[str]:
-    """A few hundred short English scene descriptions, generated in code."""
-    subjects = ["fox", "cat", "dog", "horse", "bird", "robot", "dragon", "child", "woman", "man",
-                "car", "train", "ship", "tree", "river", "city", "astronaut", "panda", "whale", "owl"]
-    adjectives = ["small", "large", "old", "young", "bright", "dark", "red", "blue", "golden",
-                  "silver", "happy", "lonely", "curious", "sleepy", "giant", "tiny"]
-    actions = ["runs", "walks", "flies", "swims", "sleeps", "dances", "glows", "waits", "jumps",
-               "sings", "drifts", "climbs", "turns slowly", "looks around", "moves forward"]
-    places = ["in the forest", "on the beach", "under the stars", "in the rain", "through the snow",
-              "across the desert", "near a lake", "in a busy street", "on a mountain",
-              "inside a kitchen", "over the ocean", "in a quiet garden"]
-    times = ["at dawn", "at night", "at sunset", "in the morning", "during a storm", "in winter",
-             "in summer", ""]
-    styles = ["", "cinematic lighting", "slow motion", "aerial view", "close up shot",
-              "watercolor style", "high detail", "soft focus"]
-    sentences = []
-    # Strided indices give varied combinations without the full product.
-    for i in range(480):
-        words = [
-            "A" if i % 3 == 0 else "The" if i % 3 == 1 else "a",
-            adjectives[(i * 7) % len(adjectives)],
-            subjects[i % len(subjects)],
-            actions[(i * 5) % len(actions)],
-            places[(i * 11) % len(places)],
-            times[(i * 3) % len(times)],
-        ]
-        sentence = " ".join(w for w in words if w)
-        style = styles[(i * 13) % len(styles)]
-        sentences.append(f"{sentence}, {style}." if style else f"{sentence}.")
-    return sentences
-
-
-def _unigram_vocab(corpus: list[str], vocab_size: int) -> list[tuple[str, float]]:
-    """Estimate a SentencePiece-style unigram vocabulary from corpus counts.
-
-    The ``tokenizers`` UnigramTrainer is not reproducible across processes
-    (hash-map iteration order breaks ties differently), so pieces are chosen
-    here deterministically: the alphabet plus the substrings of
-    ``\u2581``-prefixed words covering the most text, scored by log frequency.
-    """
-    words = Counter("\u2581" + w for line in corpus for w in line.split())
-    counts: Counter[str] = Counter()
-    for word, n in words.items():
-        for i in range(len(word)):
-            for j in range(i + 1, min(len(word), i + _MAX_PIECE_LEN) + 1):
-                counts[word[i:j]] += n
-
-    n_pieces = vocab_size - len(_SPECIAL_TOKENS) - len(_ALPHABET)
-    candidates = sorted(
-        (p for p in counts if len(p) > 1),
-        key=lambda p: (-counts[p] * len(p), p),
-    )
-    if len(candidates) < n_pieces:
-        raise ValueError(f"corpus too small for vocab_size={vocab_size}")
-    pieces = _ALPHABET + candidates[:n_pieces]
-    total = sum(max(counts[p], 1) for p in pieces)
-    # Rounded so the serialised scores do not depend on libm's last ulp.
-    scored = sorted(((p, round(math.log(max(counts[p], 1) / total), 6)) for p in pieces),
-                    key=lambda ps: (-ps[1], ps[0]))
-    return [(tok, 0.0) for tok in _SPECIAL_TOKENS] + scored
-
-
-def _build_tokenizer(spec: TinyWanSpec) -> T5Tokenizer:
-    from transformers import T5Tokenizer
-
-    # In transformers 5 T5Tokenizer is the tokenizers-backed class (there is
-    # no separate *Fast class); it is what AutoTokenizer returns for a T5/UMT5
-    # directory. Constructing it from a Unigram vocab gives exactly the backend
-    # (WhitespaceSplit + Metaspace, "$A </s>" post-processor) that
-    # from_pretrained rebuilds from tokenizer.json, so ids round-trip.
-    # extra_ids=0: sentinel tokens would grow the vocab past vocab_size.
-    tokenizer = T5Tokenizer(vocab=_unigram_vocab(_corpus(), spec.vocab_size), extra_ids=0,
-                            model_max_length=512)
-    if len(tokenizer) != spec.vocab_size:
-        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {spec.vocab_size}")
-    return tokenizer
 
 
 # --------------------------------------------------------------------------
@@ -455,36 +200,33 @@ def vae_config(spec: TinyWanSpec) -> dict:
     )
 
 
-def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DModel:
+def _seeded(spec: TinyWanSpec, component: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``make()`` under the component's seed, then its weights overwritten from that seed (``_reinit_``)."""
     import torch
-    from diffusers import WanTransformer3DModel
 
     seed = _component_seed(spec, component)
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(**transformer_config(spec))
+    model = make()
     _reinit_(model, seed)
     return model.eval()
+
+
+def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DModel:
+    from diffusers import WanTransformer3DModel
+
+    return _seeded(spec, component, lambda: WanTransformer3DModel(**transformer_config(spec)))
 
 
 def _build_vae(spec: TinyWanSpec) -> AutoencoderKLWan:
-    import torch
     from diffusers import AutoencoderKLWan
 
-    seed = _component_seed(spec, "vae")
-    torch.manual_seed(seed)
-    model = AutoencoderKLWan(**vae_config(spec))
-    _reinit_(model, seed)
-    return model.eval()
+    return _seeded(spec, "vae", lambda: AutoencoderKLWan(**vae_config(spec)))
 
 
-def _build_text_encoder(spec: TinyWanSpec) -> UMT5EncoderModel:
-    import torch
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    seed = _component_seed(spec, "text_encoder")
-    torch.manual_seed(seed)
-    # Mirrors umt5-xxl as used by Wan (gated-gelu, 32 buckets / 128 distance).
-    config = UMT5Config(
+def _text_encoder_config(spec: TinyWanSpec) -> dict:
+    """``UMT5Config`` arguments for ``spec``: mirrors umt5-xxl as used by Wan (gated-gelu, 32 buckets / 128
+    distance), with the spec's sizes."""
+    return dict(
         vocab_size=spec.vocab_size,
         d_model=spec.text_dim,
         d_kv=spec.text_d_kv,
@@ -499,9 +241,12 @@ def _build_text_encoder(spec: TinyWanSpec) -> UMT5EncoderModel:
         eos_token_id=1,
         decoder_start_token_id=0,
     )
-    model = UMT5EncoderModel(config)
-    _reinit_(model, seed)
-    return model.eval()
+
+
+def _build_text_encoder(spec: TinyWanSpec) -> UMT5EncoderModel:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return _seeded(spec, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**_text_encoder_config(spec))))
 
 
 def _build_scheduler(spec: TinyWanSpec) -> UniPCMultistepScheduler:
@@ -528,7 +273,7 @@ def build_tiny_model(spec: TinyWanSpec, out_dir: str | Path) -> Path:
     try:
         with torch.random.fork_rng(devices=[]):
             pipe = WanPipeline(
-                tokenizer=_build_tokenizer(spec),
+                tokenizer=build_tokenizer(spec.vocab_size),
                 text_encoder=_build_text_encoder(spec),
                 vae=_build_vae(spec),
                 scheduler=_build_scheduler(spec),
@@ -555,7 +300,7 @@ def _main(argv: list[str] | None = None) -> None:
                         help="write the model into this directory instead of the cache")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"cache root (default: ${CACHE_ENV} or {DEFAULT_CACHE_DIR})")
-    parser.add_argument("--dtype", choices=_WEIGHT_DTYPES, default=None,
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                         help="dtype the weights are stored in (default: the spec's; "
                              "a different one is cached separately)")
     args = parser.parse_args(argv)

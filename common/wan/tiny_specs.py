@@ -1,0 +1,177 @@
+"""The tiny Wan models' specs: :class:`TinyWanSpec` (one configuration plus the request it serves)
+and the table of named specs, :data:`SPECS` (see :mod:`common.wan.tiny_model`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wan.tiny_tokenizer import FIXED_TOKENS
+
+# 64 rotary positions per axis allows latent grids up to 128x128 (1024 px),
+# far beyond what tests use, at negligible cost.
+_ROPE_MAX_SEQ_LEN = 64
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
+def _later_field(default):
+    """A spec field added after cached models existed: part of the cache key
+    only when it differs from ``default`` (see ``tiny_model._keyed_fields``)."""
+    return field(default=default, metadata={"keyed_if_set": True})
+
+
+@dataclass(frozen=True)
+class TinyWanSpec:
+    """One tiny Wan T2V configuration plus the request it is meant to serve."""
+
+    name: str
+    # Transformer (WanTransformer3DModel).
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 12
+    ffn_dim: int = 32
+    freq_dim: int = 16
+    rope_max_seq_len: int = _later_field(_ROPE_MAX_SEQ_LEN)
+    # Text encoder (UMT5EncoderModel); text_dim is both its d_model and the
+    # transformer's text_dim.
+    text_dim: int = 32
+    text_layers: int = 2
+    text_heads: int = 2
+    text_d_ff: int = 64
+    text_d_kv: int = 16
+    vocab_size: int = 256
+    # VAE (AutoencoderKLWan).
+    vae_base_dim: int = 4
+    vae_dim_mult: tuple[int, ...] = _later_field((1, 1, 1, 1))
+    vae_num_res_blocks: int = _later_field(1)
+    # Scheduler (UniPCMultistepScheduler with flow sigmas).
+    flow_shift: float = 3.0
+    # Wan2.2-style mixture of two experts.
+    two_experts: bool = False
+    boundary_ratio: float | None = None
+    seed: int = 0
+    # How the safetensors files store the weights (they are generated in
+    # float32 either way; loaders cast to the dtype they ask for).
+    weights_dtype: str = _later_field("float32")
+    # Default request for this model.
+    height: int = 32
+    width: int = 32
+    num_frames: int = 5
+    num_inference_steps: int = 4
+    guidance_scale: float = 5.0
+
+    def __post_init__(self) -> None:
+        # A list would leave the spec unhashable and its cache key different.
+        object.__setattr__(self, "vae_dim_mult", tuple(self.vae_dim_mult))
+        if self.two_experts != (self.boundary_ratio is not None):
+            raise ValueError("boundary_ratio must be set exactly when two_experts is True")
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise ValueError("boundary_ratio must be in (0, 1)")
+        # Wan's 3-axis RoPE splits the head dim into even t/h/w parts.
+        if self.attention_head_dim % 2 or self.attention_head_dim < 6:
+            raise ValueError("attention_head_dim must be even and >= 6")
+        if self.freq_dim % 2:
+            raise ValueError("freq_dim must be even")
+        # WanPipeline requires multiples of 16 (VAE stride 8 x patch 2) and
+        # 4k+1 frames (VAE temporal stride 4).
+        if self.height % 16 or self.width % 16:
+            raise ValueError("height and width must be multiples of 16")
+        if self.num_frames % 4 != 1:
+            raise ValueError("num_frames must be of the form 4k+1")
+        if self.vocab_size <= FIXED_TOKENS:
+            raise ValueError("vocab_size too small for the tokenizer alphabet")
+        # Four VAE levels: three spatial downsamplings (stride 8) as in Wan.
+        if len(self.vae_dim_mult) != 4 or self.vae_num_res_blocks < 1:
+            raise ValueError("vae_dim_mult must have 4 entries and vae_num_res_blocks be >= 1")
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+
+
+SPECS: dict[str, TinyWanSpec] = {
+    spec.name: spec
+    for spec in (
+        TinyWanSpec(name="tiny"),
+        TinyWanSpec(
+            name="tiny-alt",
+            num_layers=3,
+            num_attention_heads=3,
+            attention_head_dim=8,
+            ffn_dim=48,
+            freq_dim=8,
+            text_dim=24,
+            text_layers=3,
+            text_heads=3,
+            text_d_ff=40,
+            text_d_kv=8,
+            vocab_size=320,
+            vae_base_dim=6,
+            flow_shift=5.0,
+            seed=1,
+            height=32,
+            width=48,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=4.0,
+        ),
+        # Like Wan2.2 A14B: two experts switching at t = 0.875 * 1000. With
+        # flow_shift 3 and 4 steps, timesteps 999/900 use the high-noise
+        # expert and 750/500 the low-noise one.
+        TinyWanSpec(name="tiny-moe", two_experts=True, boundary_ratio=0.875, seed=2),
+        # A ~17M-parameter transformer (8 blocks, 6 heads x 64 = 384 wide,
+        # Wan's own freq_dim 256): large enough that weight updates, their
+        # transfer and checksums are measurable, still quick on a CPU. The
+        # text encoder and VAE stay tiny.
+        TinyWanSpec(
+            name="small",
+            num_layers=8,
+            num_attention_heads=6,
+            attention_head_dim=64,
+            ffn_dim=1024,
+            freq_dim=256,
+            text_dim=64,
+            text_layers=2,
+            text_heads=2,
+            text_d_ff=128,
+            text_d_kv=32,
+            seed=3,
+            height=128,
+            width=128,
+            num_frames=9,
+            num_inference_steps=10,
+            guidance_scale=5.0,
+        ),
+        # Exactly the shape of Wan2.1-T2V-1.3B's transformer (1.42e9
+        # parameters) and VAE (1.27e8), with random weights: its denoise and
+        # decode timings are the real model's. The text encoder has the real
+        # width (d_model 4096 = text_dim, 64 heads x 64, d_ff 10240) but 2
+        # layers instead of umt5-xxl's 24 and a tiny vocabulary: the full
+        # encoder would be ~5.7e9 parameters (23 GB in float32) to generate,
+        # and its cost is once per prompt, not per step. Stored in bfloat16
+        # (3.9 GB instead of 7.8) since it is only ever served in bfloat16 on
+        # a GPU; its default request is the real model's.
+        TinyWanSpec(
+            name="wan2.1-1.3b",
+            num_layers=30,
+            num_attention_heads=12,
+            attention_head_dim=128,
+            ffn_dim=8960,
+            freq_dim=256,
+            text_dim=4096,
+            text_layers=2,
+            text_heads=64,
+            text_d_ff=10240,
+            text_d_kv=64,
+            vae_base_dim=96,
+            vae_dim_mult=(1, 2, 4, 4),
+            vae_num_res_blocks=2,
+            rope_max_seq_len=1024,
+            weights_dtype="bfloat16",
+            flow_shift=3.0,
+            seed=4,
+            height=480,
+            width=832,
+            num_frames=81,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+        ),
+    )
+}
