@@ -7,9 +7,8 @@ import time
 import torch
 from diffusers import AutoencoderKLWan
 
-from common.protocol.messages import PROTOCOL_VERSION, DecodeRequest, Result
+from common.protocol.messages import LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
 from common.wan.model_info import ModelInfo
-from common.protocol.errors import RequestError
 from common.runtime.stage import Forward, QueuedBatchStage
 
 
@@ -42,14 +41,13 @@ class DecodeStage(QueuedBatchStage):
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
         """Latents of the same shape are decoded in one VAE call; other shapes in their own."""
         groups: dict[tuple, list[int]] = {}
-        out: list[Forward | BaseException] = [RequestError("decode request without latents")] * len(items)
-        for i, (_, tensors) in enumerate(items):
-            if "latents" in tensors:
-                groups.setdefault(tuple(tensors["latents"].shape), []).append(i)
+        out: list[Forward | BaseException] = [None] * len(items)
+        for i, (_, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
+            groups.setdefault(tuple(tensors[LATENTS.name].shape), []).append(i)
         for idx in groups.values():
             t0 = time.perf_counter()
             try:
-                video = self.decode(torch.cat([items[i][1]["latents"] for i in idx]))
+                video = self.decode(torch.cat([items[i][1][LATENTS.name] for i in idx]))
             except Exception as e:
                 for i in idx:
                     out[i] = e
@@ -64,5 +62,5 @@ class DecodeStage(QueuedBatchStage):
         timings = {**msg.timings, "decode_s": elapsed}
         out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=msg.info)
         # Rollout tensors (log-probs, trajectory) pass through unchanged.
-        extras = {k: v for k, v in tensors.items() if k != "latents"}
-        return Forward("router", out, {"output": frames, **extras})
+        extras = {k: v for k, v in tensors.items() if k != LATENTS.name}
+        return Forward("router", out, {OUTPUT.name: frames, **extras})

@@ -1,4 +1,4 @@
-"""Denoise stage: the Wan transformer(s), request-local schedulers, guidance, weight sync."""
+"""Denoise stage: continuous batching of request-local denoising over the Wan policy, and weight sync."""
 
 from __future__ import annotations
 
@@ -7,20 +7,27 @@ import time
 from dataclasses import dataclass
 
 import torch
-from diffusers import WanTransformer3DModel
 
-from common.wan.policy import expert_for_timestep, guidance_for, guided_velocity, pad_embeddings
-from common.protocol.messages import PROTOCOL_VERSION, ControlRequest, DecodeRequest, DenoiseRequest, Result
-from common.wan.model_info import ModelInfo
-from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from common.protocol.errors import DeadlineExceeded, RequestError, check_deadline
+from common.protocol.messages import (
+    LATENTS,
+    NEGATIVE_PROMPT_EMBEDS,
+    OUTPUT,
+    PROMPT_EMBEDS,
+    PROTOCOL_VERSION,
+    ControlRequest,
+    DecodeRequest,
+    DenoiseRequest,
+    Result,
+)
 from common.runtime.stage import Forward, Stage
 from common.wan import schedulers
+from common.wan.model_info import ModelInfo
+from common.wan.policy import WanPolicy, uses_guidance
+from common.wan.text import conditioning
+from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.task import DenoiseTask
-
-
-# Multiply-accumulates (roughly samples x tokens x width^2) below which a forward runs on one thread.
-SMALL_FORWARD = 5e7
+from denoise_worker.threads import size_threads
 
 
 class UpdatesDisabled(RequestError):
@@ -43,36 +50,24 @@ class DenoiseStage(Stage):
 
     def load(self) -> None:
         self.info = ModelInfo.read(self.config.model)
-        self.experts = {"transformer": self._load_transformer("transformer")}
-        if self.info.has_transformer_2:
-            self.experts["transformer_2"] = self._load_transformer("transformer_2")
-        self.serving_template = schedulers.load_serving_template(self.info.path)
+        self.policy = WanPolicy.load(self.info, self.dtype, self.device)
+        self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
-        self.n_train = self.serving_template.config.num_train_timesteps
         self.weight_version = 0
         self.max_threads = torch.get_num_threads()
         self.max_batch = max(1, self.config.max_batch_size)
         self.active: list[_Active] = []
         self._seq = itertools.count()
 
-    def _load_transformer(self, name: str) -> WanTransformer3DModel:
-        model = WanTransformer3DModel.from_pretrained(self.info.path / name, dtype=self.dtype)
-        return model.to(self.device).eval().requires_grad_(False)
-
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
-        dtype = self.experts["transformer"].dtype
-        if "prompt_embeds" not in tensors:
-            raise RequestError("denoise request without prompt_embeds")
-        cond = pad_embeddings(tensors["prompt_embeds"]).to(self.device, dtype)
-        uncond = None
-        if p.guidance_scale > 1.0:
-            if "negative_prompt_embeds" not in tensors:
-                raise RequestError("guidance_scale > 1 but no negative_prompt_embeds")
-            uncond = pad_embeddings(tensors["negative_prompt_embeds"]).to(self.device, dtype)
-        return DenoiseTask.create(
-            p, cond, uncond, self.info, self.serving_template, self.rollout_template, self.device
-        )
+        negative = tensors.get(NEGATIVE_PROMPT_EMBEDS.name)
+        if uses_guidance(p.guidance_scale) and negative is None:
+            raise RequestError(f"guidance_scale > 1 but no {NEGATIVE_PROMPT_EMBEDS.name}")
+        cond, uncond = conditioning(tensors[PROMPT_EMBEDS.name], negative if uses_guidance(p.guidance_scale) else None,
+                                    self.device, self.policy.dtype)
+        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
+                                  self.device)
 
     # --- continuous batching ----------------------------------------------
     def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
@@ -84,105 +79,62 @@ class DenoiseStage(Stage):
     def has_work(self) -> bool:
         return bool(self.active)
 
-    def held(self) -> int:
-        return len(self.active)
-
-    def _expert_name(self, task: DenoiseTask) -> str:
-        return expert_for_timestep(task.timestep, self.info.boundary_ratio, self.n_train, "transformer_2" in self.experts)
-
-    def _next_batch(self) -> list["_Active"]:
+    def _next_batch(self) -> list[_Active]:
         """The oldest request plus up to ``max_batch - 1`` others that can share its forward.
 
         Sharing needs the same latent shape and the same expert; each sample
         keeps its own timestep, text embeddings and guidance scale.
         """
+        def key(a: _Active):
+            return tuple(a.task.latents.shape), self.policy.expert_for(a.task.timestep)
+
         oldest = min(self.active, key=lambda a: a.seq)
-        key = (tuple(oldest.task.latents.shape), self._expert_name(oldest.task))
-        same = [a for a in self.active if (tuple(a.task.latents.shape), self._expert_name(a.task)) == key]
+        same = [a for a in self.active if key(a) == key(oldest)]
         return sorted(same, key=lambda a: a.seq)[: self.max_batch]
 
     @torch.no_grad()
     def batched_velocity(self, tasks: list[DenoiseTask]) -> list[torch.Tensor]:
-        """Guided model outputs for tasks at (possibly) different steps, in one forward.
+        """Guided model outputs for tasks at (possibly) different steps, in one forward."""
+        inputs = [t.model_input() for t in tasks]
+        if self.device.type == "cpu":
+            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads)
+        return self.policy.batched_velocity(inputs)
 
-        Conditional halves come first, then the unconditional halves of the
-        tasks that use guidance; ``uncond + g * (cond - uncond)`` per task, in
-        the model's dtype, as in :func:`common.wan.policy.guided_velocity`.
-        """
-        name = self._expert_name(tasks[0])
-        model = self.experts[name]
-        self._size_threads(model, tasks)
-        if len(tasks) == 1:
-            # Alone: two passes exactly as diffusers' pipeline (and a trainer's recompute) take them.
-            t = tasks[0]
-            scale = guidance_for(name, t.params.guidance_scale, t.params.guidance_scale_2)
-            return [guided_velocity(model, t.latents, t.timestep, t.cond, t.uncond, scale)]
-        guided = [i for i, t in enumerate(tasks) if t.uncond is not None]
-        x = torch.cat([t.latents for t in tasks]).to(model.dtype)
-        ts = torch.stack([t.timestep.float() for t in tasks])
-        hidden = torch.cat([x, x[guided]]) if guided else x
-        steps = torch.cat([ts, ts[guided]]) if guided else ts
-        text = torch.cat([t.cond for t in tasks] + [tasks[i].uncond for i in guided])
-        out = model(hidden_states=hidden, timestep=steps, encoder_hidden_states=text, return_dict=False)[0]
-        result = [out[i : i + 1] for i in range(len(tasks))]
-        for j, i in enumerate(guided):
-            p = tasks[i].params
-            scale = guidance_for(name, p.guidance_scale, p.guidance_scale_2)
-            v_u = out[len(tasks) + j : len(tasks) + j + 1]
-            result[i] = v_u + scale * (result[i] - v_u)
-        return result
-
-    def _size_threads(self, model: torch.nn.Module, tasks: list[DenoiseTask]) -> None:
-        """Intra-op threads only for forwards big enough to gain from them (CPU).
-
-        On a small forward, waking threads costs more than it saves: measured on
-        the tiny model, one thread halves the denoise CPU time per request, while
-        a compute-bound model needs every core for its latency.
-        """
-        if self.device.type != "cpu" or self.max_threads == 1:
-            return
-        cfg = model.config
-        width = cfg.num_attention_heads * cfg.attention_head_dim
-        p = cfg.patch_size
-        shape = tasks[0].latents.shape
-        tokens = (shape[2] // p[0]) * (shape[3] // p[1]) * (shape[4] // p[2]) + tasks[0].cond.shape[1]
-        samples = sum(2 if t.uncond is not None else 1 for t in tasks)
-        threads = self.max_threads if samples * tokens * width * width >= SMALL_FORWARD else 1
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+    def _drop_expired(self) -> list[tuple[DenoiseRequest, BaseException]]:
+        """Stop spending steps on requests the router has already answered with 504."""
+        done = []
+        for a in list(self.active):
+            try:
+                check_deadline(a.task.params)
+            except DeadlineExceeded as e:
+                done.append(self._leave(a, e))
+        return done
 
     def work(self) -> list[tuple[DenoiseRequest, Forward | BaseException]]:
         """One batched step for the oldest compatible group; returns the requests that left."""
-        done: list[tuple[DenoiseRequest, Forward | BaseException]] = []
-        for a in list(self.active):
-            try:
-                check_deadline(a.task.params)  # stop spending steps on a request already answered
-            except DeadlineExceeded as e:
-                self.active.remove(a)
-                done.append((a.msg, e))
+        done: list[tuple[DenoiseRequest, Forward | BaseException]] = self._drop_expired()
         if not self.active:
             return done
         batch = self._next_batch()
         try:
             velocities = self.batched_velocity([a.task for a in batch])
         except Exception as e:  # a failed forward fails the requests that were in it, nothing else
-            for a in batch:
-                self.active.remove(a)
-                done.append((a.msg, e))
-            return done
+            return done + [self._leave(a, e) for a in batch]
         for a, v in zip(batch, velocities):
             a.largest_batch = max(a.largest_batch, len(batch))
             try:
                 a.task.advance(v)
                 if a.task.done:
-                    self.active.remove(a)
-                    done.append((a.msg, self._finished(a)))
+                    done.append(self._leave(a, self._finished(a)))
             except Exception as e:
-                self.active.remove(a)
-                done.append((a.msg, e))
+                done.append(self._leave(a, e))
         return done
 
-    def _finished(self, a: "_Active") -> Forward:
+    def _leave(self, a: _Active, outcome: Forward | BaseException) -> tuple[DenoiseRequest, Forward | BaseException]:
+        self.active.remove(a)
+        return a.msg, outcome
+
+    def _finished(self, a: _Active) -> Forward:
         msg, task = a.msg, a.task
         timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
         info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
@@ -190,30 +142,30 @@ class DenoiseStage(Stage):
         extras = task.extras()
         if msg.params.output_type == "latent":
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
-            return Forward("router", out, {"output": task.latents[0].float(), **extras})
-        nxt = DecodeRequest(
-            v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=msg.params,
-            timings=timings, info=info,
-        )
-        return Forward("decode", nxt, {"latents": task.latents, **extras})
+            return Forward("router", out, {OUTPUT.name: task.latents[0].float(), **extras})
+        nxt = DecodeRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=msg.params,
+                            timings=timings, info=info)
+        return Forward("decode", nxt, {LATENTS.name: task.latents, **extras})
 
     # --- weight sync -------------------------------------------------------
     def control(self, msg: ControlRequest) -> dict:
-        module = self.experts.get(msg.module)
+        module = self.policy.experts.get(msg.module)
         if module is None:
             raise RequestError(f"module: this model has no {msg.module}")
         if msg.op == "update_weights":
-            if not msg.path:
-                raise RequestError("path: required")
-            if not self.config.weight_roots:  # the router refuses first; never read from anywhere
-                raise UpdatesDisabled("weight updates are disabled: start the engine with --weight-root DIR")
-            roots = self.config.weight_roots
-            try:
-                t0 = time.perf_counter()
-                load_into(module, read_weights(msg.path, allowed_roots=roots))
-            except WeightsError as e:
-                raise RequestError(str(e)) from None
+            t0 = time.perf_counter()
+            self._load_weights(module, msg.path)
             self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
             return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
                     "sha256": state_dict_checksum(module)}
         return {"weight_version": self.weight_version, "sha256": state_dict_checksum(module)}
+
+    def _load_weights(self, module: torch.nn.Module, path: str | None) -> None:
+        if not path:
+            raise RequestError("path: required")
+        if not self.config.weight_roots:  # the router refuses first; never read from anywhere
+            raise UpdatesDisabled("weight updates are disabled: start the engine with --weight-root DIR")
+        try:
+            load_into(module, read_weights(path, allowed_roots=self.config.weight_roots))
+        except WeightsError as e:
+            raise RequestError(str(e)) from None

@@ -124,7 +124,7 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
             if any(i < 0 or i >= steps for i in idx):
                 raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
         rollout = RolloutParams(
-            rollout=body.rollout,
+            sde_scheduler=body.rollout,
             sde_type=body.sde_type,
             noise_level=body.noise_level,
             sde_step_indices=sorted(idx) if idx is not None else None,

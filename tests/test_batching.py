@@ -93,14 +93,15 @@ def test_router_picks_the_least_loaded_instance(engine_factory):
 
 def test_batched_text_encoding_equals_unbatched_and_diffusers(tiny_dir):
     from conftest import diffusers_pipe
-    from encoder_worker.stage import EmbeddingCache, encode_prompt, encode_prompts, load_text_encoder
+    from common.wan.text import WanTextEncoder
+    from encoder_worker.prompt_cache import EmbeddingCache
 
-    tok, te = load_text_encoder(tiny_dir, torch.float32, "cpu")
+    te = WanTextEncoder.load(tiny_dir, torch.float32, "cpu")
     prompts = ["a fox at dawn", "", "Two  cats &amp; a dog\n", "a much longer prompt about a kite over the sea"]
-    batched = encode_prompts(tok, te, prompts)
+    batched = te.encode(prompts)
     pipe = diffusers_pipe(tiny_dir)
     for p, b in zip(prompts, batched):
-        assert torch.equal(b, encode_prompt(tok, te, p))
+        assert torch.equal(b, te.encode_one(p))
         with torch.no_grad():  # as the pipeline's own __call__ runs it
             ref = pipe._get_t5_prompt_embeds(p, max_sequence_length=512)[0]
         assert torch.equal(ref[: b.shape[0]], b) and not ref[b.shape[0]:].any()

@@ -163,12 +163,12 @@ def test_rollout_frames_carry_log_probs(client, policy):
 
 def test_convention_check_rejects_mismatch_and_logs_once(caplog):
     template = schedulers.rollout_template_for(schedulers.load_serving_template(ModelInfo.read(
-        __import__("common.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny")).path))
+        __import__("common.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny"))))
     bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
     bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
     with pytest.raises(schedulers.ConventionError, match="flow-match convention"):
         schedulers.check_flow_match_convention(bad)
-    schedulers._convention_logged = False
+    schedulers._logged_conventions.clear()
     with caplog.at_level(logging.INFO, logger="disagg.denoise"):
         for steps in (3, 5, 8):
             good = FlowMatchEulerDiscreteScheduler.from_config(template.config)

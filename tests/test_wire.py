@@ -12,10 +12,14 @@ from common.protocol.messages import (
     DecodeRequest,
     DenoiseRequest,
     EncodeRequest,
+    ErrorReply,
     GenerationParams,
+    Heartbeat,
+    Progress,
+    Result,
     Route,
 )
-from common.protocol.codec import DTYPES, WireError, decode, encode
+from common.protocol.codec import DTYPES, WireError, decode, decode_frames, encode
 
 PARAMS = GenerationParams(
     prompt="a fox at dawn",
@@ -52,7 +56,7 @@ def _roundtrip(pair, frames):
     push, pull = pair
     push.send_multipart(frames, copy=False)
     assert pull.poll(5000)
-    return decode(pull.recv_multipart(copy=False))
+    return decode_frames(pull.recv_multipart(copy=False))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -87,7 +91,7 @@ def test_received_tensor_is_a_view_of_the_frame(pair):
     push, pull = pair
     push.send_multipart(frames, copy=False)
     raw = pull.recv_multipart(copy=False)
-    _, tensors = decode(raw)
+    _, tensors = decode_frames(raw)
     frame_addr = memoryview(raw[1].buffer)
     assert tensors["x"].data_ptr() == torch.frombuffer(frame_addr, dtype=torch.uint8).data_ptr()
 
@@ -127,7 +131,7 @@ def test_malformed_messages_are_rejected(mutate, needle):
     frames = [bytes(memoryview(f)) for f in encode(_msg(), {"latents": torch.zeros(2, 2)})]
     bad, _ = mutate(_header(frames), frames)
     with pytest.raises(WireError, match=needle) as exc:
-        decode(bad)
+        decode_frames(bad)
     # Whenever the header still names the request, the error does too, so it can be answered.
     assert exc.value.request_id == (None if bad[0].startswith(b"\x00garbage") else "r1")
 
@@ -136,7 +140,7 @@ def test_request_id_is_recovered_from_a_bad_header():
     frames = [bytes(memoryview(f)) for f in encode(_msg(), {})]
     h = _header(frames)
     with pytest.raises(WireError) as exc:
-        decode([msgpack.packb({**h, "params": {"prompt": 1}})])
+        decode_frames([msgpack.packb({**h, "params": {"prompt": 1}})])
     assert exc.value.request_id == "r1"
 
 
@@ -176,3 +180,47 @@ def test_encoding_a_scheduler_is_impossible():
 
     with pytest.raises((TypeError, msgspec.EncodeError, msgspec.ValidationError)):
         msgspec.msgpack.encode(msgspec.structs.replace(PARAMS, sigmas=UniPCMultistepScheduler()))
+
+
+# ---------------------------------------------------------------- tensor contracts (decode)
+
+
+def _denoise(rid="c1"):
+    return DenoiseRequest(v=PROTOCOL_VERSION, request_id=rid, route=ROUTE, params=PARAMS)
+
+
+def test_a_message_with_its_declared_tensors_decodes():
+    tensors = {"prompt_embeds": torch.randn(3, 8), "negative_prompt_embeds": torch.randn(1, 8, dtype=torch.bfloat16)}
+    msg, got = decode(encode(_denoise(), tensors))
+    assert isinstance(msg, DenoiseRequest) and set(got) == set(tensors)
+    result = Result(v=PROTOCOL_VERSION, request_id="c2", stage="decode")
+    _, got = decode(encode(result, {"output": torch.rand(5, 8, 8, 3), "log_probs": torch.randn(2),
+                                    "log_prob_steps": torch.tensor([1, 2])}))
+    assert got["log_prob_steps"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("msg, tensors, needle", [
+    (_denoise(), {"prompt_embeds": torch.randn(3, 8), "latents": torch.randn(1, 16, 2, 4, 4)}, "carries no tensor 'latents'"),
+    (_denoise(), {"prompt_embeds": torch.ones(3, 8, dtype=torch.int64)}, "dtype int64"),
+    (_denoise(), {"prompt_embeds": torch.randn(1, 3, 8)}, "rank 3 is not 2"),
+    (_denoise(), {"negative_prompt_embeds": torch.randn(3, 8)}, "without prompt_embeds"),
+    (DecodeRequest(v=PROTOCOL_VERSION, request_id="c1", route=ROUTE, params=PARAMS), {"log_probs": torch.randn(2)},
+     "without latents"),
+    (Result(v=PROTOCOL_VERSION, request_id="c1", stage="decode"),
+     {"output": torch.rand(5, 8, 8, 3), "log_prob_steps": torch.randn(2)}, "dtype float32"),
+    (ErrorReply(v=PROTOCOL_VERSION, request_id="c1", stage="decode", type="X", message="m"),
+     {"output": torch.rand(5, 8, 8, 3)}, "carries no tensor"),
+])
+def test_tensors_outside_the_contract_are_rejected_naming_the_request(msg, tensors, needle):
+    frames = encode(msg, tensors)
+    with pytest.raises(WireError, match=needle) as e:
+        decode(frames)
+    assert e.value.request_id == "c1"
+    decode_frames(frames)  # positive control: the data plane alone accepts the same frames
+
+
+def test_every_kind_declares_distinct_tensor_names():
+    for kind in (EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, Progress):
+        names = [f.name for f in kind.carries]
+        assert len(names) == len(set(names)) == len(kind.contract())
+    assert DecodeRequest.contract()["latents"].required and not Result.contract()["log_probs"].required

@@ -86,8 +86,14 @@ def _request(role: str, rid: str, kind=None):
     return (kind or KIND[role])(v=PROTOCOL_VERSION, request_id=rid, route=ROUTE, params=PARAMS)
 
 
+def _declared(kind) -> dict[str, torch.Tensor]:
+    """Tensors that satisfy a message kind's contract (its required fields, of their rank)."""
+    return {f.name: torch.zeros((2,) * f.rank) for f in kind.carries if f.required}
+
+
 def _valid(role: str, rid: str) -> list[bytes]:
-    return _frames(_request(role, rid), {"x": torch.zeros(2, 3)})
+    # An EncodeRequest carries no tensor at all, so any tensor on one is refused by its contract.
+    return _frames(_request(role, rid), _declared(KIND[role]) or {"x": torch.zeros(2, 3)})
 
 
 # Each case: frames for a role and request id, and whether the header still names the request.
@@ -121,17 +127,18 @@ def _size_mismatch(role, rid):
 
 def _huge_empty_tensor(role, rid):
     # Zero elements, so an empty frame matches its byte size; torch cannot build the shape though.
-    f = _frames(_request(role, rid), {"x": torch.zeros(0, 2)})
+    f = _valid(role, rid)
     h = _header(f)
-    return [msgpack.packb({**h, "tensors": [{**h["tensors"][0], "shape": [0, 2**63]}]}), b""]
+    shape = [0, 2**63, *h["tensors"][0]["shape"][2:]]  # the declared rank, so the contract check passes
+    return [msgpack.packb({**h, "tensors": [{**h["tensors"][0], "shape": shape}]}), b""]
 
 
 def _wrong_message_kind(role, rid):
-    return _frames(_request(role, rid, WRONG_KIND[role]), {"latents": torch.zeros(1, 16, 2, 4, 4)})
+    return _frames(_request(role, rid, WRONG_KIND[role]), _declared(WRONG_KIND[role]))
 
 
 def _result_to_worker(role, rid):
-    return _frames(Result(v=PROTOCOL_VERSION, request_id=rid, stage="decode"), {"output": torch.zeros(2)})
+    return _frames(Result(v=PROTOCOL_VERSION, request_id=rid, stage="decode"), _declared(Result))
 
 
 CASES = {
@@ -200,15 +207,19 @@ def test_hostile_message_is_dropped_and_worker_lives(engine, workers, ctx, case)
 
 @pytest.mark.parametrize("role", ["encoder", "denoise", "decode"])
 def test_well_formed_but_unprocessable_request_is_answered(engine, workers, ctx, role):
-    """The right kind for the worker, but unusable: a missing tensor, or a route to a worker that does not exist."""
+    """The right kind for the worker, but unusable: a route to a worker that does not exist, or a
+    missing tensor (refused by the message kind's contract, naming the tensor)."""
     rid = f"hostile-unprocessable-{role}"
     if role == "encoder":
         msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=Route(encoder=0, denoise=7, decode=0),
                             params=PARAMS)
+        line = rf"{role}-0 ERROR request {re.escape(rid)} failed in {role}"
     else:
         msg = _request(role, rid)  # without prompt_embeds / latents
+        missing = next(f.name for f in KIND[role].carries if f.required)
+        line = rf"{role}-0 WARNING dropped bad message: a {KIND[role].__name__} without {missing}"
     _send(ctx, next(w for w in workers if w["role"] == role)["endpoint"], _frames(msg))
-    _wait_for(engine, rf"{role}-0 ERROR request {re.escape(rid)} failed in {role}", 1)
+    _wait_for(engine, line, 1)
     _wait_for(engine, rf"answer for unknown or finished request {re.escape(rid)} dropped", 1)
     _assert_all_alive(engine, workers)
 

@@ -209,12 +209,26 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
 def decode(
     frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
 ) -> tuple[Message, dict[str, torch.Tensor]]:
-    """Validate and decode a multipart message. Raises :class:`WireError`.
+    """Validate and decode a multipart message, its tensors checked against its kind's contract
+    (``carries``: names, dtype classes, ranks, required ones present). Raises :class:`WireError`.
 
     ``shm``: this process's shared-memory receiver (same host only); without one a
     descriptor that names a segment is rejected. ``cuda``: this GPU worker's CUDA IPC
     receiver; without one a descriptor that carries a CUDA IPC handle is rejected.
     """
+    return _decode(frames, shm, cuda, check_contract=True)
+
+
+def decode_frames(
+    frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
+) -> tuple[Message, dict[str, torch.Tensor]]:
+    """:func:`decode` without the message kind's tensor contract: the data plane alone
+    (header, descriptors, frames, segments, handles), for code that moves arbitrary tensors."""
+    return _decode(frames, shm, cuda, check_contract=False)
+
+
+def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None,
+            check_contract: bool) -> tuple[Message, dict[str, torch.Tensor]]:
     if not frames:
         raise WireError("empty message")
     head = _frame_buffer(frames[0])
@@ -225,8 +239,12 @@ def decode(
         msg = _decoder.decode(raw)
     except msgspec.DecodeError as e:
         raise WireError(f"invalid header: {e}", _peek_request_id(raw)) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {msg.v} is not {PROTOCOL_VERSION}", msg.request_id or None)
     opened: set[str] = set()
     try:
+        if check_contract:
+            _check_contract(msg)
         return msg, _tensors(msg, frames, shm, cuda, opened)
     except BaseException:
         # Out-of-band data of a rejected message: segments are removed (idempotent: an opened one is
@@ -239,13 +257,26 @@ def decode(
         raise
 
 
+def _check_contract(msg: Message) -> None:
+    """Every tensor is one its kind declares, of the declared dtype class and rank; required ones are there."""
+    contract = type(msg).contract()
+    kind = type(msg).__name__
+    for spec in msg.tensors:
+        field = contract.get(spec.name)
+        if field is None:
+            raise WireError(f"a {kind} carries no tensor {spec.name!r} (it carries {sorted(contract) or 'none'})",
+                            msg.request_id or None)
+        problem = field.problem(spec.dtype, spec.shape)
+        if problem is not None:
+            raise WireError(f"tensor {spec.name!r} of a {kind}: {problem}", msg.request_id or None)
+    missing = [f.name for f in contract.values() if f.required and f.name not in {s.name for s in msg.tensors}]
+    if missing:
+        raise WireError(f"a {kind} without {', '.join(missing)}", msg.request_id or None)
+
+
 def _tensors(
     msg: Message, frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None, opened: set[str]
 ) -> dict[str, torch.Tensor]:
-    if msg.v != PROTOCOL_VERSION:
-        raise WireError(
-            f"protocol version {msg.v} is not {PROTOCOL_VERSION}", msg.request_id or None
-        )
     if len(msg.tensors) > MAX_TENSORS:
         raise WireError(f"{len(msg.tensors)} tensors exceed the limit {MAX_TENSORS}", msg.request_id)
     names = [s.name for s in msg.tensors]

@@ -11,14 +11,56 @@ worker needs to rebuild its own request-local scheduler.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, Union, get_args
 
 import msgspec
 
 PROTOCOL_VERSION = 1
 
 ROLES = ("encoder", "denoise", "decode")
+# Value sets, each spelled once here; the tuples are for membership checks and messages.
 OutputType = Literal["frames", "latent"]
+SdeType = Literal["sde", "cps", "ode"]
+ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
+OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
+SDE_TYPES: tuple[str, ...] = get_args(SdeType)
+EXPERT_NAMES: tuple[str, ...] = get_args(ExpertName)
+
+# dtype names (common.protocol.codec.DTYPES) by class, for the tensor contracts below.
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+INT_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8"})
+
+
+@dataclass(frozen=True)
+class TensorField:
+    """One tensor a message kind may carry: its name, dtype class and rank. The codec checks
+    every received descriptor against its kind's fields before it opens any tensor."""
+
+    name: str
+    dtypes: frozenset[str]
+    rank: int
+    required: bool = True
+
+    def problem(self, dtype: str, shape: list[int]) -> str | None:
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} is not one of {sorted(self.dtypes)}"
+        if len(shape) != self.rank:
+            return f"rank {len(shape)} is not {self.rank}"
+        return None
+
+
+PROMPT_EMBEDS = TensorField("prompt_embeds", FLOAT_DTYPES, 2)  # [L, D], trimmed to the real tokens
+NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, required=False)  # with guidance
+LATENTS = TensorField("latents", FLOAT_DTYPES, 5)  # [1, C, F', H', W'], as the transformer sees them
+OUTPUT = TensorField("output", FLOAT_DTYPES, 4)  # frames [F, H, W, 3] in [0, 1], or latents [C, F', H', W']
+LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 1, required=False)  # [K], one per SDE step
+LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices
+TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, 5, required=False)  # [T+1, C, F', H', W']
+TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T]
+TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1]
+# What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
+ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -73,14 +115,10 @@ class Route(_Strict, frozen=True):
     decode: int
 
 
-SdeType = Literal["sde", "cps", "ode"]
-WeightModule = Literal["transformer", "transformer_2"]
-
-
 class RolloutParams(_Strict):
     """What ``/rollout/generate`` adds to a generation request."""
 
-    rollout: bool = True  # False: the serving scheduler, exactly as /generate
+    sde_scheduler: bool = True  # False: the serving scheduler, exactly as /generate (HTTP field "rollout")
     sde_type: SdeType = "sde"
     noise_level: float = 0.7
     sde_step_indices: list[int] | None = None  # None: every step
@@ -114,6 +152,11 @@ class _Header(_Strict, tag_field="kind", kw_only=True):
     v: int
     request_id: str
     tensors: list[TensorSpec] = []
+    carries: ClassVar[tuple[TensorField, ...]] = ()  # the tensors this kind may carry; none by default
+
+    @classmethod
+    def contract(cls) -> dict[str, TensorField]:
+        return {f.name: f for f in cls.carries}
 
 
 class EncodeRequest(_Header, tag="encode", kw_only=True):
@@ -123,12 +166,11 @@ class EncodeRequest(_Header, tag="encode", kw_only=True):
 
 
 class DenoiseRequest(_Header, tag="denoise", kw_only=True):
-    """Carries ``prompt_embeds`` and, with guidance, ``negative_prompt_embeds``.
-
-    Embeddings travel trimmed to their real token length ([L, D]); the denoise
+    """Embeddings travel trimmed to their real token length ([L, D]); the denoise
     worker zero-pads them to ``max_sequence_length`` as diffusers does, which
-    keeps the 512-token padding off the wire.
-    """
+    keeps the 512-token padding off the wire."""
+
+    carries = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS)
 
     route: Route
     params: GenerationParams
@@ -136,7 +178,9 @@ class DenoiseRequest(_Header, tag="denoise", kw_only=True):
 
 
 class DecodeRequest(_Header, tag="decode", kw_only=True):
-    """Carries ``latents`` [1, C, F', H', W'] (normalised, as the transformer sees them)."""
+    """Latents still normalised; the decode worker de-normalises them for the VAE."""
+
+    carries = (LATENTS, *ROLLOUT_OUTPUTS)
 
     route: Route
     params: GenerationParams
@@ -145,12 +189,10 @@ class DecodeRequest(_Header, tag="decode", kw_only=True):
 
 
 class Result(_Header, tag="result", kw_only=True):
-    """Final answer for one request; carries ``output`` and any rollout tensors.
+    """Final answer for one request. ``info`` holds per-request facts such as the
+    scheduler that ran and the weight version."""
 
-    ``info`` holds per-request facts such as the scheduler that ran and the
-    weight version; rollout tensors (``log_probs``, ``trajectory.*``) ride
-    along from the denoise worker through the decode worker unchanged.
-    """
+    carries = (OUTPUT, *ROLLOUT_OUTPUTS)
 
     stage: str
     timings: dict[str, float] = {}
@@ -161,7 +203,7 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     """Router -> worker administration, handled between requests."""
 
     op: Literal["update_weights", "checksum"]
-    module: WeightModule = "transformer"
+    module: ExpertName = "transformer"
     path: str | None = None
     version: int | None = None  # the weight version to report after a successful update
 
@@ -196,7 +238,6 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     endpoint: str
     socket_type: str
     state: str
-    busy: int = 0
     # Tensors this worker sent and received as CUDA IPC handles since it started (common/transport/cuda_ipc.py).
     cuda_ipc_sent: int = 0
     cuda_ipc_received: int = 0

@@ -58,9 +58,6 @@ class Stage:
     def has_work(self) -> bool:
         return False
 
-    def held(self) -> int:
-        return 0
-
     def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
         raise NotImplementedError
 
@@ -89,9 +86,6 @@ class QueuedBatchStage(Stage):
 
     def has_work(self) -> bool:
         return bool(self.queue)
-
-    def held(self) -> int:
-        return len(self.queue)
 
     def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
         items = [self.queue.popleft() for _ in range(min(self.max_batch, len(self.queue)))]

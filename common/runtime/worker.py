@@ -54,7 +54,6 @@ class WorkerRuntime:
         self.shm = ShmContext(self.config, process_name(self.spec.role, self.spec.index))  # clears leftovers for us
         self.cuda_ipc = CudaIpcContext(self.config, self.spec)  # GPU worker to GPU worker: tensors stay on GPUs
         self.state = "loading"
-        self.busy = 0
         self._stop = threading.Event()
         self._controls: collections.deque[ControlRequest] = collections.deque()
         self._held: collections.deque = collections.deque()
@@ -110,7 +109,6 @@ class WorkerRuntime:
                     endpoint=self.spec.endpoint,
                     socket_type="PULL",
                     state=self.state,
-                    busy=self.busy,
                     cuda_ipc_sent=self.cuda_ipc.sent,
                     cuda_ipc_received=self.cuda_ipc.received,
                 )
@@ -189,29 +187,42 @@ class WorkerRuntime:
 
     def step(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
         """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""
-        stage = self.stage
-        busy = stage.has_work()
-        if poller.poll(0 if busy or self._controls else POLL_MS):
-            for _ in range(MAX_DRAIN):  # everything that is already queued, so it can join the batch
-                if not stage.can_accept():
-                    break
-                try:
-                    frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.handle(frames)
-        if self._controls and not stage.has_work():
-            # Between requests: nothing in flight here, so an update never lands inside one.
-            while self._controls:
-                self.handle_control(self._controls.popleft())
-            held, self._held = self._held, collections.deque()
-            for msg, tensors in held:
-                self.admit(msg, tensors)
-        if stage.has_work():
-            self.busy = stage.held()
-            for msg, outcome in stage.work():
+        self.receive(pull, poller)
+        self.apply_controls_when_quiet()
+        self.advance()
+
+    def receive(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
+        """Everything already queued on the socket, so that it can join the next batch."""
+        waiting = self.stage.has_work() or self._controls
+        if not poller.poll(0 if waiting else POLL_MS):
+            return
+        for _ in range(MAX_DRAIN):
+            if not self.stage.can_accept():
+                break
+            try:
+                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.handle(frames)
+
+    def apply_controls_when_quiet(self) -> None:
+        """Between requests: nothing in flight here, so an update never lands inside one."""
+        if not self._controls or self.stage.has_work():
+            return
+        while self._controls:
+            self.handle_control(self._controls.popleft())
+        held, self._held = self._held, collections.deque()
+        for msg, tensors in held:
+            self.admit(msg, tensors)
+
+    def advance(self) -> None:
+        if self.stage.has_work():
+            for msg, outcome in self.stage.work():
                 self.finish(msg, outcome)
-            self.busy = stage.held()
+
+    def stop(self) -> None:
+        """Leave the loop after the current turn (signal handlers call this)."""
+        self._stop.set()
 
     def run(self) -> None:
         pull = bind_pull(self.ctx, self.spec.endpoint, self.security, linger=0,
@@ -256,6 +267,6 @@ def main(stage_cls: type[Stage]) -> None:
     tlog.disable_progress_bar()
     torch.set_num_threads(spec.threads or default_threads(config, spec))
     runtime = WorkerRuntime(stage_cls(config, spec))
-    signal.signal(signal.SIGTERM, lambda *_: runtime._stop.set())
-    signal.signal(signal.SIGINT, lambda *_: runtime._stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
+    signal.signal(signal.SIGINT, lambda *_: runtime.stop())
     runtime.run()

@@ -205,7 +205,7 @@ class Security:
             raise SecurityError(f"{endpoint} is not an endpoint of this engine's topology")
         return self.public[owner]
 
-    def _ensure_authenticator(self, ctx: zmq.Context) -> None:
+    def ensure_authenticator(self, ctx: zmq.Context) -> None:
         """One ZAP handler per context (ZAP is per context), started before any server socket binds."""
         if id(ctx) in self._auth_ctx:
             return
@@ -239,7 +239,7 @@ def bind_pull(ctx: zmq.Context, endpoint: str, security: Security, **options) ->
     try:
         _apply(sock, {"linger": 0, **options})
         if security.curve:
-            security._ensure_authenticator(ctx)
+            security.ensure_authenticator(ctx)
             public, secret = security.keypair
             sock.curve_secretkey = secret
             sock.curve_publickey = public

@@ -25,6 +25,11 @@ WAN_DEFAULTS = {
 MAX_SEQUENCE_LENGTH = 512
 
 
+def flow_shift_of(scheduler_config) -> float:
+    """The static flow shift of a scheduler config: UniPC calls it ``flow_shift``, flow-match Euler ``shift``."""
+    return float(scheduler_config.get("flow_shift", None) or scheduler_config.get("shift", 1.0))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: Path
@@ -70,8 +75,7 @@ class ModelInfo:
             patch_size=tuple(tcfg.get("patch_size", (1, 2, 2))),
             scheduler_config=scfg,
             num_train_timesteps=int(scfg.get("num_train_timesteps", 1000)),
-            # UniPC calls it flow_shift, flow-match Euler shift; Wan's 480p default is 3.
-            flow_shift=float(scfg.get("flow_shift") or scfg.get("shift") or 1.0),
+            flow_shift=flow_shift_of(scfg),
         )
 
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:

@@ -1,56 +1,133 @@
-"""The Wan transformer call with classifier-free guidance.
+"""The Wan policy: the transformer expert(s) and how one denoising step evaluates and takes them.
 
-Shared by the denoise worker and by trainers that recompute log-probs from a
-returned trajectory: both sides must evaluate the model the same way for
-their log-probs to agree to float32 rounding.
+One copy, used by the denoise worker and by trainers that recompute rollout
+log-probs (``rl.TrainerPolicy``): both sides must choose the same expert,
+apply guidance in the same order and take the same step for their
+log-probs to agree to float32 rounding.
+
+- Experts: ``transformer``, and for Wan2.2-style models ``transformer_2`` with
+  ``boundary_ratio`` (the first serves ``t >= boundary_ratio * num_train_timesteps``).
+- Guidance: classifier-free when ``guidance_scale > 1``; the second expert uses
+  ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does.
+- Step: on the rollout (flow-match Euler) schedule, :func:`step_at` takes step ``i``
+  with :func:`common.wan.sde.sde_step`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import get_args
+
 import torch
+from diffusers import WanTransformer3DModel
 
-from common.wan.model_info import MAX_SEQUENCE_LENGTH
+from common.protocol.messages import ExpertName, SdeType
+from common.wan.model_info import ModelInfo
+from common.wan.sde import SdeStep, sde_step
 
-
-def pad_embeddings(embeds: torch.Tensor, length: int = MAX_SEQUENCE_LENGTH) -> torch.Tensor:
-    """[L, D] -> [1, length, D], zero-padded after the real tokens as Wan expects."""
-    out = embeds.new_zeros((1, length, embeds.shape[-1]))
-    out[0, : embeds.shape[0]] = embeds
-    return out
+EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
 
-def guided_velocity(
-    model: torch.nn.Module,
-    latents: torch.Tensor,
-    timestep: torch.Tensor,
-    cond: torch.Tensor,
-    uncond: torch.Tensor | None,
-    guidance_scale: float,
-) -> torch.Tensor:
-    """Model output after guidance, in the model's dtype.
-
-    ``timestep`` is a scalar or one value per sample; ``uncond`` None means no
-    guidance. Same order of operations as diffusers' WanPipeline: two passes,
-    then ``uncond + g * (cond - uncond)``.
-    """
-    x = latents.to(model.dtype)
-    t = timestep.expand(latents.shape[0]) if timestep.dim() == 0 else timestep
-    v = model(hidden_states=x, timestep=t, encoder_hidden_states=cond, return_dict=False)[0]
-    if uncond is not None:
-        v_u = model(hidden_states=x, timestep=t, encoder_hidden_states=uncond, return_dict=False)[0]
-        v = v_u + guidance_scale * (v - v_u)
-    return v
+def uses_guidance(guidance_scale: float) -> bool:
+    """Classifier-free guidance (a second, unconditional pass) runs only above 1, as in diffusers."""
+    return guidance_scale > 1.0
 
 
-def guidance_for(expert: str, guidance_scale: float, guidance_scale_2: float | None) -> float:
-    """The second expert uses ``guidance_scale_2`` when given, as diffusers' WanPipeline does."""
-    if expert == "transformer_2" and guidance_scale_2 is not None:
-        return guidance_scale_2
-    return guidance_scale
+@dataclass(frozen=True)
+class ModelInput:
+    """What one sample brings to a transformer forward: latents at a timestep, its text, its guidance."""
+
+    latents: torch.Tensor  # [1, C, F', H', W']
+    timestep: torch.Tensor  # 0-d, or one per sample of ``latents``
+    cond: torch.Tensor  # [1, 512, D]
+    uncond: torch.Tensor | None  # None: no guidance
+    guidance_scale: float
+    guidance_scale_2: float | None = None
 
 
-def expert_for_timestep(t: float | torch.Tensor, boundary_ratio: float | None, n_train: int, has_second: bool) -> str:
-    """Wan2.2 two-expert split: ``transformer`` for t >= boundary_ratio * n_train, else ``transformer_2``."""
-    if boundary_ratio is None or not has_second or t >= boundary_ratio * n_train:
-        return "transformer"
-    return "transformer_2"
+class WanPolicy:
+    def __init__(self, info: ModelInfo, experts: dict[str, WanTransformer3DModel]):
+        self.info = info
+        self.experts = experts
+
+    @classmethod
+    def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
+             trainable: bool = False) -> "WanPolicy":
+        """The model's expert(s) from its directory; ``trainable`` keeps gradients on (a trainer's copy)."""
+        names = EXPERTS if info.has_transformer_2 else EXPERTS[:1]
+        experts = {}
+        for name in names:
+            model = WanTransformer3DModel.from_pretrained(info.path / name, dtype=dtype)
+            experts[name] = model.to(device).eval().requires_grad_(trainable)
+        return cls(info, experts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts["transformer"].dtype
+
+    def expert_for(self, timestep: float | torch.Tensor) -> str:
+        """Wan2.2 two-expert split: ``transformer`` for t >= boundary_ratio * n_train, else ``transformer_2``."""
+        ratio = self.info.boundary_ratio
+        if ratio is None or "transformer_2" not in self.experts or timestep >= ratio * self.info.num_train_timesteps:
+            return "transformer"
+        return "transformer_2"
+
+    @staticmethod
+    def guidance_scale(expert: str, x: ModelInput) -> float:
+        if expert == "transformer_2" and x.guidance_scale_2 is not None:
+            return x.guidance_scale_2
+        return x.guidance_scale
+
+    def velocity(self, x: ModelInput) -> torch.Tensor:
+        """Guided model output for one sample, in the model's dtype.
+
+        Two passes, then ``uncond + g * (cond - uncond)``: the order of operations
+        of diffusers' WanPipeline (and so of a trainer's recompute).
+        """
+        name = self.expert_for(x.timestep)
+        model = self.experts[name]
+        h = x.latents.to(model.dtype)
+        t = x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep
+        v = model(hidden_states=h, timestep=t, encoder_hidden_states=x.cond, return_dict=False)[0]
+        if x.uncond is not None:
+            v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=x.uncond, return_dict=False)[0]
+            v = v_u + self.guidance_scale(name, x) * (v - v_u)
+        return v
+
+    def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
+        """Guided model outputs for samples at (possibly) different timesteps, in one forward.
+
+        All samples must map to the same expert. Conditional halves come first,
+        then the unconditional halves of the samples that use guidance; guidance
+        is applied per sample as in :meth:`velocity`. A sample alone takes
+        :meth:`velocity`'s two passes, exactly as diffusers does.
+        """
+        if len(inputs) == 1:
+            return [self.velocity(inputs[0])]
+        name = self.expert_for(inputs[0].timestep)
+        model = self.experts[name]
+        guided = [i for i, x in enumerate(inputs) if x.uncond is not None]
+        h = torch.cat([x.latents for x in inputs]).to(model.dtype)
+        ts = torch.stack([x.timestep.float() for x in inputs])
+        text = torch.cat([x.cond for x in inputs] + [inputs[i].uncond for i in guided])
+        out = model(hidden_states=torch.cat([h, h[guided]]), timestep=torch.cat([ts, ts[guided]]),
+                    encoder_hidden_states=text, return_dict=False)[0]
+        result = [out[i : i + 1] for i in range(len(inputs))]
+        for j, i in enumerate(guided):
+            v_u = out[len(inputs) + j : len(inputs) + j + 1]
+            result[i] = v_u + self.guidance_scale(name, inputs[i]) * (result[i] - v_u)
+        return result
+
+
+def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
+    """The SDE's ``s_max``: the schedule's second sigma (the largest one below 1)."""
+    return sigmas[1] if sigmas.numel() > 1 else sigmas[0]
+
+
+def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, *, sde_type: SdeType,
+            noise_level: float, generator: torch.Generator | None = None,
+            prev_sample: torch.Tensor | None = None) -> SdeStep:
+    """Rollout step ``i`` of a flow-match schedule: the engine draws ``x_{i+1}`` (``generator``),
+    a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
+    return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=sde_type,
+                    noise_level=noise_level, generator=generator, prev_sample=prev_sample)

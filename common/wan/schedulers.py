@@ -11,45 +11,39 @@ each other through them.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-from pathlib import Path
 
 import diffusers
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from common.protocol.messages import GenerationParams
 from common.protocol.errors import RequestError
+from common.protocol.messages import GenerationParams
+from common.wan.model_info import ModelInfo, flow_shift_of
 
 log = logging.getLogger("disagg.denoise")
 
 
-def load_serving_template(model_dir: str | Path):
+def load_serving_template(info: ModelInfo):
     """The model's own scheduler (UniPC with flow sigmas for Wan), built from its config."""
-    cfg_path = Path(model_dir) / "scheduler" / "scheduler_config.json"
-    config = json.loads(cfg_path.read_text())
+    config = info.scheduler_config
     cls = getattr(diffusers, config.get("_class_name", ""), None)
     if cls is None or not isinstance(cls, type):
-        raise ValueError(f"{cfg_path}: unknown scheduler class {config.get('_class_name')!r}")
+        raise ValueError(f"{info.path / 'scheduler'}: unknown scheduler class {config.get('_class_name')!r}")
     return cls.from_config(config)
 
 
 def rollout_template_for(serving) -> FlowMatchEulerDiscreteScheduler:
     """First-order flow-match Euler with the serving scheduler's shift and training steps."""
-    cfg = serving.config
-    shift = cfg.get("flow_shift", None) or cfg.get("shift", 1.0)
     return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=cfg.num_train_timesteps,
-        shift=float(shift),
+        num_train_timesteps=serving.config.num_train_timesteps,
+        shift=flow_shift_of(serving.config),
     )
 
 
 def _static_shift(config) -> float | None:
-    if config.get("use_dynamic_shifting", False):
-        return None
-    return float(config.get("flow_shift", None) or config.get("shift", 1.0))
+    return None if config.get("use_dynamic_shifting", False) else flow_shift_of(config)
 
 
 def _unshift(sigmas: np.ndarray, shift: float) -> np.ndarray:
@@ -103,7 +97,9 @@ class ConventionError(RuntimeError):
     status = 500
 
 
-_convention_logged = False
+# Configurations whose convention check has been logged in this process (a fact per configuration,
+# not per request).
+_logged_conventions: set[tuple[str, int]] = set()
 
 
 def check_flow_match_convention(scheduler, atol: float = 1e-3) -> float:
@@ -113,7 +109,6 @@ def check_flow_match_convention(scheduler, atol: float = 1e-3) -> float:
     timesteps, so the two must describe the same points. Success is logged once
     per process (schedulers are per request; the fact is per configuration).
     """
-    global _convention_logged
     n_train = scheduler.config.num_train_timesteps
     ts = scheduler.timesteps.double().cpu()
     sig = scheduler.sigmas.double().cpu()
@@ -127,8 +122,8 @@ def check_flow_match_convention(scheduler, atol: float = 1e-3) -> float:
             f"{type(scheduler).__name__} breaks the flow-match convention timesteps == sigmas[:-1] * "
             f"{n_train}: max deviation {deviation:.4g} > {atol}"
         )
-    if not _convention_logged:
-        _convention_logged = True
+    if (type(scheduler).__name__, n_train) not in _logged_conventions:
+        _logged_conventions.add((type(scheduler).__name__, n_train))
         log.info(
             "rollout scheduler %s satisfies timesteps == sigmas[:-1] * %d (max deviation %.3g)",
             type(scheduler).__name__, n_train, deviation,

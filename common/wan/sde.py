@@ -49,7 +49,7 @@ from typing import Union
 
 import torch
 
-SDE_TYPES: tuple[str, ...] = ("sde", "cps", "ode")
+from common.protocol.messages import SDE_TYPES
 
 SigmaLike = Union[float, torch.Tensor]
 """A Python number, a 0-d tensor, or a 1-d tensor with one value per sample ([B] or [1])."""

@@ -1,0 +1,30 @@
+"""CPU only: how many intra-op threads a transformer forward gets."""
+
+from __future__ import annotations
+
+import torch
+
+from common.wan.policy import ModelInput
+
+# Multiply-accumulates (roughly samples x tokens x width^2) below which a forward runs on one thread.
+SMALL_FORWARD = 5e7
+
+
+def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: int) -> None:
+    """All of the worker's threads for forwards big enough to gain from them, one for small ones.
+
+    On a small forward, waking threads costs more than it saves: measured on
+    the tiny model, one thread halves the denoise CPU time per request, while
+    a compute-bound model needs every core for its latency.
+    """
+    if max_threads == 1:
+        return
+    cfg = model.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    p = cfg.patch_size
+    shape = inputs[0].latents.shape
+    tokens = (shape[2] // p[0]) * (shape[3] // p[1]) * (shape[4] // p[2]) + inputs[0].cond.shape[1]
+    samples = sum(2 if x.uncond is not None else 1 for x in inputs)
+    threads = max_threads if samples * tokens * width * width >= SMALL_FORWARD else 1
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)

@@ -1,0 +1,85 @@
+"""The package layout's rules: layers import downwards only, each worker directory and rl/ only what
+they may, wire tensor names spelled once (in the message contracts), product files of readable size."""
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each common/ layer may import itself and the layers listed.
+LAYERS = {
+    "protocol": {"protocol"},
+    "config": {"protocol", "config"},
+    "transport": {"protocol", "config", "transport"},
+    "wan": {"protocol", "wan"},
+    "runtime": {"protocol", "config", "transport", "wan", "runtime"},
+}
+# Top-level packages and what (besides common) each may import.
+PACKAGES = {
+    "encoder_worker": {"encoder_worker"},
+    "denoise_worker": {"denoise_worker"},
+    "decode_worker": {"decode_worker"},
+    "router": {"router"},
+    "rl": {"rl"},
+}
+OURS = {"common", "launch", *PACKAGES}
+MAX_PRODUCT_LINES = 400
+
+
+def _product_files() -> list[Path]:
+    files = subprocess.check_output(["git", "ls-files", "*.py"], cwd=ROOT, text=True).split()
+    return [ROOT / f for f in files if f.split("/")[0] not in ("tests", "bench", "examples")]
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names of this project's modules that ``path`` imports (absolute imports only)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module)
+    return {n for n in names if n.split(".")[0] in OURS}
+
+
+@pytest.mark.parametrize("path", _product_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_layers(path):
+    rel = path.relative_to(ROOT).parts
+    for name in _imports(path):
+        top, *rest = name.split(".")
+        if rel[0] == "common":
+            assert top == "common", f"{name}: common/ imports nothing above it"
+            if len(rel) > 2 and rest:
+                assert rest[0] in LAYERS[rel[1]], f"common/{rel[1]} may not import {name}"
+        elif rel[0] in PACKAGES:
+            assert top == "common" or top in PACKAGES[rel[0]], f"{rel[0]}/ may not import {name}"
+
+
+def test_common_has_only_its_layers():
+    assert {p.name for p in (ROOT / "common").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+    assert not [p for p in (ROOT / "common").glob("*.py") if p.name != "__init__.py"]
+
+
+@pytest.mark.parametrize("path", _product_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_product_files_stay_readable(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_PRODUCT_LINES, f"{lines} lines: split it where its jobs part"
+
+
+def test_wire_tensor_names_are_spelled_once():
+    """Stages use the names the message kinds declare (common/protocol/messages.py), never literals."""
+    from common.protocol.messages import NEGATIVE_PROMPT_EMBEDS, PROMPT_EMBEDS, ROLLOUT_OUTPUTS
+
+    wire_only = {PROMPT_EMBEDS.name, NEGATIVE_PROMPT_EMBEDS.name} | {f.name for f in ROLLOUT_OUTPUTS
+                                                                     if "." in f.name}
+    contracts = ROOT / "common" / "protocol" / "messages.py"
+    for path in _product_files():
+        if path == contracts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in wire_only and not node.value.startswith("trajectory."), \
+                    f"{path.relative_to(ROOT)}:{node.lineno}: spell {node.value!r} through its TensorField"
