@@ -29,8 +29,13 @@ MAX_PRODUCT_LINES = 400
 
 
 def _product_files() -> list[Path]:
-    files = subprocess.check_output(["git", "ls-files", "*.py"], cwd=ROOT, text=True).split()
-    return [ROOT / f for f in files if f.split("/")[0] not in ("tests", "bench", "examples")]
+    try:
+        files = subprocess.check_output(["git", "ls-files", "*.py"], cwd=ROOT, text=True,
+                                        stderr=subprocess.DEVNULL).split()
+    except (OSError, subprocess.CalledProcessError):  # an exported tree, not a checkout
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")]
+    tops = {"common", "launch.py", *PACKAGES}
+    return sorted(ROOT / f for f in files if f.split("/")[0] in tops)
 
 
 def _imports(path: Path) -> set[str]:
