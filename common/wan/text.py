@@ -12,7 +12,6 @@ from pathlib import Path
 
 import regex
 import torch
-from transformers import AutoTokenizer, UMT5EncoderModel
 
 from common.wan.model_info import MAX_SEQUENCE_LENGTH
 
@@ -50,12 +49,15 @@ def conditioning(prompt_embeds: torch.Tensor, negative_embeds: torch.Tensor | No
 class WanTextEncoder:
     """The tokenizer and UMT5 encoder of one Wan model directory."""
 
-    def __init__(self, tokenizer, model: UMT5EncoderModel):
+    def __init__(self, tokenizer, model):
         self.tokenizer = tokenizer
         self.model = model
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> "WanTextEncoder":
+        # Imported here: the denoise worker needs only the padding above, not transformers' models.
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
         path = Path(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         model = UMT5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype)
