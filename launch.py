@@ -5,48 +5,60 @@
 Each worker is its own OS process with an ``ipc://`` input socket in a private
 runtime directory; the router (HTTP front door) runs in this process. Ctrl-C
 or SIGTERM stops everything; a child that dies is reported.
+
+The HTTP port is bound first, so a taken one ends the launcher at once in one
+line; then it says which model it loads and how many workers it starts, and
+logs ``stopped: all workers exited`` once everything is down.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from common.config.engine import DTYPE_CHOICES, EngineConfig, Limits
 from common.runtime.supervisor import Supervisor
+from common.protocol.messages import ROLES
+from common.wan.tiny_model import CACHE_ENV as TINY_CACHE_ENV
+from common.wan.tiny_model import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
 from common.wan.tiny_model import SPECS, ensure_tiny_model
 from common.transport.security import provision_curve, remove_secrets
 from common.wan.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
 from common.config.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.app import create_app
+from router.dispatcher import Dispatcher
 from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
 
 ROOT = Path(__file__).resolve().parent
 log = logging.getLogger("disagg.launch")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    d = Limits()
-    p = argparse.ArgumentParser(description="Serve a Wan model as a disaggregated encoder/denoise/decode pipeline.")
+def _serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="diffusers Wan directory, or a built-in tiny model: " + ", ".join(SPECS))
     p.add_argument("--topology", default="encoder=1,denoise=1,decode=1", help="ROLE=N,... or a YAML/JSON file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--runtime-dir", default=None, help="where ipc sockets and the config go (default: a fresh temp dir)")
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=TRANSPORTS, default="ipc",
                    help="ipc: one host, sockets in the 0700 runtime dir; tcp: tcp://HOST:PORT links, CURVE on")
     p.add_argument("--no-curve", action="store_true",
@@ -57,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"key for weight updates (visible in ps: prefer ${ADMIN_KEY_ENV})")
     p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
                    help="weight updates may read only below DIR (repeatable); without one, updates are refused")
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    d = Limits()
     p.add_argument("--max-height", type=int, default=d.max_height)
     p.add_argument("--max-width", type=int, default=d.max_width)
     p.add_argument("--max-num-frames", type=int, default=d.max_num_frames)
@@ -69,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest ZeroMQ message part a socket accepts")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="requests per batched forward (denoise), text-encoder call and VAE call")
     p.add_argument("--prompt-cache-bytes", type=int, default=256 << 20,
@@ -83,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"sizes sent repeatedly (default {DEFAULT_SPARE_BYTES}; 0: none)")
     p.add_argument("--no-cuda-ipc", action="store_true",
                    help="stage CUDA tensors between GPU workers through host memory instead of CUDA IPC")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Serve a Wan model as a disaggregated encoder/denoise/decode pipeline.")
+    for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags):
+        add_flags(p)
     args = p.parse_args(argv)
     if args.shm_threshold is not None and args.shm_threshold < 0:
         p.error("--shm-threshold must be >= 0")
@@ -98,13 +123,44 @@ def resolve_model(name: str) -> Path:
 class EngineServer(uvicorn.Server):
     """uvicorn server that stops admission (503) the moment a shutdown signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, dispatcher):
+    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None]):
         super().__init__(config)
-        self.dispatcher = dispatcher
+        self.on_shutdown_signal = on_shutdown_signal
 
     def handle_exit(self, sig, frame) -> None:
-        self.dispatcher.draining = True
+        self.on_shutdown_signal()
         super().handle_exit(sig, frame)
+
+
+def bind_http(host: str, port: int) -> list[socket.socket]:
+    """The front door's sockets, bound now and later handed to uvicorn: a port that is taken
+    fails here, before any model is generated or worker started. Like asyncio's own
+    ``create_server``: one socket per address ``host`` resolves to."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def bind_http_or_exit(host: str, port: int) -> list[socket.socket]:
+    try:
+        return bind_http(host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            sys.exit(f"launch.py: error: port {port} on {host} is already in use; pick another with --port N")
+        sys.exit(f"launch.py: error: cannot listen on {host}:{port} ({e.strerror or e}); "
+                 "choose another --host or --port")
 
 
 def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvicorn.Server) -> None:
@@ -165,59 +221,100 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
     )
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
+def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
+    """The API/admin keys and the weight roots; a bad one ends the launcher with one line."""
     # Before any child starts: the key variables leave the environment the workers inherit.
     try:
         api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
-        weight_roots = resolve_weight_roots(args.weight_root)
+        return api_key, admin_key, resolve_weight_roots(args.weight_root)
     except ValueError as e:
         sys.exit(f"launch.py: error: {e}")
-    model = resolve_model(args.model)
-    own_runtime = args.runtime_dir is None
-    runtime = Path(args.runtime_dir or tempfile.mkdtemp(prefix="disagg-"))
+
+
+def _load_model(name: str) -> Path:
+    if name in SPECS:
+        cache = Path(os.environ.get(TINY_CACHE_ENV) or TINY_CACHE_DIR).expanduser()
+        log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache)
+    return resolve_model(name)
+
+
+def _private_runtime_dir(path: str | None) -> Path:
+    runtime = Path(path or tempfile.mkdtemp(prefix="disagg-"))
     runtime.mkdir(parents=True, exist_ok=True)
     os.chmod(runtime, 0o700)  # ipc sockets are files: keep other users out
+    return runtime
+
+
+def _warn_about_keys(args: argparse.Namespace, api_key: str | None) -> None:
     if args.api_key or args.admin_key:
         log.warning("a key given on the command line is visible to local users in ps; prefer $%s / $%s",
                     API_KEY_ENV, ADMIN_KEY_ENV)
     if api_key is None and args.host not in ("127.0.0.1", "localhost"):
         log.warning("HTTP on %s without an API key: anyone who reaches it can use the engine", args.host)
-    config = engine_config(args, model, runtime, weight_roots)
+
+
+def _secured(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
     if args.transport == "tcp" and not args.no_curve:
-        config = provision_curve(config)  # public keys into the config, secret keys into 0600 files
-    elif args.transport == "tcp":
+        return provision_curve(config)  # public keys into the config, secret keys into 0600 files
+    if args.transport == "tcp":
         log.warning("--no-curve: the tcp links are neither authenticated nor encrypted; loopback only")
-    shm_prefix = engine_prefix(config.runtime_dir)
-    remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
-    config_path = runtime / "engine.json"
-    config.save(config_path)
-    app = create_app(config, api_key=api_key, admin_key=admin_key)
-    dispatcher = app.state.dispatcher
+    return config
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, sockets: list[socket.socket],
+           api_key: str | None, admin_key: str | None) -> None:
+    """Start the workers and serve HTTP until a signal (or a failed start) stops the server."""
+    dispatcher = Dispatcher(config)
+    app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key)
     supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit)
     server = EngineServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                        timeout_graceful_shutdown=args.grace_period),
-        dispatcher,
+        on_shutdown_signal=dispatcher.admission.start_draining,
     )
     # uvicorn re-raises the signal that stopped it once it has shut down; with
     # these handlers in place that lands here instead of killing the process
     # before the workers are stopped below.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: server.handle_exit(signum, frame))
-    supervisor.start()
     url = f"http://{args.host}:{args.port}"
+    counts = ", ".join(f"{role}={len(config.of_role(role))}" for role in ROLES)
+    log.info("starting %d workers (%s); %s answers once each has loaded the model (--ready-timeout %.0fs)",
+             len(config.workers), counts, url, args.ready_timeout)
+    supervisor.start()
     threading.Thread(target=_wait_ready, args=(url, args.ready_timeout, supervisor, server), daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         supervisor.stop()
-        remove_secrets(config)
-        if remove_engine_segments(shm_prefix):  # messages that never reached their receiver
-            log.info("removed leftover shared-memory segments %s*", shm_prefix)
-        if own_runtime:
-            shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _clean_up(config: EngineConfig, shm_prefix: str, own_runtime: bool) -> None:
+    remove_secrets(config)
+    if remove_engine_segments(shm_prefix):  # messages that never reached their receiver
+        log.info("removed leftover shared-memory segments %s*", shm_prefix)
+    if own_runtime:
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
+    api_key, admin_key, weight_roots = _keys_and_roots(args)
+    sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
+    model = _load_model(args.model)
+    runtime = _private_runtime_dir(args.runtime_dir)
+    _warn_about_keys(args, api_key)
+    config = _secured(engine_config(args, model, runtime, weight_roots), args)
+    shm_prefix = engine_prefix(config.runtime_dir)
+    remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
+    config_path = runtime / "engine.json"
+    config.save(config_path)
+    try:
+        _serve(args, config, config_path, sockets, api_key, admin_key)
+    finally:
+        _clean_up(config, shm_prefix, own_runtime=args.runtime_dir is None)
+        log.info("stopped: all workers exited")
     return 0
 
 

@@ -8,12 +8,10 @@ limits that depend on the engine's flags and on the model are checked in
 from __future__ import annotations
 
 import math
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
-from common.protocol.messages import GenerationParams, RolloutParams
+from common.protocol.messages import EXPERT_NAMES, ExpertName, GenerationParams, OutputType, RolloutParams, SdeType
 
 MAX_SEED = 2**63 - 1
 
@@ -27,42 +25,61 @@ class FieldError(ValueError):
 
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"examples": [{"prompt": "a red fox running through snow", "seed": 0}]})
 
     prompt: str
     negative_prompt: str = ""
+    # Sizes, steps and guidance left out take the model's serving defaults.
     height: int | None = None
     width: int | None = None
-    num_frames: int | None = None
+    num_frames: int | None = Field(default=None, description="4k+1 frames")
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
+    guidance_scale_2: float | None = Field(default=None,
+                                           description="two-expert models: guidance of the low-noise expert")
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    n: int = Field(default=1, ge=1)
-    sigmas: list[float] | None = None
-    timesteps: list[float] | None = None
+    n: int = Field(default=1, ge=1, description="samples, with seeds seed, seed+1, ...")
+    sigmas: list[float] | None = Field(default=None, description="custom schedule in [0, 1]; replace num_inference_steps")
+    timesteps: list[float] | None = Field(default=None,
+                                          description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
     mu: float | None = None
-    output_type: Literal["frames", "latent"] = "frames"
-    timeout_s: float | None = Field(default=None, gt=0)
+    output_type: OutputType = "frames"
+    timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
 
 
 class RolloutBody(GenerateBody):
     """``/rollout/generate``: everything ``/generate`` takes plus the rollout settings."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "a red fox running through snow", "seed": 0, "sde_type": "sde", "noise_level": 0.7}]})
+
     rollout: bool = True
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
+    sde_type: SdeType = "sde"
     noise_level: float = Field(default=0.7, ge=0.0, le=10.0)
-    sde_step_indices: list[int] | None = None
+    sde_step_indices: list[int] | None = Field(default=None,
+                                               description="0-based steps that use the SDE (default: every step)")
     return_trajectory: bool = False
     return_log_probs: bool = True
-    output_type: Literal["frames", "latent"] = "latent"
+    output_type: OutputType = "latent"
 
 
 class UpdateWeightsBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"path": "/srv/weights/step-100", "module": "transformer"}]})
 
-    path: str = Field(min_length=1, max_length=4096)
-    module: Literal["transformer", "transformer_2"] = "transformer"
+    path: str = Field(min_length=1, max_length=4096, description="a checkpoint below one of the --weight-root dirs")
+    module: ExpertName = "transformer"
+
+
+def checked_module(module: str, has_transformer_2: bool) -> str:
+    """The expert a weight request names, if this model has it."""
+    if module == "transformer_2" and not has_transformer_2:
+        raise FieldError("module", "this model has no transformer_2")
+    if module not in EXPERT_NAMES:
+        names = " or ".join(f"'{m}'" for m in EXPERT_NAMES)
+        raise FieldError("module", f"must be {names}")
+    return module
 
 
 def _check_size(name: str, value: int, multiple: int, maximum: int) -> None:
@@ -79,67 +96,95 @@ def _check_schedule(name: str, values: list[float], lo: float, hi: float, max_le
         raise FieldError(name, f"values must be finite and within [{lo}, {hi}]")
 
 
-def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int = 1000) -> GenerationParams:
-    """Fill model defaults and enforce the engine's limits."""
-    h = body.height if body.height is not None else defaults["height"]
-    w = body.width if body.width is not None else defaults["width"]
-    f = body.num_frames if body.num_frames is not None else defaults["num_frames"]
-    steps = body.num_inference_steps if body.num_inference_steps is not None else defaults["num_inference_steps"]
-    g = body.guidance_scale if body.guidance_scale is not None else defaults["guidance_scale"]
-    if len(body.prompt) > limits.max_prompt_chars:
-        raise FieldError("prompt", f"longer than {limits.max_prompt_chars} characters")
-    if len(body.negative_prompt) > limits.max_prompt_chars:
-        raise FieldError("negative_prompt", f"longer than {limits.max_prompt_chars} characters")
-    _check_size("height", h, 16, limits.max_height)
-    _check_size("width", w, 16, limits.max_width)
+FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+
+
+def _filled(body: GenerateBody, defaults: dict) -> dict:
+    """The fields that fall back to the model's serving defaults, filled in."""
+    return {name: defaults[name] if getattr(body, name) is None else getattr(body, name) for name in FILLED}
+
+
+def _check_prompts(body: GenerateBody, limits: Limits) -> None:
+    for name in ("prompt", "negative_prompt"):
+        if len(getattr(body, name)) > limits.max_prompt_chars:
+            raise FieldError(name, f"longer than {limits.max_prompt_chars} characters")
+
+
+def _check_video(v: dict, limits: Limits) -> None:
+    _check_size("height", v["height"], 16, limits.max_height)
+    _check_size("width", v["width"], 16, limits.max_width)
+    f = v["num_frames"]
     if f < 1 or (f - 1) % 4:
         raise FieldError("num_frames", f"must be of the form 4k+1, got {f}")
     if f > limits.max_num_frames:
         raise FieldError("num_frames", f"must be at most {limits.max_num_frames}, got {f}")
+
+
+def _check_sampling(v: dict, body: GenerateBody, limits: Limits) -> None:
+    steps = v["num_inference_steps"]
     if not 1 <= steps <= limits.max_steps:
         raise FieldError("num_inference_steps", f"must be within 1..{limits.max_steps}, got {steps}")
-    for name, val in (("guidance_scale", g), ("guidance_scale_2", body.guidance_scale_2)):
+    for name, val in (("guidance_scale", v["guidance_scale"]), ("guidance_scale_2", body.guidance_scale_2)):
         if val is not None and not 0.0 <= val <= 100.0:
             raise FieldError(name, f"must be within [0, 100], got {val}")
     if body.n > limits.max_n:
         raise FieldError("n", f"must be within 1..{limits.max_n}, got {body.n}")
     if body.seed + body.n - 1 > MAX_SEED:
         raise FieldError("seed", "seed + n - 1 must fit in a signed 64-bit integer")
+
+
+def _schedule_steps(body: GenerateBody, steps: int, limits: Limits, n_train: int) -> int:
+    """The step count: a custom schedule's length, else ``steps``."""
     if body.sigmas is not None:
         _check_schedule("sigmas", body.sigmas, 0.0, 1.0, limits.max_steps)
-        steps = len(body.sigmas)
-    elif body.timesteps is not None:
+        return len(body.sigmas)
+    if body.timesteps is not None:
         _check_schedule("timesteps", body.timesteps, 0.0, float(n_train), limits.max_steps)
-        steps = len(body.timesteps)
+        return len(body.timesteps)
+    return steps
+
+
+def _check_timeout_and_mu(body: GenerateBody, limits: Limits) -> None:
     if body.timeout_s is not None and body.timeout_s > limits.request_timeout_s:
         raise FieldError("timeout_s", f"must be at most the engine's --request-timeout {limits.request_timeout_s}")
     if body.mu is not None and abs(body.mu) > 100:
         raise FieldError("mu", f"must be within [-100, 100], got {body.mu}")
-    rollout = None
-    if isinstance(body, RolloutBody):
-        idx = body.sde_step_indices
-        if idx is not None:
-            if len(idx) > steps or len(set(idx)) != len(idx):
-                raise FieldError("sde_step_indices", "must be distinct step indices")
-            if any(i < 0 or i >= steps for i in idx):
-                raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
-        rollout = RolloutParams(
-            sde_scheduler=body.rollout,
-            sde_type=body.sde_type,
-            noise_level=body.noise_level,
-            sde_step_indices=sorted(idx) if idx is not None else None,
-            return_trajectory=body.return_trajectory,
-            return_log_probs=body.return_log_probs,
-        )
+
+
+def _rollout_params(body: RolloutBody, steps: int) -> RolloutParams:
+    idx = body.sde_step_indices
+    if idx is not None:
+        if len(idx) > steps or len(set(idx)) != len(idx):
+            raise FieldError("sde_step_indices", "must be distinct step indices")
+        if any(i < 0 or i >= steps for i in idx):
+            raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
+    return RolloutParams(
+        sde_scheduler=body.rollout,
+        sde_type=body.sde_type,
+        noise_level=body.noise_level,
+        sde_step_indices=sorted(idx) if idx is not None else None,
+        return_trajectory=body.return_trajectory,
+        return_log_probs=body.return_log_probs,
+    )
+
+
+def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int = 1000) -> GenerationParams:
+    """Fill model defaults and enforce the engine's limits (checked in this order)."""
+    v = _filled(body, defaults)
+    _check_prompts(body, limits)
+    _check_video(v, limits)
+    _check_sampling(v, body, limits)
+    steps = _schedule_steps(body, v["num_inference_steps"], limits, n_train)
+    _check_timeout_and_mu(body, limits)
     return GenerationParams(
-        rollout=rollout,
+        rollout=_rollout_params(body, steps) if isinstance(body, RolloutBody) else None,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
-        height=h,
-        width=w,
-        num_frames=f,
+        height=v["height"],
+        width=v["width"],
+        num_frames=v["num_frames"],
         num_inference_steps=steps,
-        guidance_scale=float(g),
+        guidance_scale=float(v["guidance_scale"]),
         guidance_scale_2=body.guidance_scale_2,
         seed=body.seed,
         output_type=body.output_type,

@@ -200,6 +200,82 @@ def test_n_samples_get_their_own_seeds_and_request_ids(engine):
     assert len(body["request_id"]) == 32
 
 
+@pytest.mark.parametrize("method, path, status, type_, allow", [
+    ("GET", "/unknown", 404, "not_found", None),
+    ("POST", "/rollout/unknown", 404, "not_found", None),
+    ("GET", "/generate", 405, "method_not_allowed", "POST"),
+    ("PUT", "/update_weights_from_disk", 405, "method_not_allowed", "POST"),
+    ("POST", "/health", 405, "method_not_allowed", "GET"),
+])
+def test_unknown_paths_and_methods_answer_in_the_error_shape(engine, method, path, status, type_, allow):
+    r = engine.http.request(method, path)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.headers.get("allow") == allow
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"type", "message", "request_id", "stage"}
+    assert (err["type"], err["stage"], err["request_id"]) == (type_, "router", None)
+    assert path in err["message"]
+
+
+BODY_MODELS = {
+    "/generate": {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+                  "guidance_scale_2", "seed", "n", "sigmas", "timesteps", "mu", "output_type", "timeout_s"},
+    "/update_weights_from_disk": {"path", "module"},
+}
+BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
+    "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs"}
+
+
+@pytest.fixture(scope="module")
+def openapi(engine):
+    r = engine.http.get("/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+@pytest.mark.parametrize("path", sorted(BODY_MODELS))
+def test_openapi_declares_each_request_body(openapi, path):
+    op = openapi["paths"][path]["post"]
+    body = op["requestBody"]
+    assert body["required"] is True
+    assert set(body["content"]) == {"application/json", "application/msgpack"}
+    schema = body["content"]["application/json"]["schema"]
+    assert "$ref" not in json.dumps(schema)  # self-contained: "Try it out" needs no components
+    assert set(schema["properties"]) == BODY_MODELS[path]
+    assert schema.get("required", []) == (["path"] if path == "/update_weights_from_disk" else ["prompt"])
+    assert schema["additionalProperties"] is False
+    assert set(body["content"]["application/json"]["example"]) <= BODY_MODELS[path]
+    assert op["responses"]["200"]["description"]
+    assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+def test_openapi_documents_the_checksum_query_and_no_unused_422(openapi):
+    op = openapi["paths"]["/weights_checksum"]["get"]
+    (param,) = op["parameters"]
+    assert (param["name"], param["in"], param["schema"]["enum"]) == ("module", "query", ["transformer", "transformer_2"])
+    for path in openapi["paths"].values():
+        for operation in path.values():
+            assert "422" not in operation["responses"]  # the router answers 400, never FastAPI's 422
+
+
+@pytest.mark.parametrize("path", ["/generate", "/rollout/generate"])
+def test_the_documented_example_is_a_request_that_succeeds(engine, openapi, path):
+    example = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["example"]
+    r = engine.http.post(path, json=example)
+    assert r.status_code == 200, r.text
+    samples = r.json()["samples"]
+    assert len(samples) == 1 and samples[0]["seed"] == example.get("seed", 0)
+    assert ("log_probs" in samples[0]) == (path == "/rollout/generate")
+
+
+def test_docs_page_is_served(engine):
+    r = engine.http.get("/docs")
+    assert r.status_code == 200 and "/openapi.json" in r.text
+
+
 def test_shutdown_leaves_no_orphans(engine_factory):
     eng = engine_factory("tiny")
     pids = eng.worker_pids()
@@ -212,3 +288,4 @@ def test_shutdown_leaves_no_orphans(engine_factory):
     assert not [p for p in pids if pid_alive(p)], "worker processes outlived the engine"
     assert not pid_alive(launcher)
     assert eng.proc.returncode == 0
+    assert eng.log_text().rstrip().endswith("launch INFO stopped: all workers exited")

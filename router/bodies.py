@@ -1,0 +1,102 @@
+"""Request bodies in (size-limited JSON or msgpack) and response bodies out.
+
+Bodies are read by hand rather than by FastAPI's parameter binding so that a
+too large body is refused before it is parsed (413) and every bad field
+becomes the router's own 400 (see :mod:`router.http_errors`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from common.protocol.http_tensors import tensor_to_body
+from router.join import Outcome
+from router.schemas import FieldError
+
+MSGPACK = "application/msgpack"
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused before parsing once it is known (or seen) to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, limit: int) -> dict:
+    """The body as a dict: msgpack if its content-type says so, else JSON."""
+    raw = await read_limited(request, limit)
+    is_msgpack = MSGPACK in request.headers.get("content-type", "")
+    try:
+        data = msgpack.unpackb(raw, raw=False) if is_msgpack else json.loads(raw or b"null")
+    except Exception as e:
+        raise FieldError("body", f"not valid {'msgpack' if is_msgpack else 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise FieldError("body", "must be a JSON object")
+    return data
+
+
+def wants_msgpack(request: Request) -> bool:
+    return MSGPACK in request.headers.get("accept", "")
+
+
+def encode_response(payload: dict, request: Request) -> Response:
+    """JSON, or msgpack (tensors as raw bytes) when the client accepts it."""
+    if wants_msgpack(request):
+        return Response(msgpack.packb(payload, use_bin_type=True), media_type=MSGPACK)
+    return Response(json.dumps(payload), media_type="application/json")
+
+
+def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
+    """One sample of a ``/generate`` or ``/rollout/generate`` answer."""
+    t = o.tensors
+    body = {
+        "seed": seed,
+        "output": tensor_to_body(t["output"], binary),
+        "route": msgspec.structs.asdict(o.route),
+        "weight_version": o.info.get("weight_version"),
+    }
+    if "scheduler" in o.info:
+        body["scheduler"] = o.info["scheduler"]
+    if "batch" in o.info:
+        body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
+    if "log_probs" in t:
+        body["log_probs"] = tensor_to_body(t["log_probs"], binary)
+        body["log_prob_steps"] = tensor_to_body(t["log_prob_steps"], binary)
+    if "trajectory.latents" in t:
+        body["trajectory"] = {k: tensor_to_body(t[f"trajectory.{k}"], binary) for k in ("latents", "timesteps", "sigmas")}
+    return body
+
+
+def samples_payload(request_id: str, seeds: list[int], outcomes: list[Outcome], total_s: float,
+                    binary: bool) -> dict:
+    """The whole answer: every sample, the summed stage timings, and the one weight version."""
+    timings = {k: sum(o.timings.get(k, 0.0) for o in outcomes) for k in ("encode_s", "denoise_s", "decode_s")}
+    timings["total_s"] = total_s
+    samples = [sample_body(s, o, binary) for s, o in zip(seeds, outcomes)]
+    versions = {s["weight_version"] for s in samples}
+    return {
+        "request_id": request_id,
+        "samples": samples,
+        "timings": timings,
+        # One version when every sample ran on the same weights; null if an update landed in between.
+        "weight_version": versions.pop() if len(versions) == 1 else None,
+    }

@@ -1,0 +1,104 @@
+"""The table of requests waiting for their answer, and the join of answers onto them.
+
+The receive loop hands every Result, ErrorReply, ControlReply and Progress here;
+a lost worker fails exactly the requests still in (or queued for) it. No sockets here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.protocol.messages import ROLES, ControlReply, ErrorReply, Progress, Result, Route
+from router.errors import EngineError
+
+log = logging.getLogger("disagg.router")
+
+
+@dataclass
+class Pending:
+    future: asyncio.Future
+    route: Route | None
+    uses_decode: bool = True
+    done_stage: int = -1  # index in ROLES of the last stage that handed the request on
+    target: tuple[str, int] | None = None  # control requests: the one worker asked
+
+    def waits_on(self, role: str, index: int) -> bool:
+        """Whether this request is still in (or queued for) worker ``role``-``index``."""
+        if self.target is not None:
+            return self.target == (role, index)
+        if self.route is None or getattr(self.route, role) != index:
+            return False
+        if role == "decode" and not self.uses_decode:
+            return False
+        return self.done_stage < ROLES.index(role)
+
+    def where(self) -> str:
+        if self.target is not None:
+            return self.target[0]
+        return ROLES[min(self.done_stage + 1, len(ROLES) - 1)]
+
+
+@dataclass
+class Outcome:
+    tensors: dict[str, torch.Tensor]  # "output" plus any rollout tensors
+    timings: dict[str, float]
+    info: dict
+    route: Route | None
+
+
+class PendingTable:
+    def __init__(self):
+        self._by_id: dict[str, Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, request_id: str) -> Pending | None:
+        return self._by_id.get(request_id)
+
+    def add(self, request_id: str, pending: Pending) -> Pending:
+        self._by_id[request_id] = pending
+        return pending
+
+    def discard(self, request_id: str) -> None:
+        self._by_id.pop(request_id, None)
+
+    def progress(self, msg: Progress) -> None:
+        """A stage handed the request on: from now on it no longer dies with that stage."""
+        p = self._by_id.get(msg.request_id)
+        if p is not None and msg.stage in ROLES:
+            p.done_stage = max(p.done_stage, ROLES.index(msg.stage))
+
+    def resolve(self, msg: Result | ErrorReply | ControlReply, tensors: dict[str, torch.Tensor]) -> bool:
+        """Settle the request ``msg`` answers; False (and dropped) if it is unknown or already settled."""
+        p = self._by_id.get(msg.request_id)
+        if p is None or p.future.done():
+            log.warning("answer for unknown or finished request %s dropped", msg.request_id)
+            return False
+        if isinstance(msg, ErrorReply):
+            p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
+        elif isinstance(msg, ControlReply):
+            p.future.set_result(msg)
+        elif "output" not in tensors:
+            p.future.set_exception(EngineError(502, "bad_result", "result without output", msg.stage, msg.request_id))
+        else:
+            p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route))
+        return True
+
+    def fail_waiting_on(self, role: str, index: int, reason: str) -> int:
+        """Fail (503 ``worker_lost``) every unsettled request still in that worker; how many."""
+        failed = 0
+        for rid, p in list(self._by_id.items()):
+            if p.waits_on(role, index) and not p.future.done():
+                p.future.set_exception(EngineError(503, "worker_lost", f"{role} worker {index} {reason}", role, rid))
+                failed += 1
+        return failed
+
+    def fail_all(self, error: EngineError) -> None:
+        for p in self._by_id.values():
+            if not p.future.done():
+                p.future.set_exception(error)

@@ -1,0 +1,72 @@
+"""launch.py's front door: a port it cannot bind fails at once in one clear line; a stop is logged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from common.runtime.engine_process import EngineProcess
+from conftest import ROOT, pid_alive
+
+
+def _launch(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    return r, time.monotonic() - t0
+
+
+def _fails_before_loading_anything(r: subprocess.CompletedProcess, elapsed: float, runtime, message: str) -> None:
+    assert r.returncode != 0
+    assert r.stderr.splitlines() == [message]  # no traceback, no "loading model" or "starting N workers" line
+    assert r.stdout == ""
+    assert not runtime.exists()  # no config written: no worker could have started
+    # Exiting costs no more than starting Python and importing torch (about 2 s on an idle machine; a
+    # busy one is slower); an engine that loaded first took ~18 s before the port error.
+    _, startup = _launch("--help")
+    assert elapsed < max(5.0, startup + 2.0), (elapsed, startup)
+
+
+def test_a_taken_port_fails_at_once_naming_the_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r, elapsed = _launch("--port", str(port), "--runtime-dir", str(tmp_path / "rt"))
+    _fails_before_loading_anything(
+        r, elapsed, tmp_path / "rt",
+        f"launch.py: error: port {port} on 127.0.0.1 is already in use; pick another with --port N")
+
+
+def test_an_address_of_another_host_fails_at_once(tmp_path):
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails with EADDRNOTAVAIL.
+    r, elapsed = _launch("--host", "192.0.2.1", "--port", "8000", "--runtime-dir", str(tmp_path / "rt"))
+    _fails_before_loading_anything(
+        r, elapsed, tmp_path / "rt",
+        "launch.py: error: cannot listen on 192.0.2.1:8000 (Cannot assign requested address); "
+        "choose another --host or --port")
+
+
+def test_start_is_announced_and_ctrl_c_stop_is_logged(tmp_path):
+    eng = EngineProcess("tiny", workdir=tmp_path)
+    try:
+        pids = eng.worker_pids()
+        os.killpg(eng.proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the launcher and every worker
+        assert eng.proc.wait(timeout=60) == 0
+    finally:
+        eng.stop()
+    lines = eng.log_text().splitlines()
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    assert "launch INFO loading model tiny (built in; the first run generates it into" in lines[first("loading model")]
+    starting = first("launch INFO starting 3 workers (encoder=1, denoise=1, decode=1); "
+                     f"http://127.0.0.1:{eng.port} answers once each has loaded the model")
+    assert first("loading model") < starting < first("ready on")  # said before the (possibly long) loading
+    assert lines[-1].endswith("launch INFO stopped: all workers exited")
+    assert not [p for p in pids if pid_alive(p)]

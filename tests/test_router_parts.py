@@ -1,0 +1,469 @@
+"""The router's socket-free pieces, one by one: registry, admission, the join of answers, control
+fan-out, request checks, and the HTTP error shape. No engine, no ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from common.config.engine import Limits, WorkerSpec
+from common.protocol.messages import (
+    PROTOCOL_VERSION, ControlReply, ErrorReply, Heartbeat, Progress, Result, Route,
+)
+from router.admission import Admission
+from router.control import WeightControl, control_failure, fan_out
+from router.errors import EngineError
+from router.http_errors import install_error_handlers
+from router.join import Pending, PendingTable
+from router.openapi import inline_refs
+from router.registry import WorkerRegistry
+from router.schemas import FieldError, GenerateBody, RolloutBody, to_params
+
+from conftest import ROOT
+
+TIMEOUT = 10.0
+SPECS = [WorkerSpec("encoder", 0), WorkerSpec("denoise", 0), WorkerSpec("denoise", 1), WorkerSpec("decode", 0)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def heartbeat(role: str, index: int, pid: int, state: str = "ready") -> Heartbeat:
+    return Heartbeat(v=PROTOCOL_VERSION, request_id="", role=role, index=index, pid=pid, device="cpu",
+                     endpoint=f"ipc:///x/{role}-{index}.sock", socket_type="PULL", state=state)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def registry(clock):
+    reg = WorkerRegistry(SPECS, TIMEOUT, clock=clock)
+    for pid, spec in enumerate(SPECS, start=10):
+        reg.heartbeat(heartbeat(spec.role, spec.index, pid))
+    return reg
+
+
+# --- registry -----------------------------------------------------------------
+
+def test_pick_prefers_the_least_outstanding_instance(registry):
+    registry.workers[("denoise", 0)].outstanding = 2
+    registry.workers[("denoise", 1)].outstanding = 1
+    assert {registry.pick("denoise").spec.index for _ in range(4)} == {1}
+
+
+def test_pick_breaks_ties_round_robin(registry):
+    assert [registry.pick("denoise").spec.index for _ in range(4)] in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_reserve_counts_outstanding_until_released(registry):
+    chosen = registry.reserve()
+    assert {role: w.spec.index for role, w in chosen.items()}.keys() == {"encoder", "denoise", "decode"}
+    assert all(w.outstanding == 1 for w in chosen.values())
+    second = registry.reserve()
+    assert second["denoise"] is not chosen["denoise"]  # the next request goes to the idle instance
+    registry.release(chosen)
+    assert (chosen["denoise"].outstanding, second["denoise"].outstanding, second["encoder"].outstanding) == (0, 1, 1)
+    registry.release(second)
+    assert all(w.outstanding == 0 for w in registry.workers.values())
+
+
+def test_pick_skips_unready_workers_and_fails_without_any(registry, clock):
+    registry.heartbeat(heartbeat("denoise", 0, 11, state="loading"))
+    assert {registry.pick("denoise").spec.index for _ in range(3)} == {1}
+    registry.lost("denoise", 1)
+    with pytest.raises(EngineError) as e:
+        registry.pick("denoise")
+    assert (e.value.status, e.value.type, e.value.stage) == (503, "unavailable", "denoise")
+    clock.now += TIMEOUT  # a quiet worker is not picked either
+    with pytest.raises(EngineError):
+        registry.pick("encoder")
+
+
+def test_lost_worker_ignores_its_dead_pid_and_comes_back_with_a_new_one(registry):
+    assert registry.lost("denoise", 0) is True
+    assert registry.lost("denoise", 7) is False  # not in the topology
+    w = registry.workers[("denoise", 0)]
+    assert w.state == "dead" and 11 in w.dead_pids
+    assert registry.heartbeat(heartbeat("denoise", 0, 11)) is None  # sent before it died
+    assert w.state == "dead"
+    assert registry.heartbeat(heartbeat("denoise", 0, 99)) is None  # the restarted process
+    assert (w.state, w.pid) == ("ready", 99)
+
+
+def test_a_new_pid_on_a_live_worker_reports_the_old_one_lost(registry):
+    assert registry.heartbeat(heartbeat("denoise", 1, 12)) is None  # same process: nothing lost
+    assert registry.heartbeat(heartbeat("denoise", 1, 50)) == "replaced by pid 50"
+    w = registry.workers[("denoise", 1)]
+    assert (w.state, w.pid) == ("ready", 50) and 12 in w.dead_pids
+
+
+def test_heartbeat_from_an_unknown_worker_is_ignored(registry):
+    assert registry.heartbeat(heartbeat("denoise", 5, 77)) is None
+    assert ("denoise", 5) not in registry.workers
+
+
+def test_expired_lists_workers_that_went_quiet(clock):
+    reg = WorkerRegistry(SPECS, TIMEOUT, clock=clock)  # every worker still starting: none can expire
+    assert reg.expired(clock.now + 1000) == []
+    reg.heartbeat(heartbeat("encoder", 0, 10))
+    reg.heartbeat(heartbeat("denoise", 0, 11))
+    assert reg.expired(clock.now + TIMEOUT - 0.1) == []
+    assert reg.expired(clock.now + TIMEOUT) == [("encoder", 0), ("denoise", 0)]
+    reg.lost("encoder", 0)  # already handled: not reported again
+    assert reg.expired(clock.now + TIMEOUT) == [("denoise", 0)]
+
+
+def test_health_rows_in_pipeline_order_with_derived_states(clock):
+    reg = WorkerRegistry(list(reversed(SPECS)), TIMEOUT, clock=clock)
+    reg.heartbeat(heartbeat("encoder", 0, 10))
+    reg.heartbeat(heartbeat("denoise", 0, 11))
+    reg.heartbeat(heartbeat("decode", 0, 13))
+    reg.lost("decode", 0)
+    clock.now += 4
+    reg.heartbeat(heartbeat("denoise", 0, 11))
+    clock.now += TIMEOUT - 1
+    ok, rows = reg.health()
+    assert not ok
+    assert [(r["role"], r["index"], r["state"]) for r in rows] == [
+        ("encoder", 0, "lost"), ("denoise", 0, "ready"), ("denoise", 1, "starting"), ("decode", 0, "dead")]
+    assert rows[0]["seconds_since_heartbeat"] == TIMEOUT + 3 and rows[2]["seconds_since_heartbeat"] is None
+    assert rows[1]["pid"] == 11 and rows[1]["socket_type"] == "PULL"
+
+
+def test_health_is_ok_when_every_worker_is_ready(registry):
+    ok, rows = registry.health()
+    assert ok and len(rows) == len(SPECS)
+
+
+# --- admission -----------------------------------------------------------------
+
+def test_admission_bounds_requests_in_flight():
+    a = Admission(max_pending=3)
+    a.check(in_flight=1, count=2)
+    with pytest.raises(EngineError) as e:
+        a.check(in_flight=2, count=2)
+    assert (e.value.status, e.value.type, e.value.headers) == (429, "overloaded", {"Retry-After": "1"})
+    assert "2 requests in flight (limit 3)" in e.value.message
+
+
+def test_draining_refuses_everything_with_503():
+    a = Admission(max_pending=3)
+    a.start_draining()
+    with pytest.raises(EngineError) as e:
+        a.check(in_flight=0, count=1)
+    assert (e.value.status, e.value.type, e.value.stage) == (503, "shutting_down", "router")
+
+
+# --- join ----------------------------------------------------------------------
+
+ROUTE0 = Route(encoder=0, denoise=0, decode=0)
+
+
+def _result(rid: str) -> Result:
+    return Result(v=PROTOCOL_VERSION, request_id=rid, stage="decode", timings={"decode_s": 0.5},
+                  info={"weight_version": 3})
+
+
+def _error_of(fut: asyncio.Future) -> EngineError:
+    assert fut.done()
+    e = fut.exception()
+    assert isinstance(e, EngineError)
+    return e
+
+
+def _table(**pendings: Pending) -> PendingTable:
+    table = PendingTable()
+    for rid, p in pendings.items():
+        table.add(rid, p)
+    return table
+
+
+def test_resolve_joins_a_result_and_drops_a_second_answer():
+    async def body():
+        loop = asyncio.get_running_loop()
+        table = _table(a=Pending(loop.create_future(), ROUTE0))
+        out = torch.zeros(2)
+        assert table.resolve(_result("a"), {"output": out}) is True
+        err = ErrorReply(v=PROTOCOL_VERSION, request_id="a", stage="decode", type="X", message="late")
+        assert table.resolve(err, {}) is False  # already settled: dropped
+        assert table.resolve(_result("nobody"), {"output": out}) is False
+        outcome = table.get("a").future.result()
+        assert outcome.tensors["output"] is out and outcome.route == ROUTE0
+        assert outcome.timings == {"decode_s": 0.5} and outcome.info == {"weight_version": 3}
+
+    asyncio.run(body())
+
+
+def test_resolve_turns_errors_and_empty_results_into_engine_errors():
+    async def body():
+        loop = asyncio.get_running_loop()
+        table = _table(a=Pending(loop.create_future(), ROUTE0), b=Pending(loop.create_future(), ROUTE0),
+                       c=Pending(loop.create_future(), None, target=("denoise", 0)))
+        table.resolve(ErrorReply(v=PROTOCOL_VERSION, request_id="a", stage="denoise", type="RuntimeError",
+                                 message="boom", status=500), {})
+        table.resolve(_result("b"), {})
+        reply = ControlReply(v=PROTOCOL_VERSION, request_id="c", role="denoise", index=0, data={"sha256": "x"})
+        table.resolve(reply, {})
+        e = _error_of(table.get("a").future)
+        assert (e.status, e.type, e.message, e.stage, e.request_id) == (500, "RuntimeError", "boom", "denoise", "a")
+        assert (_error_of(table.get("b").future).status, _error_of(table.get("b").future).type) == (502, "bad_result")
+        assert table.get("c").future.result() is reply
+
+    asyncio.run(body())
+
+
+def test_a_lost_worker_fails_only_the_requests_still_in_it():
+    async def body():
+        loop = asyncio.get_running_loop()
+        table = _table(
+            queued=Pending(loop.create_future(), ROUTE0),  # not yet past the encoder
+            in_denoise=Pending(loop.create_future(), ROUTE0),
+            past_denoise=Pending(loop.create_future(), ROUTE0),
+            other_route=Pending(loop.create_future(), Route(encoder=0, denoise=1, decode=0)),
+            latent=Pending(loop.create_future(), ROUTE0, uses_decode=False),
+            control=Pending(loop.create_future(), None, target=("denoise", 0)),
+        )
+
+        def progress(rid, stage):
+            table.progress(Progress(v=PROTOCOL_VERSION, request_id=rid, stage=stage))
+
+        progress("in_denoise", "encoder")
+        progress("past_denoise", "encoder")
+        progress("past_denoise", "denoise")
+        progress("latent", "encoder")
+        progress("nobody", "denoise")  # unknown request: ignored
+        progress("past_denoise", "bogus")  # unknown stage: ignored
+        assert table.fail_waiting_on("denoise", 0, "exited with code -9") == 4
+        for rid in ("queued", "in_denoise", "latent", "control"):
+            e = _error_of(table.get(rid).future)
+            assert (e.status, e.type, e.stage, e.request_id) == (503, "worker_lost", "denoise", rid)
+            assert e.message == "denoise worker 0 exited with code -9"
+        assert not table.get("past_denoise").future.done() and not table.get("other_route").future.done()
+        # decode 0 is where past_denoise is now and other_route will go; the latent request never goes there.
+        assert table.fail_waiting_on("decode", 0, "gone") == 2
+        assert _error_of(table.get("past_denoise").future).stage == "decode"
+        assert _error_of(table.get("other_route").future).stage == "decode"
+        assert table.fail_waiting_on("denoise", 0, "again") == 0  # settled requests are not failed twice
+
+    asyncio.run(body())
+
+
+def test_pending_where_names_the_stage_a_request_is_in():
+    p = Pending(None, ROUTE0)
+    assert p.where() == "encoder"
+    p.done_stage = 1
+    assert p.where() == "decode"
+    p.done_stage = 2
+    assert p.where() == "decode"
+    assert Pending(None, None, target=("denoise", 1)).where() == "denoise"
+
+
+def test_fail_all_settles_every_open_request():
+    async def body():
+        loop = asyncio.get_running_loop()
+        table = _table(a=Pending(loop.create_future(), ROUTE0), b=Pending(loop.create_future(), ROUTE0))
+        table.resolve(_result("a"), {"output": torch.zeros(1)})
+        stop = EngineError(503, "shutting_down", "engine is shutting down", "router", "")
+        table.fail_all(stop)
+        assert table.get("a").future.result().info == {"weight_version": 3}
+        assert table.get("b").future.exception() is stop
+        table.discard("a")
+        table.discard("a")
+        assert len(table) == 1
+
+    asyncio.run(body())
+
+
+# --- control -------------------------------------------------------------------
+
+def _reply(index: int, **data) -> ControlReply:
+    return ControlReply(v=PROTOCOL_VERSION, request_id=f"r{index}", role="denoise", index=index, data=data)
+
+
+def test_control_failure_is_none_when_every_worker_answered():
+    assert control_failure([_reply(0), _reply(1)], "denoise") is None
+
+
+def test_control_failure_passes_on_a_refusal_every_worker_shares():
+    refusal = [EngineError(400, "invalid_path", "outside the roots", "denoise", f"ctl-{i}") for i in range(2)]
+    e = control_failure(refusal, "denoise")
+    assert (e.status, e.type, e.message, e.stage, e.request_id) == (400, "invalid_path", "outside the roots",
+                                                                    "denoise", "")
+
+
+@pytest.mark.parametrize("replies", [
+    [_reply(0), EngineError(500, "RuntimeError", "boom", "denoise", "ctl-1")],
+    [EngineError(400, "invalid_path", "no", "denoise", "x"), EngineError(504, "timeout", "no answer", "denoise", "y")],
+    [_reply(0), EngineError(400, "invalid_path", "no", "denoise", "x")],  # some loaded, some refused
+], ids=["one-crashed", "refused-and-timed-out", "partly-refused"])
+def test_control_failure_reports_workers_that_may_now_disagree(replies):
+    e = control_failure(replies, "denoise")
+    n_failed = sum(isinstance(r, EngineError) for r in replies)
+    assert (e.status, e.type, e.stage, e.request_id) == (500, "inconsistent_workers", "denoise", "")
+    assert e.message.startswith(f"{n_failed}/{len(replies)} workers failed: denoise: ")
+
+
+def test_fan_out_asks_every_worker_and_keeps_their_order():
+    async def body():
+        table, sent = PendingTable(), []
+
+        async def send(w, msg):  # worker 0 answers, worker 1 fails, worker 2 never answers
+            sent.append((w.index, msg.op, msg.module, msg.path))
+            if w.index == 0:
+                table.resolve(ControlReply(v=PROTOCOL_VERSION, request_id=msg.request_id, role="denoise", index=0,
+                                           data={"sha256": "aa"}), {})
+            elif w.index == 1:
+                table.resolve(ErrorReply(v=PROTOCOL_VERSION, request_id=msg.request_id, stage="denoise",
+                                         type="FileNotFoundError", message="gone", status=400), {})
+
+        workers = [WorkerSpec("denoise", i) for i in range(3)]
+        replies = await fan_out(workers, "update_weights", {"module": "transformer", "path": "/w"}, table, send,
+                                timeout_s=0.2)
+        assert sent == [(i, "update_weights", "transformer", "/w") for i in range(3)]
+        assert isinstance(replies[0], ControlReply) and replies[0].data == {"sha256": "aa"}
+        assert (replies[1].status, replies[1].type) == (400, "FileNotFoundError")
+        assert (replies[2].status, replies[2].type, replies[2].stage) == (504, "timeout", "denoise")
+        assert len(table) == 0  # nothing left behind
+
+    asyncio.run(body())
+
+
+def test_weight_control_counts_versions_only_when_every_worker_loaded():
+    async def body():
+        calls, answers = [], []
+
+        async def control(role, op, **fields):
+            calls.append((role, op, fields))
+            return answers.pop(0)
+
+        weights = WeightControl(control)
+        answers.append([_reply(0, sha256="aa"), _reply(1, sha256="aa")])
+        done = await weights.update("transformer", "/w/1")
+        assert (done["weight_version"], done["sha256"], weights.version) == (1, "aa", 1)
+        assert calls[0] == ("denoise", "update_weights", {"module": "transformer", "path": "/w/1", "version": 1})
+        answers.append([_reply(0, sha256="bb"), EngineError(500, "RuntimeError", "boom", "denoise", "x")])
+        with pytest.raises(EngineError) as e:
+            await weights.update("transformer", "/w/2")
+        assert e.value.type == "inconsistent_workers" and weights.version == 1
+        answers.append([_reply(0, sha256="aa", weight_version=1), _reply(1, sha256="bb", weight_version=1)])
+        summary = await weights.checksum("transformer")
+        assert summary["consistent"] is False and summary["sha256"] is None and summary["weight_version"] is None
+        answers.append([_reply(0, sha256="aa", weight_version=1), _reply(1, sha256="aa", weight_version=1)])
+        summary = await weights.checksum("transformer")
+        assert (summary["consistent"], summary["sha256"], summary["weight_version"]) == (True, "aa", 1)
+        assert [w["index"] for w in summary["workers"]] == [0, 1]
+
+    asyncio.run(body())
+
+
+# --- request checks --------------------------------------------------------------
+
+DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 4, "guidance_scale": 5.0}
+
+
+def test_to_params_fills_the_model_defaults():
+    p = to_params(GenerateBody(prompt="a fox", height=64), DEFAULTS, Limits())
+    assert (p.height, p.width, p.num_frames, p.num_inference_steps, p.guidance_scale) == (64, 48, 5, 4, 5.0)
+    assert p.rollout is None
+
+
+def test_a_custom_schedule_sets_the_step_count_the_rollout_indices_are_checked_against():
+    body = RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[1, 0])
+    p = to_params(body, DEFAULTS, Limits())
+    assert p.num_inference_steps == 2 and p.rollout.sde_step_indices == [0, 1]
+    with pytest.raises(FieldError) as e:
+        to_params(RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[2]), DEFAULTS, Limits())
+    assert e.value.field == "sde_step_indices"
+    with pytest.raises(FieldError) as e:
+        to_params(GenerateBody(prompt="a fox", timesteps=[900.0, 500.0]), DEFAULTS, Limits(), n_train=800)
+    assert e.value.field == "timesteps"
+
+
+def test_checks_report_the_first_bad_field_in_a_fixed_order():
+    body = GenerateBody(prompt="x" * 10, height=40, num_frames=6, n=99)
+    with pytest.raises(FieldError) as e:
+        to_params(body, DEFAULTS, Limits(max_prompt_chars=5))
+    assert e.value.field == "prompt"
+    with pytest.raises(FieldError) as e:
+        to_params(body, DEFAULTS, Limits())
+    assert e.value.field == "height"
+    with pytest.raises(FieldError) as e:
+        to_params(GenerateBody(prompt="a", num_frames=6, n=99), DEFAULTS, Limits())
+    assert e.value.field == "num_frames"
+    with pytest.raises(FieldError) as e:
+        to_params(GenerateBody(prompt="a", n=99), DEFAULTS, Limits())
+    assert e.value.field == "n"
+
+
+# --- HTTP errors and OpenAPI helpers ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_app():
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/items")
+    async def items(limit: int):
+        return {"limit": limit}
+
+    return TestClient(app)
+
+
+def _assert_error(r, status: int, type_: str, field=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(r.json()) == {"error"}
+    assert (err["type"], err["stage"], err["request_id"]) == (type_, "router", None)
+    assert isinstance(err["message"], str) and err["message"]
+    assert err.get("field") == field
+    return err
+
+
+def test_unknown_path_and_wrong_method_use_the_error_shape(tiny_app):
+    err = _assert_error(tiny_app.get("/nothing/here"), 404, "not_found")
+    assert "/nothing/here" in err["message"]
+    r = tiny_app.delete("/items")
+    err = _assert_error(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "GET" and "DELETE" in err["message"]
+
+
+def test_parameter_validation_is_a_400_naming_the_field(tiny_app):
+    err = _assert_error(tiny_app.get("/items", params={"limit": "many"}), 400, "invalid_request", field="limit")
+    assert err["message"].startswith("limit: ")
+    _assert_error(tiny_app.get("/items"), 400, "invalid_request", field="limit")
+
+
+def test_inline_refs_resolves_nested_models():
+    class Inner(BaseModel):
+        x: int
+
+    class Outer(BaseModel):
+        inner: Inner
+        many: list[Inner] = []
+
+    schema = inline_refs(Outer.model_json_schema())
+    assert "$defs" not in schema and "$ref" not in str(schema)
+    assert schema["properties"]["inner"]["properties"]["x"]["type"] == "integer"
+    assert schema["properties"]["many"]["items"]["properties"]["x"]["type"] == "integer"
+
+
+def test_the_pieces_need_no_zeromq():
+    code = ("import sys; import router.registry, router.admission, router.join, router.control, router.errors; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'zmq'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
