@@ -15,6 +15,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.protocol.http_tensors import tensor_to_body
+from common.protocol.messages import (
+    LOG_PROB_STEPS, LOG_PROBS, OUTPUT, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
+)
 from router.join import Outcome
 from router.schemas import FieldError
 
@@ -65,12 +68,16 @@ def encode_response(payload: dict, request: Request) -> Response:
     return Response(json.dumps(payload), media_type="application/json")
 
 
+# The response's ``trajectory`` object: its keys and the wire tensors they come from.
+TRAJECTORY_BODY = {"latents": TRAJECTORY_LATENTS, "timesteps": TRAJECTORY_TIMESTEPS, "sigmas": TRAJECTORY_SIGMAS}
+
+
 def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
     """One sample of a ``/generate`` or ``/rollout/generate`` answer."""
     t = o.tensors
     body = {
         "seed": seed,
-        "output": tensor_to_body(t["output"], binary),
+        "output": tensor_to_body(t[OUTPUT.name], binary),
         "route": msgspec.structs.asdict(o.route),
         "weight_version": o.info.get("weight_version"),
     }
@@ -78,11 +85,11 @@ def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
         body["scheduler"] = o.info["scheduler"]
     if "batch" in o.info:
         body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
-    if "log_probs" in t:
-        body["log_probs"] = tensor_to_body(t["log_probs"], binary)
-        body["log_prob_steps"] = tensor_to_body(t["log_prob_steps"], binary)
-    if "trajectory.latents" in t:
-        body["trajectory"] = {k: tensor_to_body(t[f"trajectory.{k}"], binary) for k in ("latents", "timesteps", "sigmas")}
+    if LOG_PROBS.name in t:
+        body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
+        body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
+    if TRAJECTORY_LATENTS.name in t:
+        body["trajectory"] = {key: tensor_to_body(t[f.name], binary) for key, f in TRAJECTORY_BODY.items()}
     return body
 
 

@@ -148,6 +148,8 @@ class Dispatcher:
                 msg, tensors = decode(frames, shm=self.shm.receiver)
             except WireError as e:
                 log.warning("dropped bad message at router: %s", e)
+                if e.request_id:
+                    self.pending.reject(e.request_id, str(e))
                 continue
             self._dispatch(msg, tensors)
 

@@ -44,7 +44,7 @@ class Pending:
 
 @dataclass
 class Outcome:
-    tensors: dict[str, torch.Tensor]  # "output" plus any rollout tensors
+    tensors: dict[str, torch.Tensor]  # as Result.carries declares: the output plus any rollout tensors
     timings: dict[str, float]
     info: dict
     route: Route | None
@@ -83,10 +83,17 @@ class PendingTable:
             p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
         elif isinstance(msg, ControlReply):
             p.future.set_result(msg)
-        elif "output" not in tensors:
-            p.future.set_exception(EngineError(502, "bad_result", "result without output", msg.stage, msg.request_id))
-        else:
+        else:  # the codec checked the Result's tensors against its contract (OUTPUT is required)
             p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route))
+        return True
+
+    def reject(self, request_id: str, reason: str) -> bool:
+        """An answer for this request arrived malformed (the codec refused it): fail it with 502 at once
+        rather than let it wait for its deadline. False if the request is unknown or already settled."""
+        p = self._by_id.get(request_id)
+        if p is None or p.future.done():
+            return False
+        p.future.set_exception(EngineError(502, "bad_result", f"malformed answer: {reason}", p.where(), request_id))
         return True
 
     def fail_waiting_on(self, role: str, index: int, reason: str) -> int:

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from common.config.engine import Limits, WorkerSpec
+from common.protocol.codec import WireError, decode, encode
 from common.protocol.messages import (
     PROTOCOL_VERSION, ControlReply, ErrorReply, Heartbeat, Progress, Result, Route,
 )
@@ -210,13 +211,18 @@ def test_resolve_joins_a_result_and_drops_a_second_answer():
 
 
 def test_resolve_turns_errors_and_empty_results_into_engine_errors():
+    """An ErrorReply becomes its EngineError; a Result without output is refused by the codec (Result's
+    contract), and the router's receive loop rejects the request it names with 502 at once."""
     async def body():
         loop = asyncio.get_running_loop()
         table = _table(a=Pending(loop.create_future(), ROUTE0), b=Pending(loop.create_future(), ROUTE0),
                        c=Pending(loop.create_future(), None, target=("denoise", 0)))
         table.resolve(ErrorReply(v=PROTOCOL_VERSION, request_id="a", stage="denoise", type="RuntimeError",
                                  message="boom", status=500), {})
-        table.resolve(_result("b"), {})
+        with pytest.raises(WireError) as refused:
+            decode(encode(_result("b"), {}))
+        assert refused.value.request_id == "b" and table.reject("b", str(refused.value)) is True
+        assert table.reject("b", "again") is False and table.reject("nobody", "x") is False
         reply = ControlReply(v=PROTOCOL_VERSION, request_id="c", role="denoise", index=0, data={"sha256": "x"})
         table.resolve(reply, {})
         e = _error_of(table.get("a").future)
