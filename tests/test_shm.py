@@ -32,7 +32,8 @@ from common.transport.shm import (
     remove_engine_segments,
 )
 from common.transport.shm_segments import SparePool
-from common.protocol.codec import DTYPES, WireError, decode, encode
+# decode_frames: the data plane alone, without the message kinds' tensor contracts (tensors named freely)
+from common.protocol.codec import DTYPES, WireError, decode_frames, encode
 from router.client import EngineClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ from pathlib import Path
 import zmq
 from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, Result
 from common.transport.shm import ShmReceiver, ShmSender
-from common.protocol.codec import WireError, decode, encode
+from common.protocol.codec import WireError, decode_frames, encode
 
 work, prefix = sys.argv[1], sys.argv[2]
 rx, tx = ShmReceiver(prefix, "echo"), ShmSender(prefix, "parent", 1)
@@ -114,7 +115,7 @@ def mapping(ptr):
 while True:
     frames = pull.recv_multipart(copy=False)
     try:
-        msg, tensors = decode(frames, shm=rx)
+        msg, tensors = decode_frames(frames, shm=rx)
     except WireError as e:
         push.send_multipart(encode(ErrorReply(v=PROTOCOL_VERSION, request_id=e.request_id or "", stage="echo",
                                               type="WireError", message=str(e))))
@@ -153,7 +154,7 @@ def echo(tmp_path, prefix):
         @staticmethod
         def recv():
             assert pull.poll(30_000), "no answer from the echo process"
-            return decode(pull.recv_multipart(copy=False), shm=receiver)
+            return decode_frames(pull.recv_multipart(copy=False), shm=receiver)
 
         def __call__(self, msg, tensors):
             frames = encode(msg, tensors, shm=sender)
@@ -224,7 +225,7 @@ def test_receive_is_zero_copy_and_memory_is_released(prefix):
     names = _shm_names(frames)
     assert list(names) == ["x"] and len(frames) == 2  # the small tensor still travels as a frame
     assert _segments(prefix) == [names["x"]]
-    _, tensors = decode(frames, shm=receiver)
+    _, tensors = decode_frames(frames, shm=receiver)
     assert _segments(prefix) == []  # unlinked as soon as it was opened
     x = tensors["x"]
     assert torch.equal(x, t) and torch.equal(tensors["small"], torch.ones(4))
@@ -246,7 +247,7 @@ def test_threshold_decides(prefix):
     below, at = torch.zeros(1023), torch.zeros(1024)  # 4092 and 4096 bytes
     frames = encode(_msg(), {"below": below, "at": at}, shm=sender)
     assert list(_shm_names(frames)) == ["at"]
-    decode(frames, shm=ShmReceiver(prefix, "router"))
+    decode_frames(frames, shm=ShmReceiver(prefix, "router"))
     assert _segments(prefix) == []
 
 
@@ -262,7 +263,7 @@ def test_full_dev_shm_falls_back_to_frames(prefix, monkeypatch, caplog):
     assert _shm_names(frames) == {} and len(frames) == 2
     assert _segments(prefix) == []
     assert "shared memory unavailable" in caplog.text
-    _, tensors = decode(frames)
+    _, tensors = decode_frames(frames)
     assert torch.equal(tensors["x"], t)
 
 
@@ -314,7 +315,7 @@ def test_repeated_sizes_use_prepared_segments(prefix, pool, caplog):
     for name, t in cases.items():
         nbytes = t.numel() * t.element_size()
         for _ in range(2):  # the first sends teach the pool the size
-            decode(encode(_msg(), {"x": t}, shm=sender), shm=receiver)
+            decode_frames(encode(_msg(), {"x": t}, shm=sender), shm=receiver)
         assert pool.wait_ready(nbytes, 30), name
         (spare,) = [n for n in _spares(prefix) if os.stat(Path(SHM_DIR, n)).st_size == nbytes]
         caplog.clear()
@@ -323,7 +324,7 @@ def test_repeated_sizes_use_prepared_segments(prefix, pool, caplog):
         seg = _shm_names(frames)["x"]
         assert spare not in _segments(prefix)  # the spare became the message's segment
         assert os.stat(Path(SHM_DIR, seg)).st_size == nbytes
-        _, got = decode(frames, shm=receiver)
+        _, got = decode_frames(frames, shm=receiver)
         assert _same_bytes(got["x"], t), name
         assert _mapping_of(got["x"].data_ptr()) == f"{SHM_DIR}/{seg} (deleted)"
     assert not [n for n in _segments(prefix) if not n.startswith(f"{prefix}spare.")]  # every message consumed
@@ -334,12 +335,12 @@ def test_repeated_sizes_use_prepared_segments(prefix, pool, caplog):
 def test_prepared_segments_are_never_accepted_as_messages(prefix, pool):
     sender = ShmSender(prefix, "router", 1, spares=pool)
     for _ in range(2):
-        decode(encode(_msg(), {"x": torch.ones(64)}, shm=sender), shm=ShmReceiver(prefix, "router"))
+        decode_frames(encode(_msg(), {"x": torch.ones(64)}, shm=sender), shm=ShmReceiver(prefix, "router"))
     assert pool.wait_ready(256, 30)
     (spare,) = _spares(prefix)
     for me in ("router", "denoise-0", "spare", "spare-denoise-0"):
         with pytest.raises(WireError):
-            decode(_naming(spare, shape=(64,)), shm=ShmReceiver(prefix, me))
+            decode_frames(_naming(spare, shape=(64,)), shm=ShmReceiver(prefix, me))
     assert _spares(prefix) == [spare]
 
 
@@ -349,12 +350,12 @@ def test_pool_keeps_to_its_byte_budget(prefix):
         sender, receiver = ShmSender(prefix, "router", 1, spares=pool), ShmReceiver(prefix, "router")
         for n in (100, 200):  # 400 bytes, then 800 bytes: both do not fit
             for _ in range(2):
-                decode(encode(_msg(), {"x": torch.zeros(n)}, shm=sender), shm=receiver)
+                decode_frames(encode(_msg(), {"x": torch.zeros(n)}, shm=sender), shm=receiver)
             assert pool.wait_ready(4 * n, 30)
         (only,) = _spares(prefix)
         assert os.stat(Path(SHM_DIR, only)).st_size == 800
         for _ in range(3):
-            decode(encode(_msg(), {"x": torch.zeros(1000)}, shm=sender), shm=receiver)  # above the budget
+            decode_frames(encode(_msg(), {"x": torch.zeros(1000)}, shm=sender), shm=receiver)  # above the budget
         assert not pool.wait_ready(4000, 0.5)
     finally:
         pool.close()
@@ -369,10 +370,10 @@ def test_pool_without_room_falls_back(prefix, pool, monkeypatch, caplog):
     sender, receiver = ShmSender(prefix, "router", 1, spares=pool), ShmReceiver(prefix, "router")
     t = torch.randn(64)
     for _ in range(2):
-        decode(encode(_msg(), {"x": t}, shm=sender), shm=receiver)
+        decode_frames(encode(_msg(), {"x": t}, shm=sender), shm=receiver)
     assert not pool.wait_ready(256, 30) and pool.failed
     assert "cannot prepare shared-memory segments" in caplog.text
-    _, got = decode(encode(_msg(), {"x": t}, shm=sender), shm=receiver)  # still through shared memory
+    _, got = decode_frames(encode(_msg(), {"x": t}, shm=sender), shm=receiver)  # still through shared memory
     assert torch.equal(got["x"], t)
     assert _segments(prefix) == []
 
@@ -440,7 +441,7 @@ def test_hostile_names_are_rejected_without_touching_anything(prefix, tmp_path, 
         ]
         for name in hostile:
             with pytest.raises(WireError):
-                decode(_naming(name), shm=receiver)
+                decode_frames(_naming(name), shm=receiver)
         assert opened == {"open": [], "unlink": []}  # nothing was opened or removed
         for name in (other_engine, other_dest, longer_index):
             assert Path(SHM_DIR, name).read_bytes() == b"\0" * 16
@@ -448,7 +449,7 @@ def test_hostile_names_are_rejected_without_touching_anything(prefix, tmp_path, 
         link = f"{prefix}denoise-0-{_token()}"
         os.symlink(victim, Path(SHM_DIR, link))
         with pytest.raises(WireError, match="cannot be opened"):
-            decode(_naming(link), shm=receiver)
+            decode_frames(_naming(link), shm=receiver)
         assert victim.read_bytes() == b"\0" * 16
         os.unlink(Path(SHM_DIR, link))
     finally:
@@ -462,7 +463,7 @@ def test_size_mismatch_is_rejected_and_removed(prefix):
         name = f"{prefix}denoise-0-{_token()}"
         Path(SHM_DIR, name).write_bytes(b"\1" * size)
         with pytest.raises(WireError, match="needs 16") as exc:
-            decode(_naming(name, shape=(4,)), shm=receiver)
+            decode_frames(_naming(name, shape=(4,)), shm=receiver)
         assert exc.value.request_id == "r1"
         assert not Path(SHM_DIR, name).exists()
 
@@ -471,14 +472,14 @@ def test_empty_tensor_or_missing_segment_or_no_shm_link(prefix):
     receiver = ShmReceiver(prefix, "denoise-0")
     name = f"{prefix}denoise-0-{_token()}"
     with pytest.raises(WireError, match="cannot be opened"):
-        decode(_naming(name), shm=receiver)  # no such segment
+        decode_frames(_naming(name), shm=receiver)  # no such segment
     Path(SHM_DIR, name).write_bytes(b"")
     with pytest.raises(WireError, match="empty tensor"):
-        decode(_naming(name, shape=(0, 4)), shm=receiver)
+        decode_frames(_naming(name, shape=(0, 4)), shm=receiver)
     assert not Path(SHM_DIR, name).exists()
     Path(SHM_DIR, name).write_bytes(b"\0" * 16)
     with pytest.raises(WireError, match="takes none") as exc:
-        decode(_naming(name))  # a link without shared memory (tcp, or off)
+        decode_frames(_naming(name))  # a link without shared memory (tcp, or off)
     assert exc.value.request_id == "r1"
     assert Path(SHM_DIR, name).exists()  # without a receiver nothing is touched
 
@@ -489,13 +490,13 @@ def test_rejected_message_removes_its_segments(prefix):
     frames = encode(_msg(), {"x": torch.randn(64), "bad": torch.zeros(2, 2, dtype=torch.int8)}, shm=sender)
     assert len(_shm_names(frames)) == 2
     with pytest.raises(WireError, match="frames follow"):
-        decode([*frames, b"extra"], shm=receiver)
+        decode_frames([*frames, b"extra"], shm=receiver)
     assert _segments(prefix) == []
     frames = encode(_msg(), {"x": torch.randn(64)}, shm=sender)
     head = msgpack.unpackb(bytes(memoryview(frames[0])))
     head["tensors"][0]["dtype"] = "complex64"
     with pytest.raises(WireError, match="unknown dtype"):
-        decode([msgpack.packb(head)], shm=receiver)
+        decode_frames([msgpack.packb(head)], shm=receiver)
     assert _segments(prefix) == []
 
 
@@ -503,7 +504,7 @@ def test_oversized_segment_is_refused(prefix):
     sender = ShmSender(prefix, "denoise-0", 1)
     frames = encode(_msg(), {"x": torch.randn(1024)}, shm=sender)
     with pytest.raises(WireError, match="exceeds 1000"):
-        decode(frames, shm=ShmReceiver(prefix, "denoise-0", max_bytes=1000))
+        decode_frames(frames, shm=ShmReceiver(prefix, "denoise-0", max_bytes=1000))
     assert _segments(prefix) == []
 
 
