@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
 from common.protocol.messages import EXPERT_NAMES, ExpertName, GenerationParams, OutputType, RolloutParams, SdeType
+from common.wan.sde import checked_noise_level
 
 MAX_SEED = 2**63 - 1
 
@@ -152,6 +153,10 @@ def _check_timeout_and_mu(body: GenerateBody, limits: Limits) -> None:
 
 
 def _rollout_params(body: RolloutBody, steps: int) -> RolloutParams:
+    try:  # the SDE step's own rule (e.g. cps takes [0, 1]), so that no such request reaches a worker
+        checked_noise_level(body.sde_type, body.noise_level)
+    except ValueError as e:
+        raise FieldError("noise_level", str(e)) from None
     idx = body.sde_step_indices
     if idx is not None:
         if len(idx) > steps or len(set(idx)) != len(idx):

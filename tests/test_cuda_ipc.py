@@ -26,7 +26,7 @@ import zmq
 from common.config.engine import EngineConfig, WorkerSpec
 from common.transport.cuda_ipc import CudaIpcContext, CudaIpcSender, link_uses_cuda_ipc
 from common.protocol.messages import PROTOCOL_VERSION, CudaIpcHandle, Result, TensorSpec
-from common.protocol.codec import WireError, decode, encode
+from common.protocol.codec import WireError, decode_frames, encode
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 
@@ -97,7 +97,7 @@ def _spec_dict() -> dict:
 
 def test_descriptor_round_trips_in_a_header():
     rx = _RecordingReceiver()
-    msg, tensors = decode([_header_with(_spec_dict())], cuda=rx)
+    msg, tensors = decode_frames([_header_with(_spec_dict())], cuda=rx)
     assert msg.tensors[0].cuda == HANDLE and rx.opened == [HANDLE.ref_counter_offset]
 
 
@@ -120,7 +120,7 @@ def test_hostile_descriptor_fields_are_rejected_by_the_codec(field, value):
     spec["cuda"][field] = value
     rx = _RecordingReceiver()
     with pytest.raises(WireError, match=field) as e:
-        decode([_header_with(spec)], cuda=rx)
+        decode_frames([_header_with(spec)], cuda=rx)
     assert e.value.request_id == "r9" and rx.opened == []
 
 
@@ -166,7 +166,7 @@ def test_handles_replace_frames_and_decode_opens_each_once():
     tx, rx = _RecordingSender(), _RecordingReceiver()
     frames = _message({"a": torch.ones(2, 3), "b": torch.ones(4)}, tx)
     assert len(frames) == 1  # no tensor frames: both went as handles
-    msg, tensors = decode(frames, cuda=rx)
+    msg, tensors = decode_frames(frames, cuda=rx)
     assert [s.cuda.ref_counter_offset for s in msg.tensors] == [1, 2]
     assert rx.opened == [1, 2] and rx.discarded == []
     assert tensors["a"].shape == (2, 3)
@@ -175,14 +175,14 @@ def test_handles_replace_frames_and_decode_opens_each_once():
 def test_a_process_without_a_cuda_receiver_rejects_handles():
     frames = _message({"a": torch.ones(2, 3)}, _RecordingSender())
     with pytest.raises(WireError, match="CUDA IPC"):
-        decode(frames)
+        decode_frames(frames)
 
 
 def test_a_rejected_message_releases_every_handle_exactly_once():
     frames = _message({"a": torch.ones(2, 3), "b": torch.ones(4)}, _RecordingSender())
     rx = _RecordingReceiver()
     with pytest.raises(WireError, match="frames"):
-        decode([*frames, b"stray frame"], cuda=rx)
+        decode_frames([*frames, b"stray frame"], cuda=rx)
     assert rx.opened == [] and sorted(rx.discarded) == [1, 2]
 
 
@@ -190,7 +190,7 @@ def test_a_failed_open_releases_only_the_handles_never_opened():
     frames = _message({"a": torch.ones(2), "b": torch.ones(3), "c": torch.ones(4)}, _RecordingSender())
     rx = _RecordingReceiver(fail_on={2})
     with pytest.raises(WireError, match="cannot open"):
-        decode(frames, cuda=rx)
+        decode_frames(frames, cuda=rx)
     # "a" was opened (its copy is the receiver's), "b" failed (open releases it), "c" never opened.
     assert rx.opened == [1, 2] and rx.discarded == [3]
 
@@ -201,7 +201,7 @@ def test_a_size_mismatch_is_caught_by_the_descriptor_check():
     header["tensors"][0]["shape"] = [2, 2 ** 62]
     rx = _RecordingReceiver()
     with pytest.raises(WireError, match="shape"):
-        decode([msgspec.msgpack.encode(header)], cuda=rx)
+        decode_frames([msgspec.msgpack.encode(header)], cuda=rx)
     assert rx.opened == [] and rx.discarded == [1]
 
 
@@ -211,7 +211,7 @@ def test_a_tensor_with_both_a_segment_and_a_handle_is_rejected():
     header["tensors"][0]["shm"] = "disagg-00000000-x-" + "0" * 32
     rx = _RecordingReceiver()
     with pytest.raises(WireError, match="both"):
-        decode([msgspec.msgpack.encode(header)], cuda=rx)
+        decode_frames([msgspec.msgpack.encode(header)], cuda=rx)
     assert rx.opened == []
 
 
@@ -229,7 +229,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from common.transport.cuda_ipc import CudaIpcReceiver
     from common.protocol.messages import PROTOCOL_VERSION, Result
-    from common.protocol.codec import WireError, decode, encode
+    from common.protocol.codec import WireError, decode_frames, encode
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind({data!r}); push.connect({report!r})
@@ -238,7 +238,7 @@ _CHILD = textwrap.dedent("""
     while True:
         frames = pull.recv_multipart(copy=False)
         try:
-            msg, tensors = decode(frames, cuda=rx)
+            msg, tensors = decode_frames(frames, cuda=rx)
         except WireError as e:
             push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id="rejected", stage="t")))
             continue
@@ -301,7 +301,7 @@ def test_gpu_tensor_crosses_processes_by_handle_and_its_memory_comes_back(gpu_pe
         assert len(frames) == 1 and tx.sent == 1  # the tensor went as a handle, not a frame
         push.send_multipart(frames)
         assert pull.poll(60_000)
-        replies.append(decode(pull.recv_multipart()))
+        replies.append(decode_frames(pull.recv_multipart()))
 
     assert _blocks_free_after(send), "the sender's exported copy was never freed"
     msg, tensors = replies[0]
@@ -319,7 +319,7 @@ def test_gpu_handles_of_a_rejected_message_are_released(gpu_peer):
         frames = encode(Result(v=PROTOCOL_VERSION, request_id="b", stage="t"), {"x": x}, cuda=tx)
         push.send_multipart([*frames, b"stray frame"])
         assert pull.poll(60_000)
-        assert decode(pull.recv_multipart())[0].request_id == "rejected"
+        assert decode_frames(pull.recv_multipart())[0].request_id == "rejected"
 
     assert _blocks_free_after(send_bad), "a rejected message's handle was never released"
 

@@ -186,7 +186,8 @@ def test_convention_logged_once_per_worker_process(client, engine):
 def test_validation_of_rollout_fields(client):
     bad = [({"sde_type": "brownian"}, "sde_type"), ({"noise_level": -0.1}, "noise_level"),
            ({"sde_step_indices": [0, 6]}, "sde_step_indices"), ({"sde_step_indices": [1, 1]}, "sde_step_indices"),
-           ({"return_trajectory": "yes"}, "return_trajectory")]
+           ({"return_trajectory": "yes"}, "return_trajectory"),
+           ({"sde_type": "cps", "noise_level": 1.5}, "noise_level")]  # cps's std needs noise_level <= 1
     for over, field in bad:
         with pytest.raises(EngineHTTPError) as e:
             client.rollout(**{**BASE, **over})

@@ -388,6 +388,14 @@ def test_to_params_fills_the_model_defaults():
     assert p.rollout is None
 
 
+def test_noise_level_follows_the_sde_steps_own_rule():
+    assert to_params(RolloutBody(prompt="a fox", sde_type="sde", noise_level=1.5), DEFAULTS, Limits()).rollout
+    assert to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.0), DEFAULTS, Limits()).rollout
+    with pytest.raises(FieldError, match=r"cps noise_level must be in \[0, 1\]") as e:
+        to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.5), DEFAULTS, Limits())
+    assert e.value.field == "noise_level"
+
+
 def test_a_custom_schedule_sets_the_step_count_the_rollout_indices_are_checked_against():
     body = RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[1, 0])
     p = to_params(body, DEFAULTS, Limits())

@@ -133,7 +133,7 @@ def _check_like(name: str, t: torch.Tensor | None, sample: torch.Tensor) -> None
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _checked_noise_level(sde_type: str, noise_level: float) -> float:
+def checked_noise_level(sde_type: str, noise_level: float) -> float:
     """``noise_level`` as a float, after checking it and ``sde_type``."""
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
@@ -248,7 +248,7 @@ def sde_step(
             shape mismatches, both ``noise`` and ``prev_sample`` given, a non-CPU generator, or a
             batch mixing deterministic and stochastic samples.
     """
-    noise_level = _checked_noise_level(sde_type, noise_level)
+    noise_level = checked_noise_level(sde_type, noise_level)
     _check_tensors(model_output, sample, noise, generator, prev_sample)
     s, s_next, s_max = _sigmas(sigma, sigma_next, sigma_max, sample.shape[0])
     a, b, sd = _coefficients(sde_type, s, s_next, s_max, noise_level)
