@@ -6,7 +6,7 @@
 # those stay the same, the run ends at once. SETUP_FORCE=1 installs again regardless.
 #
 # torch goes in first, pinned (TORCH_VERSION, default 2.13.0), and only when .venv has none: a CUDA build
-# installed into .venv beforehand is kept (see README). PYTHON picks the interpreter .venv is made from.
+# installed into .venv beforehand is kept (docs/operations.md, "A real Wan model on GPUs"). PYTHON picks the interpreter .venv is made from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
