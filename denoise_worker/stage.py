@@ -61,11 +61,10 @@ class DenoiseStage(Stage):
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
-        negative = tensors.get(NEGATIVE_PROMPT_EMBEDS.name)
+        negative = tensors.get(NEGATIVE_PROMPT_EMBEDS.name) if uses_guidance(p.guidance_scale) else None
         if uses_guidance(p.guidance_scale) and negative is None:
             raise RequestError(f"guidance_scale > 1 but no {NEGATIVE_PROMPT_EMBEDS.name}")
-        cond, uncond = conditioning(tensors[PROMPT_EMBEDS.name], negative if uses_guidance(p.guidance_scale) else None,
-                                    self.device, self.policy.dtype)
+        cond, uncond = conditioning(tensors[PROMPT_EMBEDS.name], negative, self.device, self.policy.dtype)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device)
 
