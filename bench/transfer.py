@@ -7,7 +7,7 @@ In one run, for each size (MiB, float32):
 * ``copy_``: an in-memory copy into a preallocated tensor in this process (the yardstick);
 * ``clone``: an in-memory copy into fresh memory (what making a new tensor costs);
   both time small copies back to back (64 MiB per sample) so that thread wake-ups do not dominate;
-* ``zmq``: ``common.protocol.codec.encode`` -> ZeroMQ PUSH over ``ipc://`` -> ``decode`` in a second process
+* ``zmq``: ``common.protocol.codec.encode`` -> ZeroMQ PUSH over ``ipc://`` -> ``decode_frames`` in a second process
   (a child started with ``subprocess``; only the codec's msgpack header and raw bytes cross);
 * ``shm new``: the same with the codec's shared-memory sender and receiver (``common.transport.shm``): the
   sender writes the tensor into a new ``/dev/shm`` segment (``write(2)``), the receiver maps it;
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from common.transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender  # noqa: E402
 from common.protocol.messages import PROTOCOL_VERSION, Result  # noqa: E402
 from common.transport.shm import ShmReceiver, ShmSender, SparePool, engine_prefix, remove_engine_segments  # noqa: E402
-from common.protocol.codec import decode, encode  # noqa: E402
+from common.protocol.codec import decode_frames, encode  # noqa: E402
 
 RECEIVER = "bench-rx"
 MiB = 1 << 20
@@ -83,7 +83,7 @@ def child(work: Path, device: torch.device) -> None:
     push.send_multipart(encode(Result(v=PROTOCOL_VERSION, request_id="ready", stage="bench")))
     while True:
         frames = pull.recv_multipart(copy=False)
-        msg, tensors = decode(frames, shm=receiver, cuda=cuda)
+        msg, tensors = decode_frames(frames, shm=receiver, cuda=cuda)
         if msg.request_id == "stop":
             break
         x = tensors["x"].to(device)  # host-staged modes on a GPU: the host -> device half of the hop
@@ -172,7 +172,7 @@ def main() -> None:
                                                {"x": src}, shm=shm, cuda=cuda.get(mode)), copy=False)
                     if not report.poll(120_000):
                         raise SystemExit(f"no report for {rid}")
-                    msg, _ = decode(report.recv_multipart())
+                    msg, _ = decode_frames(report.recv_multipart())
                     assert msg.request_id == rid
                     if i >= warmup:
                         usable.append(msg.info["usable"] - t0)
