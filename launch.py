@@ -85,6 +85,10 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest ZeroMQ message part a socket accepts")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters each denoise worker holds")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank accepted")
+    p.add_argument("--max-lora-bytes", type=int, default=d.max_lora_bytes,
+                   help="largest adapter sent from memory (HTTP body of /v1/load_lora_adapter)")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -217,6 +221,9 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             max_pending=args.max_pending,
             max_body_bytes=args.max_body_bytes,
             max_message_bytes=args.max_message_bytes,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_lora_bytes=args.max_lora_bytes,
         ),
     )
 

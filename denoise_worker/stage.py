@@ -26,6 +26,7 @@ from common.wan.model_info import ModelInfo
 from common.wan.policy import WanPolicy, uses_guidance
 from common.wan.text import conditioning
 from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
+from denoise_worker.adapters import AdapterTable
 from denoise_worker.task import DenoiseTask
 from denoise_worker.threads import size_threads
 
@@ -51,6 +52,7 @@ class DenoiseStage(Stage):
     def load(self) -> None:
         self.info = ModelInfo.read(self.config.model)
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
+        self.adapters = AdapterTable(self.config, self.policy)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
@@ -66,7 +68,7 @@ class DenoiseStage(Stage):
             raise RequestError(f"guidance_scale > 1 but no {NEGATIVE_PROMPT_EMBEDS.name}")
         cond, uncond = conditioning(tensors[PROMPT_EMBEDS.name], negative, self.device, self.policy.dtype)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
-                                  self.device)
+                                  self.device, lora=self.adapters.choice(p))
 
     # --- continuous batching ----------------------------------------------
     def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
@@ -138,6 +140,8 @@ class DenoiseStage(Stage):
         timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
         info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
                 "batch": a.largest_batch}
+        if task.lora is not None:
+            info.update(lora_name=task.lora[0].name, lora_version=task.lora[0].version)
         extras = task.extras()
         if msg.params.output_type == "latent":
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
@@ -146,8 +150,16 @@ class DenoiseStage(Stage):
                             timings=timings, info=info)
         return Forward("decode", nxt, {LATENTS.name: task.latents, **extras})
 
-    # --- weight sync -------------------------------------------------------
-    def control(self, msg: ControlRequest) -> dict:
+    # --- weight sync and adapters ---------------------------------------------
+    def applies_between_steps(self, msg: ControlRequest) -> bool:
+        """Adapter changes need no quiet moment: requests in flight keep the version they hold."""
+        return msg.op in ("load_lora", "unload_lora")
+
+    def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
+        if msg.op == "load_lora":
+            return self.adapters.load(msg, tensors)
+        if msg.op == "unload_lora":
+            return self.adapters.unload(msg)
         module = self.policy.experts.get(msg.module)
         if module is None:
             raise RequestError(f"module: this model has no {msg.module}")

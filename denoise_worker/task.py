@@ -24,6 +24,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.wan import schedulers
+from common.wan.lora import LoraAdapter
 from common.wan.model_info import ModelInfo
 from common.wan.policy import ModelInput, step_at
 
@@ -49,20 +50,21 @@ class DenoiseTask:
     generator: torch.Generator
     latents: torch.Tensor
     sde: RolloutParams | None  # None: the serving scheduler steps this request
+    lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)
     log_probs: list[torch.Tensor] = field(default_factory=list)
     log_prob_steps: list[int] = field(default_factory=list)
 
     @classmethod
-    def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device):
+    def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None):
         sde = sde_settings(params)
         scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device)
         if sde is not None:
             schedulers.check_flow_match_convention(scheduler)
         generator = torch.Generator("cpu").manual_seed(params.seed)
         latents = initial_noise(info, params, generator).to(device)
-        task = cls(params, cond, uncond, scheduler, generator, latents, sde)
+        task = cls(params, cond, uncond, scheduler, generator, latents, sde, lora)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -81,7 +83,8 @@ class DenoiseTask:
 
     def model_input(self) -> ModelInput:
         p = self.params
-        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, p.guidance_scale, p.guidance_scale_2)
+        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, p.guidance_scale, p.guidance_scale_2,
+                          self.lora)
 
     def _sde_type(self) -> str:
         """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""

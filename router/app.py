@@ -22,9 +22,13 @@ from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
 from router.dispatcher import Dispatcher
+from router.lora import LoraControl
 from router.http_errors import error_response, install_error_handlers
 from router.openapi import MODULE_QUERY, errors, request_body
-from router.schemas import FieldError, GenerateBody, RolloutBody, UpdateWeightsBody, checked_module, to_params
+from router.schemas import (
+    FieldError, GenerateBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody, UpdateWeightsBody,
+    checked_module, to_params,
+)
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
 
@@ -35,6 +39,7 @@ class Routes:
     def __init__(self, config: EngineConfig, dispatcher: Dispatcher, info: ModelInfo):
         self.config, self.dispatcher, self.info = config, dispatcher, info
         self.weights = WeightControl(dispatcher.control)
+        self.loras = LoraControl(dispatcher.control)
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()
@@ -59,6 +64,22 @@ class Routes:
         module = checked_module(request.query_params.get("module", "transformer"), self.info.has_transformer_2)
         return JSONResponse(await self.weights.checksum(module))
 
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        # An adapter from memory comes as msgpack with its tensors, so it has its own size limit.
+        data = await parse_body(request, self.config.limits.max_lora_bytes)
+        if "blob" in data:
+            return JSONResponse(await self.loras.load_tensors(LoadLoraTensorsBody.model_validate(data)))
+        body = LoadLoraBody.model_validate(data)
+        if not self.config.weight_roots:
+            return error_response(403, "forbidden", WEIGHTS_DISABLED)
+        return JSONResponse(await self.loras.load_path(body))
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.loras.unload((await self._body(request, UnloadLoraBody)).lora_name))
+
+    async def lora_adapters(self) -> JSONResponse:
+        return JSONResponse(self.loras.adapters())
+
     async def _body(self, request: Request, schema):
         """The request body as ``schema``; a bad one becomes a 400 naming the field."""
         return schema.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
@@ -66,6 +87,7 @@ class Routes:
     async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
+        self.loras.check_name(body.lora_name)
         params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps)
         self.dispatcher.admit(body.n)
         rid = uuid.uuid4().hex
@@ -102,6 +124,20 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       summary="SHA-256 of a module's weights on every denoise worker", openapi_extra=MODULE_QUERY,
                       response_description="checksums, and whether every worker agrees",
                       responses=errors(400, 401, 500, 503, 504))
+    add_lora_routes(app, routes)
+
+
+def add_lora_routes(app: FastAPI, routes: Routes) -> None:
+    app.add_api_route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"],
+                      summary="Load (or replace) a LoRA adapter in every denoise worker",
+                      openapi_extra=request_body(LoadLoraBody),
+                      response_description="the adapter's lora_version, rank, target modules, experts and sha256",
+                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+    app.add_api_route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"],
+                      summary="Unload a LoRA adapter", openapi_extra=request_body(UnloadLoraBody),
+                      responses=errors(400, 401, 403, 500, 503, 504))
+    app.add_api_route("/v1/lora_adapters", routes.lora_adapters, methods=["GET"], summary="The loaded LoRA adapters",
+                      response_description="each adapter's name, version, rank, scale, target modules, experts")
 
 
 def _lifespan(dispatcher: Dispatcher):

@@ -85,6 +85,7 @@ def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
         body["scheduler"] = o.info["scheduler"]
     if "batch" in o.info:
         body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
+    body["lora_name"], body["lora_version"] = o.info.get("lora_name"), o.info.get("lora_version")
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)

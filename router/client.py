@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 import msgpack
+import torch
 
-from common.protocol.http_tensors import decode_tensors
+from common.protocol.http_tensors import decode_tensors, tensor_to_body
 
 MSGPACK = "application/msgpack"
 
@@ -73,3 +74,35 @@ class EngineClient:
 
     def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
         return self._decode(self._http.get("/weights_checksum", params={"module": module}))
+
+    # --- LoRA adapters -----------------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_into_transformer_2: bool = False) -> dict:
+        """Load (or replace) an adapter from a diffusers LoRA file/folder or a peft folder below the
+        engine's --weight-root; returns its ``lora_version``, rank, target modules and sha256."""
+        return self._post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path),
+                                                    "load_into_transformer_2": load_into_transformer_2})
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, state_dict: dict[str, torch.Tensor], rank: int,
+                                       alpha: float | None = None, module: str = "transformer") -> dict:
+        """Load (or replace) an adapter straight from the trainer's memory, no file.
+
+        ``state_dict``: ``<module path>.lora_A.weight`` / ``.lora_B.weight`` tensors, as peft's
+        ``get_peft_model_state_dict(transformer)`` gives them, for expert ``module``. They travel as
+        one flat blob of raw bytes in a msgpack body (no pickle); alpha None means alpha = rank.
+        """
+        names = sorted(state_dict)
+        parts = [state_dict[n].detach().to("cpu") for n in names]
+        dtype = parts[0].dtype if len({t.dtype for t in parts}) == 1 else torch.float32
+        blob = torch.cat([t.to(dtype).reshape(-1) for t in parts])
+        body = {"lora_name": lora_name, "tensors": [{"name": n, "shape": list(t.shape)} for n, t in zip(names, parts)],
+                "blob": tensor_to_body(blob, binary=True), "rank": rank, "alpha": alpha, "module": module}
+        r = self._http.post("/v1/load_lora_adapter", content=msgpack.packb(body, use_bin_type=True),
+                            headers={"content-type": MSGPACK})
+        return self._decode(r)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+
+    def lora_adapters(self) -> list[dict]:
+        """Each loaded adapter: lora_name, lora_version, rank, scale, target_modules, experts, sha256."""
+        return self._decode(self._http.get("/v1/lora_adapters"))["adapters"]

@@ -18,21 +18,22 @@ from router.errors import EngineError
 from router.join import Pending, PendingTable
 
 Reply = ControlReply | EngineError
-SendControl = Callable[[WorkerSpec, ControlRequest], Awaitable[None]]
+SendControl = Callable[[WorkerSpec, ControlRequest, dict | None], Awaitable[None]]
 # Dispatcher.control(role, op, **fields): every instance's reply, by index.
 ControlCall = Callable[..., Awaitable[list[Reply]]]
 
 
 async def fan_out(workers: Iterable[WorkerSpec], op: str, fields: dict, pending: PendingTable,
-                  send: SendControl, timeout_s: float) -> list[Reply]:
-    """Ask every worker at once, then collect each answer (or its error, or a 504) in order."""
+                  send: SendControl, timeout_s: float, tensors: dict | None = None) -> list[Reply]:
+    """Ask every worker at once (each gets ``tensors`` too), then collect each answer (or its error,
+    or a 504) in order."""
     loop = asyncio.get_running_loop()
     waits = []
     for w in workers:
         rid = f"ctl-{uuid.uuid4().hex}"
         fut = loop.create_future()
         pending.add(rid, Pending(fut, None, target=(w.role, w.index)))
-        await send(w, ControlRequest(v=PROTOCOL_VERSION, request_id=rid, op=op, **fields))
+        await send(w, ControlRequest(v=PROTOCOL_VERSION, request_id=rid, op=op, **fields), tensors)
         waits.append((w, rid, fut))
     out: list[Reply] = []
     for w, rid, fut in waits:

@@ -28,7 +28,7 @@ from common.protocol.messages import (
     PROTOCOL_VERSION, ROLES, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams, Heartbeat,
     Progress, Result, Route,
 )
-from common.transport.security import ROUTER, Security, bind_pull, connect_push
+from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
 from router.admission import Admission, shutting_down
 from router.control import Reply, fan_out
@@ -127,17 +127,18 @@ class Dispatcher:
             self.pending.discard(rid)
             self.registry.release(chosen)
 
-    async def control(self, role: str, op: str, **fields) -> list[Reply]:
-        """Send one control request to every instance of ``role``; each answer or error, by index."""
+    async def control(self, role: str, op: str, tensors: dict | None = None, **fields) -> list[Reply]:
+        """Send one control request (with ``tensors``) to every instance of ``role``; each answer or error."""
         return await fan_out(self.config.of_role(role), op, fields, self.pending, self._send_control,
-                             self.config.limits.request_timeout_s)
+                             self.config.limits.request_timeout_s, tensors)
 
-    async def _send_control(self, w: WorkerSpec, msg: ControlRequest) -> None:
+    async def _send_control(self, w: WorkerSpec, msg: ControlRequest, tensors: dict | None) -> None:
         key = (w.role, w.index)
         sock = self._control.get(key)
         if sock is None:
             sock = self._control[key] = connect_push(self._ctx, w.endpoint, self.security, linger=0)
-        await sock.send_multipart(encode(msg), copy=False)
+        frames = encode(msg, tensors, shm=self.shm.sender(process_name(w.role, w.index)))  # large: /dev/shm
+        await sock.send_multipart(frames, copy=False)
 
     # --- receiving -----------------------------------------------------------
     async def _receive_loop(self) -> None:

@@ -11,7 +11,9 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
-from common.protocol.messages import EXPERT_NAMES, ExpertName, GenerationParams, OutputType, RolloutParams, SdeType
+from common.protocol.messages import (
+    EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, GenerationParams, OutputType, RolloutParams, SdeType,
+)
 from common.wan.sde import checked_noise_level
 
 MAX_SEED = 2**63 - 1
@@ -47,6 +49,9 @@ class GenerateBody(BaseModel):
     mu: float | None = None
     output_type: OutputType = "frames"
     timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
+    lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
+                                  description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")
+    lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0, description="the adapter's strength")
 
 
 class RolloutBody(GenerateBody):
@@ -63,6 +68,46 @@ class RolloutBody(GenerateBody):
     return_trajectory: bool = False
     return_log_probs: bool = True
     output_type: OutputType = "latent"
+
+
+class LoadLoraBody(BaseModel):
+    """``/v1/load_lora_adapter`` from a path (JSON). From the trainer's memory the body is msgpack:
+    :class:`LoadLoraTensorsBody`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"lora_name": "style-a", "lora_path": "/srv/weights/loras/style-a"}]})
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
+    lora_path: str = Field(min_length=1, max_length=4096,
+                           description="a diffusers LoRA file or folder, or a peft adapter folder, below --weight-root")
+    load_into_transformer_2: bool = Field(default=False,
+                                          description="two-expert models: the file's transformer keys go to the second")
+
+
+class LoraTensorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=512)
+    shape: list[int] = Field(min_length=1, max_length=2)
+
+
+class LoadLoraTensorsBody(BaseModel):
+    """An adapter from memory: every tensor inside one flat ``blob``, in the order ``tensors`` lists them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
+    tensors: list[LoraTensorBody] = Field(min_length=1, max_length=100_000)
+    blob: dict
+    rank: int = Field(ge=1)
+    alpha: float | None = None
+    module: ExpertName = "transformer"
+
+
+class UnloadLoraBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"lora_name": "style-a"}]})
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
 
 
 class UpdateWeightsBody(BaseModel):
@@ -193,6 +238,8 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
         guidance_scale_2=body.guidance_scale_2,
         seed=body.seed,
         output_type=body.output_type,
+        lora_name=body.lora_name,
+        lora_scale=body.lora_scale,
         sigmas=body.sigmas,
         timesteps=body.timesteps,
         mu=body.mu,

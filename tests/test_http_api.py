@@ -222,8 +222,11 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(engine, method, pat
 
 BODY_MODELS = {
     "/generate": {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
-                  "guidance_scale_2", "seed", "n", "sigmas", "timesteps", "mu", "output_type", "timeout_s"},
+                  "guidance_scale_2", "seed", "n", "sigmas", "timesteps", "mu", "output_type", "timeout_s",
+                  "lora_name", "lora_scale"},
     "/update_weights_from_disk": {"path", "module"},
+    "/v1/load_lora_adapter": {"lora_name", "lora_path", "load_into_transformer_2"},
+    "/v1/unload_lora_adapter": {"lora_name"},
 }
 BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
     "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs"}
@@ -245,7 +248,9 @@ def test_openapi_declares_each_request_body(openapi, path):
     schema = body["content"]["application/json"]["schema"]
     assert "$ref" not in json.dumps(schema)  # self-contained: "Try it out" needs no components
     assert set(schema["properties"]) == BODY_MODELS[path]
-    assert schema.get("required", []) == (["path"] if path == "/update_weights_from_disk" else ["prompt"])
+    required = {"/update_weights_from_disk": ["path"], "/v1/load_lora_adapter": ["lora_name", "lora_path"],
+                "/v1/unload_lora_adapter": ["lora_name"]}
+    assert schema.get("required", []) == required.get(path, ["prompt"])
     assert schema["additionalProperties"] is False
     assert set(body["content"]["application/json"]["example"]) <= BODY_MODELS[path]
     assert op["responses"]["200"]["description"]

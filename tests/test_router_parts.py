@@ -328,7 +328,7 @@ def test_fan_out_asks_every_worker_and_keeps_their_order():
     async def body():
         table, sent = PendingTable(), []
 
-        async def send(w, msg):  # worker 0 answers, worker 1 fails, worker 2 never answers
+        async def send(w, msg, tensors):  # worker 0 answers, worker 1 fails, worker 2 never answers
             sent.append((w.index, msg.op, msg.module, msg.path))
             if w.index == 0:
                 table.resolve(ControlReply(v=PROTOCOL_VERSION, request_id=msg.request_id, role="denoise", index=0,

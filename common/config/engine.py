@@ -39,6 +39,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     request_timeout_s: float = 600.0
     max_pending: int = 256  # samples in flight before the router answers 429
     max_body_bytes: int = 1 << 20
+    # LoRA adapters: how many each denoise worker holds, their largest rank, the largest adapter body.
+    max_loras: int = 16
+    max_lora_rank: int = 128
+    max_lora_bytes: int = 1 << 30
     # ZeroMQ disconnects a peer that sends a larger message part (bounds hostile frames).
     max_message_bytes: int = 1 << 30
 

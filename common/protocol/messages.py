@@ -59,6 +59,7 @@ LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  #
 TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, 5, required=False)  # [T+1, C, F', H', W']
 TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T]
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1]
+LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
 ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS)
 
@@ -115,6 +116,18 @@ class Route(_Strict, frozen=True):
     decode: int
 
 
+# An adapter's name: what requests and the adapter endpoints call it.
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+LoraName = Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)]
+
+
+class LoraTensor(_Strict, frozen=True):
+    """One tensor of an adapter sent from memory: its state-dict key and shape inside ``LORA_BLOB``."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]], msgspec.Meta(min_length=1, max_length=2)]
+
+
 class RolloutParams(_Strict):
     """What ``/rollout/generate`` adds to a generation request."""
 
@@ -143,6 +156,8 @@ class GenerationParams(_Strict):
     timesteps: list[float] | None = None
     mu: float | None = None
     rollout: RolloutParams | None = None
+    lora_name: LoraName | None = None  # a loaded LoRA adapter, applied at lora_scale; None: the base model
+    lora_scale: float = 1.0
     # Absolute deadline (seconds since the epoch): past it, workers drop the request
     # instead of spending compute on an answer nobody waits for any more.
     deadline: float | None = None
@@ -200,18 +215,27 @@ class Result(_Header, tag="result", kw_only=True):
 
 
 class ControlRequest(_Header, tag="control", kw_only=True):
-    """Router -> worker administration, handled between requests."""
+    """Router -> worker administration. Weight updates wait until no request is in flight; adapter
+    loads apply between two steps (requests in flight keep the adapter version they started with)."""
 
-    op: Literal["update_weights", "checksum"]
-    module: ExpertName = "transformer"
+    carries = (LORA_BLOB,)
+
+    op: Literal["update_weights", "checksum", "load_lora", "unload_lora"]
+    module: ExpertName = "transformer"  # load_lora from memory: the expert the tensors belong to
     path: str | None = None
-    version: int | None = None  # the weight version to report after a successful update
+    version: int | None = None  # the weight (or adapter) version to report after a successful load
+    lora_name: LoraName | None = None
+    load_into_transformer_2: bool = False  # load_lora from a path: its transformer keys go to the second expert
+    # load_lora from memory: the adapter's tensors, in order, inside LORA_BLOB, and its rank and alpha.
+    lora_tensors: list[LoraTensor] = []
+    lora_rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    lora_alpha: float | None = None
 
 
 class ControlReply(_Header, tag="control_reply", kw_only=True):
     role: str
     index: int
-    data: dict[str, str | int | float | None] = {}
+    data: dict[str, str | int | float | list[str] | None] = {}
 
 
 class Progress(_Header, tag="progress", kw_only=True):

@@ -61,8 +61,12 @@ class Stage:
     def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
         raise NotImplementedError
 
-    def control(self, msg: ControlRequest) -> dict:
-        """Administration between requests (weight sync); stages that have none refuse."""
+    def applies_between_steps(self, msg: ControlRequest) -> bool:
+        """Whether ``msg`` may apply while requests are in flight; else it waits until none is."""
+        return False
+
+    def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
+        """Administration (weight sync, adapters); stages that have none refuse."""
         raise RequestError(f"{self.role} worker takes no {msg.op} requests")
 
 

@@ -55,7 +55,7 @@ class WorkerRuntime:
         self.cuda_ipc = CudaIpcContext(self.config, self.spec)  # GPU worker to GPU worker: tensors stay on GPUs
         self.state = "loading"
         self._stop = threading.Event()
-        self._controls: collections.deque[ControlRequest] = collections.deque()
+        self._controls: collections.deque[tuple[ControlRequest, dict]] = collections.deque()
         self._held: collections.deque = collections.deque()
         self._push: dict[str, zmq.Socket] = {}
         self._parent = os.getppid()
@@ -134,7 +134,10 @@ class WorkerRuntime:
             return
         expected = REQUEST_KINDS[self.stage.role]
         if isinstance(msg, ControlRequest):
-            self._controls.append(msg)  # applied between requests, see run()
+            if self.stage.applies_between_steps(msg):
+                self.handle_control(msg, tensors)  # here, between two steps of the stage's work
+            else:
+                self._controls.append((msg, tensors))  # applied when no request is in flight
             return
         if not isinstance(msg, expected):
             log.warning("dropped %s message: this worker takes %s", type(msg).__name__, expected.__name__)
@@ -173,9 +176,9 @@ class WorkerRuntime:
             log.exception("request %s failed in %s: could not send it on", msg.request_id, self.stage.role)
             self.reply_error(msg.request_id, e)
 
-    def handle_control(self, msg: ControlRequest) -> None:
+    def handle_control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> None:
         try:
-            data = self.stage.control(msg)
+            data = self.stage.control(msg, tensors)
         except Exception as e:
             log.exception("%s %s failed", msg.op, msg.request_id)
             self.reply_error(msg.request_id, e)
@@ -210,7 +213,7 @@ class WorkerRuntime:
         if not self._controls or self.stage.has_work():
             return
         while self._controls:
-            self.handle_control(self._controls.popleft())
+            self.handle_control(*self._controls.popleft())
         held, self._held = self._held, collections.deque()
         for msg, tensors in held:
             self.admit(msg, tensors)

@@ -9,6 +9,8 @@ log-probs to agree to float32 rounding.
   ``boundary_ratio`` (the first serves ``t >= boundary_ratio * num_train_timesteps``).
 - Guidance: classifier-free when ``guidance_scale > 1``; the second expert uses
   ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does.
+- LoRA: each sample may bring its own adapter and scale (:mod:`common.wan.lora`),
+  applied to its conditional and unconditional passes alike, as peft does.
 - Step: on the rollout (flow-match Euler) schedule, :func:`step_at` takes step ``i``
   with :func:`common.wan.sde.sde_step`.
 """
@@ -22,6 +24,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from common.protocol.messages import ExpertName, SdeType
+from common.wan.lora import LoraAdapter, LoraHooks
 from common.wan.model_info import ModelInfo
 from common.wan.sde import SdeStep, sde_step
 
@@ -43,12 +46,14 @@ class ModelInput:
     uncond: torch.Tensor | None  # None: no guidance
     guidance_scale: float
     guidance_scale_2: float | None = None
+    lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
 
 
 class WanPolicy:
     def __init__(self, info: ModelInfo, experts: dict[str, WanTransformer3DModel]):
         self.info = info
         self.experts = experts
+        self.lora_hooks = {name: LoraHooks(name, model) for name, model in experts.items()}
 
     @classmethod
     def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
@@ -60,6 +65,11 @@ class WanPolicy:
             model = WanTransformer3DModel.from_pretrained(info.path / name, dtype=dtype)
             experts[name] = model.to(device).eval().requires_grad_(trainable)
         return cls(info, experts)
+
+    def cover(self, adapter: LoraAdapter) -> None:
+        """Make every module ``adapter`` targets able to take its delta (before a forward uses it)."""
+        for hooks in self.lora_hooks.values():
+            hooks.cover(adapter)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,10 +98,11 @@ class WanPolicy:
         model = self.experts[name]
         h = x.latents.to(model.dtype)
         t = x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep
-        v = model(hidden_states=h, timestep=t, encoder_hidden_states=x.cond, return_dict=False)[0]
-        if x.uncond is not None:
-            v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=x.uncond, return_dict=False)[0]
-            v = v_u + self.guidance_scale(name, x) * (v - v_u)
+        with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
+            v = model(hidden_states=h, timestep=t, encoder_hidden_states=x.cond, return_dict=False)[0]
+            if x.uncond is not None:
+                v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=x.uncond, return_dict=False)[0]
+                v = v_u + self.guidance_scale(name, x) * (v - v_u)
         return v
 
     def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
@@ -110,8 +121,9 @@ class WanPolicy:
         h = torch.cat([x.latents for x in inputs]).to(model.dtype)
         ts = torch.stack([x.timestep.float() for x in inputs])
         text = torch.cat([x.cond for x in inputs] + [inputs[i].uncond for i in guided])
-        out = model(hidden_states=torch.cat([h, h[guided]]), timestep=torch.cat([ts, ts[guided]]),
-                    encoder_hidden_states=text, return_dict=False)[0]
+        with self.lora_hooks[name].rows([x.lora for x in inputs] + [inputs[i].lora for i in guided]):
+            out = model(hidden_states=torch.cat([h, h[guided]]), timestep=torch.cat([ts, ts[guided]]),
+                        encoder_hidden_states=text, return_dict=False)[0]
         result = [out[i : i + 1] for i in range(len(inputs))]
         for j, i in enumerate(guided):
             v_u = out[len(inputs) + j : len(inputs) + j + 1]

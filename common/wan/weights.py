@@ -118,7 +118,7 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def _check_allowed(path: Path, roots: list[Path] | None, shown: Path | None = None) -> None:
+def check_allowed(path: Path, roots: list[Path] | None, shown: Path | None = None) -> None:
     if roots is None:
         return
     real = _real(path)
@@ -129,10 +129,11 @@ def _check_allowed(path: Path, roots: list[Path] | None, shown: Path | None = No
             f"{shown}{via} is outside the allowed weight directories: {', '.join(map(str, roots))}")
 
 
-def _load_file(path: Path, roots: list[Path] | None) -> dict[str, torch.Tensor]:
+def load_safetensors_file(path: Path, roots: list[Path] | None) -> dict[str, torch.Tensor]:
+    """The tensors of one .safetensors file on the CPU, after checking it lies below ``roots``."""
     from safetensors.torch import load_file
 
-    _check_allowed(path, roots)
+    check_allowed(path, roots)
     if not path.is_file():
         raise WeightsError(f"{path} is not a regular file")
     if not path.name.endswith(SAFETENSORS_SUFFIX):
@@ -146,7 +147,7 @@ def _load_file(path: Path, roots: list[Path] | None) -> dict[str, torch.Tensor]:
 
 
 def _load_sharded(index: Path, roots: list[Path] | None) -> dict[str, torch.Tensor]:
-    _check_allowed(index, roots)
+    check_allowed(index, roots)
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(
@@ -163,7 +164,7 @@ def _load_sharded(index: Path, roots: list[Path] | None) -> dict[str, torch.Tens
         shard_path = index.parent / shard
         if not shard_path.exists():
             raise WeightsError(f"{index} names shard {shard!r}, which does not exist")
-        part = _load_file(shard_path, roots)
+        part = load_safetensors_file(shard_path, roots)
         listed = {k for k, v in weight_map.items() if v == shard}
         if set(part) != listed:
             extra = sorted(set(part) - listed)
@@ -193,17 +194,17 @@ def read_weights(path: str | os.PathLike, allowed_roots: list[Path] | None = Non
     given = Path(os.path.expanduser(os.fspath(path)))
     roots = None if allowed_roots is None else [_real(Path(os.path.expanduser(r))) for r in allowed_roots]
     # Roots first, so that callers cannot probe which paths exist outside them.
-    _check_allowed(given, roots)
+    check_allowed(given, roots)
     if not given.exists():
         raise WeightsError(f"{given} does not exist")
 
     if not given.is_dir():
-        return _load_file(given, roots)
+        return load_safetensors_file(given, roots)
 
     if (given / WEIGHTS_INDEX_NAME).is_file():
         return _load_sharded(given / WEIGHTS_INDEX_NAME, roots)
     if (given / WEIGHTS_NAME).exists():
-        return _load_file(given / WEIGHTS_NAME, roots)
+        return load_safetensors_file(given / WEIGHTS_NAME, roots)
     indexes = sorted(p for p in given.iterdir() if p.name.endswith(INDEX_SUFFIX))
     if len(indexes) == 1:
         return _load_sharded(indexes[0], roots)
@@ -211,7 +212,7 @@ def read_weights(path: str | os.PathLike, allowed_roots: list[Path] | None = Non
         raise WeightsError(f"{given} holds several safetensors indexes ({_names(indexes)}); pass one file")
     files = sorted(p for p in given.iterdir() if p.name.endswith(SAFETENSORS_SUFFIX))
     if len(files) == 1:
-        return _load_file(files[0], roots)
+        return load_safetensors_file(files[0], roots)
     if len(files) > 1:
         raise WeightsError(
             f"{given} holds several .safetensors files ({_names(files)}) and no index; pass one file")

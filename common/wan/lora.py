@@ -1,0 +1,155 @@
+"""LoRA adapters applied per sample, batched, without merging them into the base weights.
+
+A forward of the transformer may hold samples with different adapters (and
+samples with none). Each targeted ``nn.Linear`` runs once for the whole batch;
+a forward hook then adds, for the rows of each adapter, that adapter's delta
+``scale * scaling * (x A^T) B^T`` (grouped per adapter, as S-LoRA and Punica
+do). The base weights are never touched, so switching adapters costs nothing,
+and the state dict (weight sync, checksums) is the base model's.
+
+An adapter is immutable once built: loading a name again makes a new
+:class:`LoraAdapter` with the next version, and a request keeps the object it
+started with, so a request in flight finishes on its version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from common.wan.lora_format import ExpertLora, LoraError
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One targeted Linear's low-rank pair, in the model's dtype and on its device."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float  # alpha / r
+
+
+@dataclass(frozen=True, eq=False)  # identity: two loads of one name are two adapters
+class LoraAdapter:
+    name: str
+    version: int
+    experts: dict[str, dict[str, LoraModule]]
+    sha256: str
+
+    @property
+    def rank(self) -> int:
+        return max(m.a.shape[0] for mods in self.experts.values() for m in mods.values())
+
+    def describe(self) -> dict:
+        scalings = {m.scaling for mods in self.experts.values() for m in mods.values()}
+        return {
+            "lora_name": self.name, "lora_version": self.version, "rank": self.rank,
+            "scale": scalings.pop() if len(scalings) == 1 else None,  # alpha / r, when every module agrees
+            "target_modules": sorted({p for mods in self.experts.values() for p in mods}),
+            "experts": sorted(self.experts), "sha256": self.sha256,
+        }
+
+
+def build_adapter(name: str, version: int, parsed: dict[str, ExpertLora], models: dict[str, torch.nn.Module],
+                  max_rank: int) -> LoraAdapter:
+    """Check every module of ``parsed`` against the model it targets, then cast it to that model's dtype."""
+    digest = hashlib.sha256()
+    experts: dict[str, dict[str, LoraModule]] = {}
+    for expert, part in sorted(parsed.items()):
+        model = models.get(expert)
+        if model is None:
+            raise LoraError(f"the adapter has weights for {expert}, which this model does not have")
+        experts[expert] = {path: _checked(model, expert, path, a, b, scaling, max_rank, digest)
+                           for path, (a, b, scaling) in part.modules.items()}
+    return LoraAdapter(name, version, experts, digest.hexdigest())
+
+
+def _checked(model, expert, path, a, b, scaling, max_rank, digest) -> LoraModule:
+    where = f"{expert}.{path}"
+    try:
+        linear = model.get_submodule(path)
+    except AttributeError:
+        raise LoraError(f"unknown target module {where}: the transformer has no such module") from None
+    if not isinstance(linear, torch.nn.Linear):
+        raise LoraError(f"target module {where} is a {type(linear).__name__}, not a Linear")
+    rank = a.shape[0]
+    if rank > max_rank:
+        raise LoraError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
+    if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+        raise LoraError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit a Linear "
+                        f"{linear.in_features} -> {linear.out_features}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise LoraError(f"{where}: lora_A and lora_B must be floating point")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoraError(f"{where}: non-finite values (NaN or inf)")
+    w = linear.weight
+    for t in (a, b):
+        digest.update(f"{where}:{list(t.shape)}:{scaling!r}".encode())
+        digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return LoraModule(a.detach().to(w.device, w.dtype), b.detach().to(w.device, w.dtype), scaling)
+
+
+class LoraRows:
+    """The adapter of every row of one forward's batch: (adapter, scale) or None per row."""
+
+    def __init__(self, rows: list[tuple[LoraAdapter, float] | None], device: torch.device):
+        self.n = len(rows)
+        groups: dict[LoraAdapter, tuple[list[int], list[float]]] = {}
+        for i, choice in enumerate(rows):
+            if choice is not None:
+                idx, scales = groups.setdefault(choice[0], ([], []))
+                idx.append(i)
+                scales.append(choice[1])
+        self.groups = [(adapter, torch.tensor(idx, device=device), torch.tensor(scales), len(idx) == self.n)
+                       for adapter, (idx, scales) in groups.items()]
+
+    def add_deltas(self, expert: str, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != self.n:  # every Linear of Wan's transformer sees the batch first
+            raise RuntimeError(f"{expert}.{path}: input batch {x.shape[0]} is not the {self.n} rows of this forward")
+        for adapter, idx, scales, whole in self.groups:
+            m = adapter.experts.get(expert, {}).get(path)
+            if m is None:
+                continue
+            xs = x if whole else x.index_select(0, idx)
+            delta = (xs @ m.a.T) @ m.b.T
+            factor = (scales.double() * m.scaling).to(delta.dtype).to(delta.device)
+            delta = delta * factor.view(-1, *([1] * (delta.dim() - 1)))
+            out = out + delta if whole else out.index_add(0, idx, delta)
+        return out
+
+
+class LoraHooks:
+    """Forward hooks on one expert's targeted Linears; they act only inside :meth:`rows`."""
+
+    def __init__(self, expert: str, model: torch.nn.Module):
+        self.expert, self.model = expert, model
+        self.hooked: set[str] = set()
+        self.active: LoraRows | None = None
+
+    def cover(self, adapter: LoraAdapter) -> None:
+        """Hook the modules ``adapter`` targets in this expert (hooks stay: an idle one costs a check)."""
+        for path in adapter.experts.get(self.expert, {}):
+            if path not in self.hooked:
+                self.model.get_submodule(path).register_forward_hook(self._hook(path))
+                self.hooked.add(path)
+
+    def _hook(self, path: str):
+        def hook(module, args, out):
+            return None if self.active is None else self.active.add_deltas(self.expert, path, args[0], out)
+        return hook
+
+    @contextmanager
+    def rows(self, rows: list[tuple[LoraAdapter, float] | None]) -> Iterator[None]:
+        """Apply the rows' adapters during the forward inside this block (nothing when no row has one)."""
+        if all(r is None for r in rows):
+            yield
+            return
+        self.active = LoraRows(rows, next(self.model.parameters()).device)
+        try:
+            yield
+        finally:
+            self.active = None
