@@ -11,6 +11,7 @@ from common.protocol.errors import RequestError
 from common.protocol.messages import LORA_BLOB, ControlRequest, GenerationParams
 from common.wan.lora import LoraAdapter, build_adapter
 from common.wan.lora_format import LoraConfig, LoraError, parse_state, read_lora
+from common.wan.weights import WeightsError
 from common.wan.policy import WanPolicy
 
 
@@ -43,7 +44,7 @@ class AdapterTable:
             parsed = self._read_path(msg) if msg.path else self._read_tensors(msg, tensors)
             version = msg.version if msg.version is not None else self._next_version(msg.lora_name)
             adapter = build_adapter(msg.lora_name, version, parsed, self.policy.experts, limits.max_lora_rank)
-        except LoraError as e:  # WeightsError too (paths, files): the caller's input
+        except WeightsError as e:  # LoraError is one too: bad paths, files or tensors are the caller's
             raise RequestError(str(e)) from None
         self.policy.cover(adapter)
         self.by_name[adapter.name] = adapter  # one assignment: the next request sees the new version
