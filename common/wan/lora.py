@@ -94,31 +94,60 @@ def _checked(model, expert, path, a, b, scaling, max_rank, digest) -> LoraModule
 
 
 class LoraRows:
-    """The adapter of every row of one forward's batch: (adapter, scale) or None per row."""
+    """The adapter of every row of one forward's batch: (adapter, scale) or None per row.
+
+    Per targeted Linear, the adapters present are stacked into one ``A`` [R, in] and one ``B``
+    [out, R] (R: their ranks summed), and a per-row mask [n, R] holds ``scale * alpha / r`` in the
+    columns of the row's own adapter and 0 elsewhere. The delta of every row is then two small
+    matmuls for the whole batch, ``((x A^T) * mask) B^T``, added into the Linear's output in place:
+    no gather or scatter of activations, whatever the number of adapters.
+    """
 
     def __init__(self, rows: list[tuple[LoraAdapter, float] | None], device: torch.device):
-        self.n = len(rows)
+        self.n, self.device = len(rows), device
+        self.stacked: dict[tuple[str, str], tuple | None] = {}  # per module, built at its first call
         groups: dict[LoraAdapter, tuple[list[int], list[float]]] = {}
         for i, choice in enumerate(rows):
             if choice is not None:
                 idx, scales = groups.setdefault(choice[0], ([], []))
                 idx.append(i)
                 scales.append(choice[1])
-        self.groups = [(adapter, torch.tensor(idx, device=device), torch.tensor(scales), len(idx) == self.n)
+        self.groups = [(adapter, torch.tensor(idx, device=device), torch.tensor(scales, dtype=torch.float64))
                        for adapter, (idx, scales) in groups.items()]
+
+    def _stacked(self, expert: str, path: str, dtype: torch.dtype):
+        """(A, B, mask) of the adapters present that target this module, or None if none does."""
+        a_parts, b_parts, blocks = [], [], []
+        for adapter, idx, scales in self.groups:
+            m = adapter.experts.get(expert, {}).get(path)
+            if m is not None:
+                a_parts.append(m.a)
+                b_parts.append(m.b)
+                blocks.append((idx, (scales * m.scaling).to(dtype), m.a.shape[0]))
+        if not a_parts:
+            return None
+        mask = torch.zeros(self.n, sum(r for _, _, r in blocks), dtype=dtype, device=self.device)
+        col = 0
+        for idx, factor, r in blocks:
+            mask[idx, col:col + r] = factor.to(self.device)[:, None]
+            col += r
+        return torch.cat(a_parts), torch.cat(b_parts, dim=1), mask
 
     def add_deltas(self, expert: str, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.n:  # every Linear of Wan's transformer sees the batch first
             raise RuntimeError(f"{expert}.{path}: input batch {x.shape[0]} is not the {self.n} rows of this forward")
-        for adapter, idx, scales, whole in self.groups:
-            m = adapter.experts.get(expert, {}).get(path)
-            if m is None:
-                continue
-            xs = x if whole else x.index_select(0, idx)
-            delta = (xs @ m.a.T) @ m.b.T
-            factor = (scales.double() * m.scaling).to(delta.dtype).to(delta.device)
-            delta = delta * factor.view(-1, *([1] * (delta.dim() - 1)))
-            out = out + delta if whole else out.index_add(0, idx, delta)
+        key = (expert, path)
+        if key not in self.stacked:
+            self.stacked[key] = self._stacked(expert, path, out.dtype)
+        stacked = self.stacked[key]
+        if stacked is None:
+            return out
+        a, b, mask = stacked
+        u = x.reshape(self.n, -1, x.shape[-1]) @ a.T  # [n, tokens, R]
+        u = (u * mask[:, None, :]).reshape(-1, a.shape[0])
+        if torch.is_grad_enabled() or not out.is_contiguous():
+            return out + (u @ b.T).view(out.shape)
+        out.view(-1, out.shape[-1]).addmm_(u, b.T)  # the delta goes straight into the output
         return out
 
 
@@ -129,6 +158,7 @@ class LoraHooks:
         self.expert, self.model = expert, model
         self.hooked: set[str] = set()
         self.active: LoraRows | None = None
+        self._last: tuple[tuple, LoraRows] | None = None  # consecutive forwards often have the same rows
 
     def cover(self, adapter: LoraAdapter) -> None:
         """Hook the modules ``adapter`` targets in this expert (hooks stay: an idle one costs a check)."""
@@ -148,7 +178,10 @@ class LoraHooks:
         if all(r is None for r in rows):
             yield
             return
-        self.active = LoraRows(rows, next(self.model.parameters()).device)
+        key = tuple(rows)  # adapters hash by identity: a new version is a new key
+        if self._last is None or self._last[0] != key:
+            self._last = (key, LoraRows(rows, next(self.model.parameters()).device))
+        self.active = self._last[1]
         try:
             yield
         finally:
