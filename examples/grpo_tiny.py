@@ -2,6 +2,7 @@
 
     python examples/grpo_tiny.py --launch            # starts its own engine on a free port
     python examples/grpo_tiny.py --url http://127.0.0.1:8000 --work-dir DIR
+    python examples/grpo_tiny.py --launch --lora     # train a LoRA adapter instead of the full transformer
 
 With ``--url``, the engine must have been started with ``--weight-root DIR`` (weight
 updates are refused otherwise) and DIR given here as ``--work-dir``; a key in
@@ -13,6 +14,13 @@ advantages, a clipped policy-gradient step on the trainer's own copy of the
 transformer (log-probs recomputed with the same function the engine used),
 save, push to the engine, check the checksum, and check that the engine's
 log-probs for a fixed request now equal the trainer's new policy's.
+
+With ``--lora`` the transformer's base weights stay frozen and a peft LoRA on the
+trainer's copy trains instead (``rl.lora``): the adapter is pushed to the engine from
+memory before the first rollouts and after every update (``--lora-sync disk``: saved
+as diffusers' LoRA file below the work dir and loaded by path), rollouts name it with
+``lora_name``, and the check compares the engine's log-probs under the adapter with
+the trainer's. The engine's base weights are never touched.
 """
 
 from __future__ import annotations
@@ -41,6 +49,16 @@ def toy_reward(latents: torch.Tensor) -> float:
     return latents[0].mean().item()
 
 
+def sync_lora(client: EngineClient, policy: TrainerPolicy, args, work: Path, tag: str) -> dict:
+    """Hand the trainer's adapter to the engine under ``args.lora_name``; a new load makes a new version."""
+    from rl.lora import push_lora, save_lora
+
+    if args.lora_sync == "memory":
+        return push_lora(client, policy, args.lora_name)
+    save_lora(policy, work / f"lora-{tag}")
+    return client.load_lora_adapter(args.lora_name, str(work / f"lora-{tag}"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -51,12 +69,20 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="rollouts per prompt")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--window", type=int, nargs="+", default=[1, 2], help="SDE step indices")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None, help="default: 3e-3, with --lora 2e-2")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--inner-steps", type=int, default=2, help="policy updates per batch of rollouts")
     ap.add_argument("--guidance", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of the full transformer")
+    ap.add_argument("--lora-rank", type=int, default=4)
+    ap.add_argument("--lora-alpha", type=float, default=None, help="default: the rank")
+    ap.add_argument("--lora-name", default="grpo-tiny", help="the adapter's name on the engine")
+    ap.add_argument("--lora-sync", choices=["memory", "disk"], default="memory",
+                    help="push the adapter's tensors, or save it below the work dir and load it by path")
     args = ap.parse_args()
+    if args.lr is None:
+        args.lr = 2e-2 if args.lora else 3e-3
 
     import transformers
 
@@ -72,11 +98,23 @@ def main() -> None:
     try:
         model_dir = client.health()["model"]
         policy = TrainerPolicy(model_dir)
-        optim = torch.optim.Adam(policy.transformer.parameters(), lr=args.lr)
         rollout_kw = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, sde_step_indices=args.window,
                           return_trajectory=True, noise_level=0.7)
         embeds = {p: policy.embeddings(p, "", args.guidance) for p in PROMPTS}
-        assert client.weights_checksum()["sha256"] == state_dict_checksum(policy.transformer), "start from the same weights"
+        base_sum = state_dict_checksum(policy.transformer)
+        assert client.weights_checksum()["sha256"] == base_sum, "start from the same weights"
+        if args.lora:
+            from rl.lora import add_lora, lora_parameters
+
+            add_lora(policy, args.lora_rank, args.lora_alpha, seed=args.seed)
+            optim = torch.optim.Adam(lora_parameters(policy), lr=args.lr)
+            res = sync_lora(client, policy, args, work, "init")  # lora_B = 0: the base model, under a name
+            rollout_kw["lora_name"] = args.lora_name
+            print(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank}: "
+                  f"{sum(p.numel() for p in lora_parameters(policy))} trainable parameters, "
+                  f"'{args.lora_name}' version {res['lora_version']} on the engine")
+        else:
+            optim = torch.optim.Adam(policy.transformer.parameters(), lr=args.lr)
 
         print(f"{'iter':>4} {'reward':>8} {'r_std':>7} {'loss':>9} {'ratio':>6} {'clip%':>5} "
               f"{'sync_s':>6} {'ver':>3} {'sum_ok':>6} {'|engine-trainer|':>16}")
@@ -106,13 +144,24 @@ def main() -> None:
                     clipped += int(((ratio - 1).abs() > args.clip).sum())
                 optim.step()
             # 3. Save, push, verify.
-            path = work / f"iter{it}.safetensors"
-            save_weights(policy.transformer, path)
             t0 = time.perf_counter()
-            res = client.update_weights_from_disk(path)
-            sync_s = time.perf_counter() - t0
-            ok = res["sha256"] == state_dict_checksum(policy.transformer) == client.weights_checksum()["sha256"]
+            if args.lora:
+                res = sync_lora(client, policy, args, work, f"iter{it}")
+                sync_s = time.perf_counter() - t0
+                version = res["lora_version"]
+                # The adapter's new version is what the engine lists, and its base weights are untouched.
+                ok = any(a["lora_name"] == args.lora_name and a["lora_version"] == version
+                         for a in client.lora_adapters()) and client.weights_checksum()["sha256"] == base_sum
+            else:
+                path = work / f"iter{it}.safetensors"
+                save_weights(policy.transformer, path)
+                res = client.update_weights_from_disk(path)
+                sync_s = time.perf_counter() - t0
+                version = res["weight_version"]
+                ok = res["sha256"] == state_dict_checksum(policy.transformer) == client.weights_checksum()["sha256"]
             probe = client.rollout(PROMPTS[0], seed=123456, **rollout_kw)["samples"][0]
+            if args.lora:
+                ok = ok and probe["lora_name"] == args.lora_name and probe["lora_version"] == version
             with torch.no_grad():
                 mine = policy.log_probs(Trajectory.from_sample(probe), probe["log_prob_steps"], PROMPTS[0], "",
                                         args.guidance, noise_level=0.7, embeddings=embeds[PROMPTS[0]])
@@ -120,7 +169,7 @@ def main() -> None:
             rewards = torch.tensor([b[3] for b in batch])
             r = torch.cat(ratios)
             print(f"{it:>4} {rewards.mean():>8.4f} {rewards.std():>7.4f} {sum(losses) / len(losses):>9.5f} "
-                  f"{r.mean():>6.3f} {100 * clipped / r.numel():>5.1f} {sync_s:>6.3f} {res['weight_version']:>3} "
+                  f"{r.mean():>6.3f} {100 * clipped / r.numel():>5.1f} {sync_s:>6.3f} {version:>3} "
                   f"{str(ok):>6} {gap:>16.2e}", flush=True)
             if not ok or gap > 1e-5:
                 raise SystemExit("engine and trainer disagree after the weight sync")
