@@ -149,9 +149,12 @@ def main() -> None:
                 res = sync_lora(client, policy, args, work, f"iter{it}")
                 sync_s = time.perf_counter() - t0
                 version = res["lora_version"]
-                # The adapter's new version is what the engine lists, and its base weights are untouched.
+                # The engine lists the new version with the trainer's own digest; its base weights are untouched.
+                from rl.lora import lora_sha256
+
                 ok = any(a["lora_name"] == args.lora_name and a["lora_version"] == version
-                         for a in client.lora_adapters()) and client.weights_checksum()["sha256"] == base_sum
+                         and a["sha256"] == lora_sha256(policy) for a in client.lora_adapters())
+                ok = ok and client.weights_checksum()["sha256"] == base_sum
             else:
                 path = work / f"iter{it}.safetensors"
                 save_weights(policy.transformer, path)

@@ -11,7 +11,7 @@ from common.wan.weights import save_weights, state_dict_checksum
 from rl.policy import TrainerPolicy, Trajectory
 
 _LORA = ("add_lora", "freeze_base", "lora_config", "lora_metadata", "lora_parameters", "lora_state_dict",
-         "push_lora", "save_lora", "set_lora_scale", "DEFAULT_TARGETS")
+         "lora_sha256", "push_lora", "save_lora", "set_lora_scale", "DEFAULT_TARGETS")
 
 __all__ = ["TrainerPolicy", "Trajectory", "sde_step", "log_prob_of", "state_dict_checksum", "save_weights", *_LORA]
 

@@ -29,6 +29,9 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from common.wan.lora_format import LoraConfig as EngineLoraConfig
+from common.wan.lora_format import lora_sha256 as adapter_sha256
+from common.wan.lora_format import parse_state
 from rl.policy import TrainerPolicy
 
 # The attention projections of every block (self- and cross-attention), as diffusers' Wan LoRA scripts target.
@@ -118,6 +121,14 @@ def push_lora(client, policy: TrainerPolicy, lora_name: str, expert: str = "tran
     rank, alpha = _rank_alpha(lora_config(policy, expert, adapter_name))
     return client.load_lora_adapter_from_tensors(lora_name, lora_state_dict(policy, expert, adapter_name),
                                                  rank=rank, alpha=alpha, module=expert)
+
+
+def lora_sha256(policy: TrainerPolicy, expert: str = "transformer", adapter_name: str = DEFAULT_ADAPTER) -> str:
+    """The sha256 the engine reports for this adapter once pushed (``/v1/lora_adapters``), computed here."""
+    rank, alpha = _rank_alpha(lora_config(policy, expert, adapter_name))
+    parsed = parse_state(lora_state_dict(policy, expert, adapter_name), EngineLoraConfig(r=rank, lora_alpha=alpha),
+                         default_expert=expert)
+    return adapter_sha256(parsed)
 
 
 def lora_metadata(policy: TrainerPolicy, expert: str = "transformer", adapter_name: str = DEFAULT_ADAPTER) -> dict:

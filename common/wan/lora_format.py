@@ -19,6 +19,7 @@ Only safetensors are read, and only below the allowed roots (:mod:`common.wan.we
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -122,6 +123,18 @@ def _module(module: str, p: dict[str, torch.Tensor], config: LoraConfig) -> tupl
     alpha_key = p.get("alpha")
     alpha = float(alpha_key.reshape(-1)[0]) if alpha_key is not None and alpha_key.numel() == 1 else None
     return a, b, config.scaling(module, a.shape[0], alpha)
+
+
+def lora_sha256(parsed: dict[str, ExpertLora]) -> str:
+    """SHA-256 of an adapter: every expert's modules in order, their shapes, scalings and float32 values.
+    Needs no model, so a trainer can compute it on the state dict it pushes and compare it with the engine's."""
+    digest = hashlib.sha256()
+    for expert in sorted(parsed):
+        for path, (a, b, scaling) in sorted(parsed[expert].modules.items()):
+            for t in (a, b):
+                digest.update(f"{expert}.{path}:{list(t.shape)}:{scaling!r}".encode())
+                digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def read_lora(path: str, roots: list[str] | None, swap_experts: bool = False) -> dict[str, ExpertLora]:
