@@ -104,3 +104,23 @@ def diffusers_generate(model_dir: Path, *, prompt, seed, height, width, num_fram
     if output_type == "np":
         return torch.from_numpy(out[0])
     return out[0]
+
+
+@pytest.fixture(scope="session")
+def moe_dir() -> Path:
+    return ensure_tiny_model("tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def lora_root(tmp_path_factory) -> Path:
+    """A weight root for LoRA adapters (``--weight-root``): adapters that engines may load are written below it."""
+    return tmp_path_factory.mktemp("lora-root")
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_dir, lora_root):
+    """A diffusers-format adapter on the tiny model (rank 4, alpha 8, the attention projections), with the
+    peft state dict it was saved from (``tests/lora_fixtures.py``)."""
+    from lora_fixtures import ATTN, make_diffusers_lora
+
+    return make_diffusers_lora(tiny_dir, lora_root / "tiny-lora", rank=4, alpha=8, target_modules=ATTN, seed=1)
