@@ -158,6 +158,24 @@ def loaded(client, made) -> dict[str, dict]:
     return {name: client.load_lora_adapter(name, str(made[name].path)) for name in ("a", "a0", "b", "p")}
 
 
+# --- the reference itself -----------------------------------------------------------------------------------
+
+
+def test_reference_adapters_behave_as_diffusers_defines_them(tiny_dir, tiny_lora, lora_root):
+    """No engine: the adapters change diffusers' output; scale 0 is the base model; a file without metadata is
+    read with alpha = rank (so at scale alpha/rank it equals the file with metadata at scale 1)."""
+    req = _request(tiny_dir, seed=11)
+    no_meta = lf.make_diffusers_lora(tiny_dir, lora_root / "reference-no-meta", 4, 8, lf.ATTN, seed=1,
+                                     with_metadata=False)
+    base = _reference(tiny_dir, [], req, "latent")
+    with_a = _reference(tiny_dir, [(tiny_lora.path, "a", 1.0, False)], req, "latent")
+    assert _max_diff(with_a, base) > 1e-1
+    assert torch.equal(_reference(tiny_dir, [(tiny_lora.path, "a", 0.0, False)], req, "latent"), base)
+    assert _max_diff(_reference(tiny_dir, [(no_meta.path, "a0", 2.0, False)], req, "latent"), with_a) <= 1e-6
+    assert _max_diff(_reference(tiny_dir, [(no_meta.path, "a0", 1.0, False)], req, "latent"), with_a) > 1e-2
+    assert torch.equal(_reference(tiny_dir, [], req, "latent"), base)  # the adapters were unloaded again
+
+
 # --- loading and parity -------------------------------------------------------------------------------------
 
 
