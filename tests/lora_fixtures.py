@@ -232,7 +232,7 @@ def diffusers_lora_output(model_dir: Path, adapters, *, prompt, seed, height, wi
     pipe = _lora_pipe(Path(model_dir))
     names, scales = [], []
     try:
-        for path, name, scale, into_2 in adapters:
+        for path, name, scale, into_2 in adapters:  # a load that fails half-way is unloaded too (finally)
             kw = {"load_into_transformer_2": True} if into_2 else {}
             pipe.load_lora_weights(str(path), adapter_name=name, **kw)
             if name not in names:
@@ -247,6 +247,6 @@ def diffusers_lora_output(model_dir: Path, adapters, *, prompt, seed, height, wi
                        guidance_scale=guidance_scale, generator=torch.Generator("cpu").manual_seed(seed),
                        output_type=output_type, **kw).frames
     finally:
-        if names:
+        if adapters:
             pipe.unload_lora_weights()
     return torch.from_numpy(out[0]) if output_type == "np" else out[0]

@@ -225,6 +225,27 @@ def test_adapter_matches_diffusers(tiny_dir, client, loaded, made, name, scale, 
         assert _max_diff(got, _output(client, req, None, None, output_type)) > 1e-2  # the adapter matters
 
 
+def test_rslora_and_half_precision_files_match_diffusers(tiny_dir, client, loaded, lora_root):
+    """rsLoRA (scaling alpha / sqrt(r)) in the metadata, and factors stored in float16."""
+    import peft
+    from diffusers import WanPipeline
+
+    sd, _ = lf.lora_state_dict(tiny_dir, 4, 8, lf.ATTN, seed=13)
+    files = {"rs": (sd, peft.LoraConfig(r=4, lora_alpha=8, target_modules=lf.ATTN, use_rslora=True)),
+             "fp16": ({k: v.half() for k, v in sd.items()}, lf.lora_config(4, 8, lf.ATTN))}
+    req = _request(tiny_dir, seed=14)
+    for name, (tensors, config) in files.items():
+        path = lora_root / "test_lora" / name
+        WanPipeline.save_lora_weights(path, transformer_lora_layers=tensors,
+                                      transformer_lora_adapter_metadata=config.to_dict())
+        client.load_lora_adapter(name, str(path))
+        try:
+            got = _output(client, req, name, 0.9, "latent")
+            assert _max_diff(got, _reference(tiny_dir, [(path, name, 0.9, False)], req, "latent")) <= PARITY_TOL
+        finally:
+            client.unload_lora_adapter(name)
+
+
 def test_scale_zero_is_the_base_model(tiny_dir, client, loaded, made):
     req = _request(tiny_dir, seed=7)
     zero = _output(client, req, "a", 0.0, "latent")
