@@ -40,6 +40,13 @@ class Routes:
         self.config, self.dispatcher, self.info = config, dispatcher, info
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
+        dispatcher.on_worker_back = self._worker_back
+
+    async def _worker_back(self, worker) -> None:
+        """A restarted denoise worker gets the weight updates and the adapters its predecessor held."""
+        if worker.role == LoraControl.role:
+            await self.weights.replay(worker)
+            await self.loras.replay(worker)
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()

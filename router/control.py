@@ -76,6 +76,7 @@ class WeightControl:
         self._control = control
         self.version = 0  # the last version every worker loaded
         self._lock = asyncio.Lock()
+        self._loaded: dict[str, str] = {}  # module -> the path of its last update, for a restarted worker
 
     async def _all(self, op: str, **fields) -> list[ControlReply]:
         replies = await self._control(self.role, op, **fields)
@@ -90,6 +91,7 @@ class WeightControl:
             t0 = time.perf_counter()
             replies = await self._all("update_weights", module=module, path=path, version=version)
             self.version = version
+            self._loaded[module] = path
         return {
             "weight_version": version,
             "module": module,
@@ -97,6 +99,16 @@ class WeightControl:
             "seconds": time.perf_counter() - t0,
             "workers": [{"index": r.index, **r.data} for r in replies],
         }
+
+    async def replay(self, worker: WorkerSpec) -> None:
+        """A restarted worker loaded the model directory's weights: give it the updates since, at this version."""
+        async with self._lock:
+            for module, path in sorted(self._loaded.items()):
+                replies = await self._control(self.role, "update_weights", only=worker, module=module, path=path,
+                                              version=self.version)
+                failure = control_failure(replies, self.role)
+                if failure is not None:
+                    raise failure
 
     async def checksum(self, module: str) -> dict:
         replies = await self._all("checksum", module=module)

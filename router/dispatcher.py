@@ -14,6 +14,7 @@ and the control fan-out of :mod:`router.control`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 import logging
 import time
 import uuid
@@ -55,6 +56,9 @@ class Dispatcher:
         self._control: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Called for a process that replaced a worker, once it is ready, before requests are routed to it:
+        # it gets what its predecessor held (the LoRA adapters; see router/lora.py).
+        self.on_worker_back: Callable[[WorkerSpec], Awaitable[None]] | None = None
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -127,9 +131,12 @@ class Dispatcher:
             self.pending.discard(rid)
             self.registry.release(chosen)
 
-    async def control(self, role: str, op: str, tensors: dict | None = None, **fields) -> list[Reply]:
-        """Send one control request (with ``tensors``) to every instance of ``role``; each answer or error."""
-        return await fan_out(self.config.of_role(role), op, fields, self.pending, self._send_control,
+    async def control(self, role: str, op: str, tensors: dict | None = None, only: WorkerSpec | None = None,
+                      **fields) -> list[Reply]:
+        """Send one control request (with ``tensors``) to every instance of ``role`` (or ``only`` that one);
+        each answer or error."""
+        workers = [only] if only is not None else self.config.of_role(role)
+        return await fan_out(workers, op, fields, self.pending, self._send_control,
                              self.config.limits.request_timeout_s, tensors)
 
     async def _send_control(self, w: WorkerSpec, msg: ControlRequest, tensors: dict | None) -> None:
@@ -154,11 +161,23 @@ class Dispatcher:
                 continue
             self._dispatch(msg, tensors)
 
+    async def _sync(self, w) -> None:
+        try:
+            if self.on_worker_back is not None:
+                await self.on_worker_back(w.spec)
+        except Exception:
+            log.exception("could not give %s worker %d what its predecessor held", w.spec.role, w.spec.index)
+        finally:
+            w.syncing = False
+
     def _dispatch(self, msg, tensors) -> None:
         if isinstance(msg, Heartbeat):
             replaced = self.registry.heartbeat(msg)
             if replaced is not None:
                 self._fail_requests_in(msg.role, msg.index, replaced)
+            w = self.registry.workers.get((msg.role, msg.index))
+            if w is not None and self.registry.take_new_ready(w):
+                self._tasks.append(asyncio.create_task(self._sync(w)))
         elif isinstance(msg, Progress):
             self.pending.progress(msg)
         elif isinstance(msg, (Result, ErrorReply, ControlReply)):

@@ -2,7 +2,9 @@
 
 The router keeps the table of loaded adapters (what every worker answered), so
 that a request naming an adapter that is not loaded is refused before any work,
-and assigns each name's versions. No sockets here.
+and assigns each name's versions. It also keeps what each was loaded from (the
+path, or the trainer's tensors), so that a denoise worker that restarted gets
+them all again before any request is routed to it. No sockets here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class LoraControl:
     def __init__(self, control: ControlCall):
         self._control = control
         self.table: dict[str, dict] = {}  # name -> what the workers reported for it
+        self._sources: dict[str, tuple[dict | None, dict]] = {}  # name -> (tensors, fields) it was loaded with
         self._lock = asyncio.Lock()  # one change at a time, so versions and the table stay in step
 
     def check_name(self, name: str | None) -> None:
@@ -58,6 +61,7 @@ class LoraControl:
             if failure is not None:
                 raise failure
             self.table[name] = dict(replies[0].data)
+            self._sources[name] = (tensors, fields)
         return {**self.table[name], "seconds": time.perf_counter() - t0,
                 "workers": [{"index": r.index, "sha256": r.data.get("sha256")} for r in replies]}
 
@@ -67,5 +71,16 @@ class LoraControl:
             failure = control_failure(await self._control(self.role, "unload_lora", lora_name=name), self.role)
             if failure is not None:
                 raise failure
-            del self.table[name]
+            del self.table[name], self._sources[name]
         return {"lora_name": name, "unloaded": True}
+
+    async def replay(self, worker) -> None:
+        """Load every listed adapter, at its listed version, into a worker that restarted without them."""
+        async with self._lock:
+            for name in sorted(self.table):
+                tensors, fields = self._sources[name]
+                replies = await self._control(self.role, "load_lora", tensors=tensors, only=worker, lora_name=name,
+                                              version=self.table[name]["lora_version"], **fields)
+                failure = control_failure(replies, self.role)
+                if failure is not None:
+                    raise failure

@@ -28,15 +28,19 @@ class WorkerState:
     outstanding: int = 0
     dead_pids: set[int] = field(default_factory=set)
     cuda_ipc: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
+    new_process: bool = False  # a process replaced the one before it and has not been synced yet
+    syncing: bool = False  # the router is giving a new process what the old one held (LoRA adapters)
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return self.last_seen is not None and now - self.last_seen < timeout_s
 
     def ready(self, now: float, timeout_s: float) -> bool:
-        return self.state == "ready" and self.alive(now, timeout_s)
+        return self.state == "ready" and not self.syncing and self.alive(now, timeout_s)
 
     def reported_state(self, now: float, timeout_s: float) -> str:
         """The state ``/health`` shows: a quiet worker is ``lost`` (or still ``starting``)."""
+        if self.syncing and self.state == "ready":
+            return "syncing"
         if self.state == "dead" or self.alive(now, timeout_s):
             return self.state
         return "starting" if self.last_seen is None else "lost"
@@ -65,9 +69,18 @@ class WorkerRegistry:
             self.lost(hb.role, hb.index)
         if w.state == "dead" and hb.state == "ready":
             log.info("%s worker %d is back (pid %d)", hb.role, hb.index, hb.pid)
+        if w.pid is not None and hb.pid != w.pid:
+            w.new_process = True
         w.state, w.pid, w.last_seen = hb.state, hb.pid, self._clock()
         w.cuda_ipc = {"sent": hb.cuda_ipc_sent, "received": hb.cuda_ipc_received}
         return replaced
+
+    def take_new_ready(self, w: WorkerState) -> bool:
+        """True once for a replacing process that is now ready: it starts syncing (not routed to)."""
+        if not (w.new_process and w.state == "ready"):
+            return False
+        w.new_process, w.syncing = False, True
+        return True
 
     def lost(self, role: str, index: int) -> bool:
         """Mark a worker dead (its current pid's late heartbeats are ignored); False if unknown."""

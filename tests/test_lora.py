@@ -658,9 +658,6 @@ def test_more_adapters_than_max_loras_are_refused(tiny_dir, client, loaded, made
 # --- worker restarts (last: it kills the tiny engine's denoise worker) ---------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=EngineHTTPError, reason="engine bug: a restarted denoise worker starts without the loaded adapters "
-                                       "while the router still lists them (requests naming one get a 400 from the "
-                                       "denoise stage)")
 def test_a_restarted_denoise_worker_serves_the_loaded_adapters(tiny_dir, client, engines, loaded):
     req = _request(tiny_dir, seed=12)
     before, listed = _output(client, req, "a", 0.8, "latent"), _listed(client)

@@ -1,6 +1,9 @@
 """RL rollout on the serving engine: scheduler switch, log-probs vs trainer recompute, weight sync, two experts."""
 
 import logging
+import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -309,3 +312,28 @@ def test_other_configuration_rollout_recompute(engine_factory, alt_dir):
             ref = FlowMatchEulerDiscreteScheduler(shift=5.0)  # tiny-alt's flow_shift
             ref.set_timesteps(req["num_inference_steps"])
             assert torch.allclose(traj.sigmas, ref.sigmas.float())
+
+
+# --- last: it kills the tiny engine's denoise worker ------------------------------------------
+
+
+def test_a_restarted_denoise_worker_gets_the_weight_updates_again(client, engine, tiny_dir, weights_dir):
+    work = weights_dir / "restart"
+    work.mkdir()
+    new = _perturbed_transformer(tiny_dir, "transformer", 0.3, 7)
+    new.save_pretrained(work / "new")
+    version = client.update_weights_from_disk(work / "new")["weight_version"]
+    before = client.rollout(**BASE)["samples"][0]
+    pid = next(w["pid"] for w in client.health()["workers"] if w["role"] == "denoise")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        d = next(w for w in engine.http.get("/health").json()["workers"] if w["role"] == "denoise")
+        if d["state"] == "ready" and d["pid"] not in (None, pid):
+            break
+        assert time.monotonic() < deadline, "the denoise worker was not restarted"
+        time.sleep(0.1)
+    ck = client.weights_checksum()
+    assert ck["sha256"] == state_dict_checksum(new) and ck["weight_version"] == version
+    after = client.rollout(**BASE)["samples"][0]
+    assert after["weight_version"] == version and torch.equal(after["output"], before["output"])

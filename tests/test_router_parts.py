@@ -106,6 +106,20 @@ def test_lost_worker_ignores_its_dead_pid_and_comes_back_with_a_new_one(registry
     assert (w.state, w.pid) == ("ready", 99)
 
 
+def test_a_restarted_process_is_synced_before_it_is_routed_to(registry, clock):
+    w = registry.workers[("denoise", 0)]
+    assert registry.take_new_ready(w) is False  # the first process: nothing to give it
+    registry.lost("denoise", 0)
+    registry.heartbeat(heartbeat("denoise", 0, 99, state="loading"))
+    assert registry.take_new_ready(w) is False  # not ready yet
+    registry.heartbeat(heartbeat("denoise", 0, 99))
+    assert registry.take_new_ready(w) is True and registry.take_new_ready(w) is False  # once
+    assert {registry.pick("denoise").spec.index for _ in range(4)} == {1}  # not routed to while syncing
+    assert dict((r["index"], r["state"]) for r in registry.health()[1] if r["role"] == "denoise")[0] == "syncing"
+    w.syncing = False
+    assert 0 in {registry.pick("denoise").spec.index for _ in range(4)}
+
+
 def test_a_new_pid_on_a_live_worker_reports_the_old_one_lost(registry):
     assert registry.heartbeat(heartbeat("denoise", 1, 12)) is None  # same process: nothing lost
     assert registry.heartbeat(heartbeat("denoise", 1, 50)) == "replaced by pid 50"
