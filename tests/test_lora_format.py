@@ -112,16 +112,19 @@ def test_rows_add_each_samples_own_delta():
         {"proj.lora_A.weight": _pair(3, 8, 6, seed)[0], "proj.lora_B.weight": _pair(3, 8, 6, seed)[1]},
         LoraConfig(r=3, lora_alpha=6)), {"transformer": model}, 8)
     a, b = mk(1), mk(2)
-    rows = [(a, 1.0), None, (b, 0.5), (a, -2.0)]
-    x = torch.randn(4, 5, 8)
+    x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(3))
     base = model.proj(x)
-    got = LoraRows(rows, x.device).add_deltas("transformer", "proj", x, base.clone())
-    want = base.double().clone()
-    for i, choice in enumerate(rows):
-        if choice is not None:
-            m = choice[0].experts["transformer"]["proj"]
-            want[i] += choice[1] * m.scaling * (x[i].double() @ m.a.double().T) @ m.b.double().T
-    assert (got.double() - want).abs().max() < 1e-5
-    assert torch.equal(got[1], base[1])  # a row without an adapter is untouched
+    # scattered rows with different scales (gathered), and consecutive rows of one scale (a slice)
+    for rows in ([(a, 1.0), None, (b, 0.5), (a, -2.0)], [(a, 0.5), (a, 0.5), None, (b, 2.0)]):
+        with torch.no_grad():
+            got = LoraRows(rows, x.device).add_deltas("transformer", "proj", x, base.clone())
+        want = base.double().clone()
+        for i, choice in enumerate(rows):
+            if choice is not None:
+                m = choice[0].experts["transformer"]["proj"]
+                want[i] += choice[1] * m.scaling * (x[i].double() @ m.a.double().T) @ m.b.double().T
+        assert (got.double() - want).abs().max() < 1e-6 * want.abs().max()  # float32 rounding
+        assert torch.equal(got[rows.index(None)], base[rows.index(None)])  # a row without an adapter: untouched
+    rows = [(a, 1.0), None, (b, 0.5), (a, -2.0)]
     with pytest.raises(RuntimeError, match="rows of this forward"):
         LoraRows(rows, x.device).add_deltas("transformer", "proj", x[:3], base[:3])

@@ -91,58 +91,57 @@ def _checked(model, expert, path, a, b, scaling, max_rank) -> LoraModule:
 class LoraRows:
     """The adapter of every row of one forward's batch: (adapter, scale) or None per row.
 
-    Per targeted Linear, the adapters present are stacked into one ``A`` [R, in] and one ``B``
-    [out, R] (R: their ranks summed), and a per-row mask [n, R] holds ``scale * alpha / r`` in the
-    columns of the row's own adapter and 0 elsewhere. The delta of every row is then two small
-    matmuls for the whole batch, ``((x A^T) * mask) B^T``, added into the Linear's output in place:
-    no gather or scatter of activations, whatever the number of adapters.
+    Per targeted Linear, each adapter present adds its delta to its own rows only: its rows of the
+    input (a slice when they are consecutive, else a gather), ``u = (x A^T) * scale * alpha / r``
+    (small: rank columns), and ``u B^T`` added into those rows of the Linear's output in place. The
+    work is each adapter's own rank on its own rows, whatever the number of adapters in the batch.
     """
 
     def __init__(self, rows: list[tuple[LoraAdapter, float] | None], device: torch.device):
-        self.n, self.device = len(rows), device
-        self.stacked: dict[tuple[str, str], tuple | None] = {}  # per module, built at its first call
+        self.n = len(rows)
         groups: dict[LoraAdapter, tuple[list[int], list[float]]] = {}
         for i, choice in enumerate(rows):
             if choice is not None:
                 idx, scales = groups.setdefault(choice[0], ([], []))
                 idx.append(i)
                 scales.append(choice[1])
-        self.groups = [(adapter, torch.tensor(idx, device=device), torch.tensor(scales, dtype=torch.float64))
-                       for adapter, (idx, scales) in groups.items()]
+        self.groups = []
+        for adapter, (idx, scales) in groups.items():
+            span = (idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else None
+            self.groups.append((adapter, torch.tensor(idx, device=device), span,
+                                torch.tensor(scales, dtype=torch.float64),
+                                scales[0] if len(set(scales)) == 1 else None))
+        self._factors: dict[tuple[int, float, torch.dtype], torch.Tensor] = {}
+        self.device = device
 
-    def _stacked(self, expert: str, path: str, dtype: torch.dtype):
-        """(A, B, mask) of the adapters present that target this module, or None if none does."""
-        a_parts, b_parts, blocks = [], [], []
-        for adapter, idx, scales in self.groups:
-            m = adapter.experts.get(expert, {}).get(path)
-            if m is not None:
-                a_parts.append(m.a)
-                b_parts.append(m.b)
-                blocks.append((idx, (scales * m.scaling).to(dtype), m.a.shape[0]))
-        if not a_parts:
-            return None
-        mask = torch.zeros(self.n, sum(r for _, _, r in blocks), dtype=dtype, device=self.device)
-        col = 0
-        for idx, factor, r in blocks:
-            mask[idx, col:col + r] = factor.to(self.device)[:, None]
-            col += r
-        return torch.cat(a_parts), torch.cat(b_parts, dim=1), mask
+    def _factor(self, g: int, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+        """Per row of group ``g``: scale * alpha / r, shaped to broadcast over [rows, tokens, rank]."""
+        key = (g, scaling, dtype)
+        if key not in self._factors:
+            self._factors[key] = (self.groups[g][3] * scaling).to(self.device, dtype).view(-1, 1, 1)
+        return self._factors[key]
 
     def add_deltas(self, expert: str, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.n:  # every Linear of Wan's transformer sees the batch first
             raise RuntimeError(f"{expert}.{path}: input batch {x.shape[0]} is not the {self.n} rows of this forward")
-        key = (expert, path)
-        if key not in self.stacked:
-            self.stacked[key] = self._stacked(expert, path, out.dtype)
-        stacked = self.stacked[key]
-        if stacked is None:
-            return out
-        a, b, mask = stacked
-        u = x.reshape(self.n, -1, x.shape[-1]) @ a.T  # [n, tokens, R]
-        u = (u * mask[:, None, :]).reshape(-1, a.shape[0])
-        if torch.is_grad_enabled() or not out.is_contiguous():
-            return out + (u @ b.T).view(out.shape)
-        out.view(-1, out.shape[-1]).addmm_(u, b.T)  # the delta goes straight into the output
+        in_place = not torch.is_grad_enabled() and out.is_contiguous()
+        for g, (adapter, idx, span, _, scale) in enumerate(self.groups):
+            m = adapter.experts.get(expert, {}).get(path)
+            if m is None:
+                continue
+            xs = x[span[0]:span[1]] if span is not None else x.index_select(0, idx)
+            if span is not None and in_place and scale is not None:
+                # The common case (the batch orders rows by adapter): two matmuls into that slice of the output.
+                u = xs.reshape(-1, xs.shape[-1]) @ m.a.T
+                out[span[0]:span[1]].view(-1, out.shape[-1]).addmm_(u, m.b.T, alpha=scale * m.scaling)
+                continue
+            u = xs.reshape(xs.shape[0], -1, xs.shape[-1]) @ m.a.T  # [rows, tokens, rank]
+            u = (u * self._factor(g, m.scaling, u.dtype)).reshape(-1, u.shape[-1])
+            if span is not None and in_place:
+                out[span[0]:span[1]].view(-1, out.shape[-1]).addmm_(u, m.b.T)
+                continue
+            delta = (u @ m.b.T).view(xs.shape[:-1] + (out.shape[-1],))
+            out = out.index_add_(0, idx, delta) if in_place else out.index_add(0, idx, delta)
         return out
 
 

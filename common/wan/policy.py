@@ -108,27 +108,41 @@ class WanPolicy:
     def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
         """Guided model outputs for samples at (possibly) different timesteps, in one forward.
 
-        All samples must map to the same expert. Conditional halves come first,
-        then the unconditional halves of the samples that use guidance; guidance
-        is applied per sample as in :meth:`velocity`. A sample alone takes
+        All samples must map to the same expert. Each sample's conditional row is followed by its
+        unconditional row when it uses guidance, and samples with the same LoRA adapter are
+        consecutive, so that each adapter's delta goes into one slice of every Linear's output.
+        Guidance is applied per sample as in :meth:`velocity`. A sample alone takes
         :meth:`velocity`'s two passes, exactly as diffusers does.
         """
         if len(inputs) == 1:
             return [self.velocity(inputs[0])]
         name = self.expert_for(inputs[0].timestep)
         model = self.experts[name]
-        guided = [i for i, x in enumerate(inputs) if x.uncond is not None]
-        h = torch.cat([x.latents for x in inputs]).to(model.dtype)
-        ts = torch.stack([x.timestep.float() for x in inputs])
-        text = torch.cat([x.cond for x in inputs] + [inputs[i].uncond for i in guided])
-        with self.lora_hooks[name].rows([x.lora for x in inputs] + [inputs[i].lora for i in guided]):
-            out = model(hidden_states=torch.cat([h, h[guided]]), timestep=torch.cat([ts, ts[guided]]),
-                        encoder_hidden_states=text, return_dict=False)[0]
-        result = [out[i : i + 1] for i in range(len(inputs))]
-        for j, i in enumerate(guided):
-            v_u = out[len(inputs) + j : len(inputs) + j + 1]
-            result[i] = v_u + self.guidance_scale(name, inputs[i]) * (result[i] - v_u)
+        rows = _rows_by_adapter(inputs)
+        at = {row: k for k, row in enumerate(rows)}
+        h = torch.cat([inputs[i].latents for i, _ in rows]).to(model.dtype)
+        ts = torch.stack([inputs[i].timestep.float() for i, _ in rows])
+        text = torch.cat([inputs[i].uncond if uncond else inputs[i].cond for i, uncond in rows])
+        with self.lora_hooks[name].rows([inputs[i].lora for i, _ in rows]):
+            out = model(hidden_states=h, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+        result = []
+        for i, x in enumerate(inputs):
+            v = out[at[(i, False)]].unsqueeze(0)
+            if x.uncond is not None:
+                v_u = out[at[(i, True)]].unsqueeze(0)
+                v = v_u + self.guidance_scale(name, x) * (v - v_u)
+            result.append(v)
         return result
+
+
+def _rows_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
+    """(sample, unconditional?) per row of a batched forward: each sample's rows together, the samples
+    of one adapter together, in order of first appearance."""
+    first: dict[int, int] = {}
+    for i, x in enumerate(inputs):
+        first.setdefault(id(x.lora[0]) if x.lora is not None else 0, i)
+    order = sorted(range(len(inputs)), key=lambda i: first[id(inputs[i].lora[0]) if inputs[i].lora else 0])
+    return [(i, uncond) for i in order for uncond in ((False, True) if inputs[i].uncond is not None else (False,))]
 
 
 def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
