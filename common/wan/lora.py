@@ -30,6 +30,9 @@ class LoraModule:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scaling: float  # alpha / r
+    # B A [out, in], kept only where it costs no more than the two factors (r (in + out) >= in out, small
+    # Linears): one matmul instead of two.
+    dense: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity: two loads of one name are two adapters
@@ -85,7 +88,9 @@ def _checked(model, expert, path, a, b, scaling, max_rank) -> LoraModule:
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise LoraError(f"{where}: non-finite values (NaN or inf)")
     w = linear.weight
-    return LoraModule(a.detach().to(w.device, w.dtype), b.detach().to(w.device, w.dtype), scaling)
+    a, b = a.detach().to(w.device, w.dtype), b.detach().to(w.device, w.dtype)
+    dense = b @ a if rank * (linear.in_features + linear.out_features) >= linear.in_features * linear.out_features else None
+    return LoraModule(a, b, scaling, dense)
 
 
 class LoraRows:
@@ -131,9 +136,12 @@ class LoraRows:
                 continue
             xs = x[span[0]:span[1]] if span is not None else x.index_select(0, idx)
             if span is not None and in_place and scale is not None:
-                # The common case (the batch orders rows by adapter): two matmuls into that slice of the output.
-                u = xs.reshape(-1, xs.shape[-1]) @ m.a.T
-                out[span[0]:span[1]].view(-1, out.shape[-1]).addmm_(u, m.b.T, alpha=scale * m.scaling)
+                # The common case (the batch orders rows by adapter): matmuls straight into that slice of the output.
+                flat, target = xs.reshape(-1, xs.shape[-1]), out[span[0]:span[1]].view(-1, out.shape[-1])
+                if m.dense is not None:
+                    target.addmm_(flat, m.dense.T, alpha=scale * m.scaling)
+                else:
+                    target.addmm_(flat @ m.a.T, m.b.T, alpha=scale * m.scaling)
                 continue
             u = xs.reshape(xs.shape[0], -1, xs.shape[-1]) @ m.a.T  # [rows, tokens, rank]
             u = (u * self._factor(g, m.scaling, u.dtype)).reshape(-1, u.shape[-1])
