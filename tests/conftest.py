@@ -73,15 +73,28 @@ def engine_factory(tmp_path_factory):
 _PIPES: dict[str, object] = {}
 
 
-def diffusers_pipe(model_dir: Path):
-    """diffusers' own WanPipeline on the same directory, cached per directory."""
+def diffusers_pipe(model_dir: Path, cache: dict | None = None):
+    """diffusers' own WanPipeline on the same directory, cached per directory (in ``cache``, else one shared)."""
     from diffusers import WanPipeline
 
+    cache = _PIPES if cache is None else cache
     key = str(model_dir)
-    if key not in _PIPES:
-        _PIPES[key] = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
-        _PIPES[key].set_progress_bar_config(disable=True)
-    return _PIPES[key]
+    if key not in cache:
+        cache[key] = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
+        cache[key].set_progress_bar_config(disable=True)
+    return cache[key]
+
+
+def solo_then_concurrent(client, reqs: list[tuple[str, dict]]) -> tuple[list[dict], list[dict]]:
+    """Each ``(path, body)`` request alone, then all of them at once: their first samples, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(r):
+        return client._post(r[0], r[1])["samples"][0]
+
+    solo = [run(r) for r in reqs]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return solo, list(pool.map(run, reqs))
 
 
 def diffusers_generate(model_dir: Path, *, prompt, seed, height, width, num_frames, num_inference_steps,

@@ -197,13 +197,9 @@ _PIPES: dict[str, object] = {}
 
 def _lora_pipe(model_dir: Path):
     """A WanPipeline of its own per directory (conftest's cached one stays adapter-free)."""
-    from diffusers import WanPipeline
+    from conftest import diffusers_pipe
 
-    key = str(model_dir)
-    if key not in _PIPES:
-        _PIPES[key] = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
-        _PIPES[key].set_progress_bar_config(disable=True)
-    return _PIPES[key]
+    return diffusers_pipe(model_dir, cache=_PIPES)
 
 
 def _activate(pipe, names: list[str], scales: list[float]) -> None:

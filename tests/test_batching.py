@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import solo_then_concurrent
 from router.client import EngineClient
 
 TOL = 1e-5
@@ -27,13 +28,7 @@ def _mix(n: int, seed0: int = 0) -> list[tuple[str, dict]]:
 
 def _run_solo_and_mixed(url: str, reqs):
     with EngineClient(url) as c:
-        def run(r):
-            return c._post(r[0], r[1])["samples"][0]
-
-        solo = [run(r) for r in reqs]
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            mixed = list(pool.map(run, reqs))
-    return solo, mixed
+        return solo_then_concurrent(c, reqs)
 
 
 def _assert_close(solo, mixed):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import lora_fixtures as lf
+from conftest import solo_then_concurrent
 from common.wan.model_info import ModelInfo
 from router.client import EngineClient, EngineHTTPError
 
@@ -276,13 +277,7 @@ def test_other_configuration_matches_diffusers(alt_dir, engines, made):
 
 
 def _run_solo_and_mixed(c: EngineClient, reqs):
-    def run(r):
-        return c._post(r[0], r[1])["samples"][0]
-
-    solo = [run(r) for r in reqs]
-    with ThreadPoolExecutor(len(reqs)) as pool:
-        mixed = list(pool.map(run, reqs))
-    return solo, mixed
+    return solo_then_concurrent(c, reqs)
 
 
 def _assert_mixed_equal_solo(reqs, solo, mixed):
