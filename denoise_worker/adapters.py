@@ -7,16 +7,12 @@ import math
 import torch
 
 from common.config.engine import EngineConfig
-from common.protocol.errors import RequestError
+from common.protocol.errors import Forbidden, RequestError
 from common.protocol.messages import LORA_BLOB, ControlRequest, GenerationParams
 from common.wan.lora import LoraAdapter, build_adapter
 from common.wan.lora_format import LoraConfig, LoraError, parse_state, read_lora
 from common.wan.weights import WeightsError
 from common.wan.policy import WanPolicy
-
-
-class Forbidden(RequestError):
-    status = 403
 
 
 class AdapterTable:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol.errors import DeadlineExceeded, RequestError, check_deadline
+from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, check_deadline
 from common.protocol.messages import (
     LATENTS,
     NEGATIVE_PROMPT_EMBEDS,
@@ -29,10 +29,6 @@ from common.wan.weights import WeightsError, load_into, read_weights, state_dict
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.task import DenoiseTask
 from denoise_worker.threads import size_threads
-
-
-class UpdatesDisabled(RequestError):
-    status = 403
 
 
 @dataclass
@@ -175,7 +171,7 @@ class DenoiseStage(Stage):
         if not path:
             raise RequestError("path: required")
         if not self.config.weight_roots:  # the router refuses first; never read from anywhere
-            raise UpdatesDisabled("weight updates are disabled: start the engine with --weight-root DIR")
+            raise Forbidden("weight updates are disabled: start the engine with --weight-root DIR")
         try:
             load_into(module, read_weights(path, allowed_roots=self.config.weight_roots))
         except WeightsError as e:

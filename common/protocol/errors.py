@@ -15,6 +15,12 @@ class RequestError(ValueError):
     status = 400
 
 
+class Forbidden(RequestError):
+    """The engine was not started to allow this (e.g. reading weights without --weight-root): HTTP 403."""
+
+    status = 403
+
+
 class DeadlineExceeded(RuntimeError):
     """The request's deadline passed; the router has answered it with 504 already."""
 
