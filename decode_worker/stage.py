@@ -13,9 +13,9 @@ from common.runtime.stage import Forward, QueuedBatchStage
 
 
 def to_frames(video: torch.Tensor) -> torch.Tensor:
-    """VAE output [1, 3, F, H, W] in [-1, 1] -> float32 frames [F, H, W, 3] in [0, 1]."""
+    """VAE output [n, 3, F, H, W] in [-1, 1] -> float32 frames [n, F, H, W, 3] in [0, 1]."""
     # Denormalise in the VAE's dtype first, then widen: diffusers' VideoProcessor order.
-    return (video[0] / 2 + 0.5).clamp(0, 1).float().permute(1, 2, 3, 0).contiguous()
+    return (video / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 4, 1).contiguous()
 
 
 class DecodeStage(QueuedBatchStage):
@@ -39,22 +39,27 @@ class DecodeStage(QueuedBatchStage):
         return self.vae.decode(latents, return_dict=False)[0]
 
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
-        """Latents of the same shape are decoded in one VAE call; other shapes in their own."""
+        """The samples of every queued request whose latents have the same shape are decoded together,
+        ``max_batch`` samples per VAE call (which bounds its memory); other shapes in their own calls."""
         groups: dict[tuple, list[int]] = {}
         out: list[Forward | BaseException] = [None] * len(items)
         for i, (_, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
-            groups.setdefault(tuple(tensors[LATENTS.name].shape), []).append(i)
+            groups.setdefault(tuple(tensors[LATENTS.name].shape[1:]), []).append(i)
         for idx in groups.values():
             t0 = time.perf_counter()
             try:
-                video = self.decode(torch.cat([items[i][1][LATENTS.name] for i in idx]))
+                latents = torch.cat([items[i][1][LATENTS.name] for i in idx])
+                video = torch.cat([self.decode(part) for part in latents.split(self.max_batch)])
             except Exception as e:
                 for i in idx:
                     out[i] = e
                 continue
             elapsed = time.perf_counter() - t0
-            for j, i in enumerate(idx):
-                out[i] = self._result(*items[i], video[j : j + 1], elapsed)
+            start = 0
+            for i in idx:
+                n = items[i][1][LATENTS.name].shape[0]
+                out[i] = self._result(*items[i], video[start : start + n], elapsed)
+                start += n
         return out
 
     def _result(self, msg: DecodeRequest, tensors: dict, video: torch.Tensor, elapsed: float) -> Forward:

@@ -27,6 +27,8 @@ from common.wan.policy import WanPolicy, uses_guidance
 from common.wan.text import conditioning
 from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
+from denoise_worker.joint_step import advance_all
+from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
 from denoise_worker.threads import size_threads
 
@@ -39,7 +41,7 @@ class _Active:
     task: DenoiseTask
     t0: float
     seq: int
-    largest_batch: int = 0  # reported with the result: the most requests it shared a forward with
+    largest_batch: int = 0  # reported with the result: the most samples it shared a step with
 
 
 class DenoiseStage(Stage):
@@ -71,31 +73,42 @@ class DenoiseStage(Stage):
         self.active.append(_Active(msg, self.new_task(msg, tensors), time.perf_counter(), next(self._seq)))
 
     def can_accept(self) -> bool:
-        return len(self.active) < 4 * self.max_batch
+        return sum(a.task.n for a in self.active) < 4 * self.max_batch
 
     def has_work(self) -> bool:
         return bool(self.active)
 
     def _next_batch(self) -> list[_Active]:
-        """The oldest request plus up to ``max_batch - 1`` others that can share its forward.
+        """The oldest request plus others that can share its forward, up to ``max_batch`` samples in all.
 
-        Sharing needs the same latent shape and the same expert; each sample
-        keeps its own timestep, text embeddings and guidance scale.
+        Sharing needs the same latent shape and the same expert; each request
+        keeps its own timestep, text embeddings and guidance scale. A request
+        larger than ``max_batch`` runs alone, its forward in parts.
         """
         def key(a: _Active):
-            return tuple(a.task.latents.shape), self.policy.expert_for(a.task.timestep)
+            return tuple(a.task.latents.shape[1:]), self.policy.expert_for(a.task.timestep)
 
         oldest = min(self.active, key=lambda a: a.seq)
-        same = [a for a in self.active if key(a) == key(oldest)]
-        return sorted(same, key=lambda a: a.seq)[: self.max_batch]
+        batch, samples = [], 0
+        for a in sorted((a for a in self.active if key(a) == key(oldest)), key=lambda a: a.seq):
+            if not batch or samples + a.task.n <= self.max_batch:
+                batch.append(a)
+                samples += a.task.n
+        return batch
 
     @torch.no_grad()
     def batched_velocity(self, tasks: list[DenoiseTask]) -> list[torch.Tensor]:
-        """Guided model outputs for tasks at (possibly) different steps, in one forward."""
-        inputs = [t.model_input() for t in tasks]
-        if self.device.type == "cpu":
-            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads)
-        return self.policy.batched_velocity(inputs)
+        """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps: one forward,
+        or one per ``max_batch`` samples."""
+        outs: list[list[torch.Tensor]] = [[] for _ in tasks]
+        for part in forward_parts([t.model_input() for t in tasks], self.max_batch):
+            inputs = [x for _, x in part]
+            if self.device.type == "cpu":
+                size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
+                             self.max_threads)
+            for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
+                outs[i].append(v)
+        return [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
 
     def _drop_expired(self) -> list[tuple[DenoiseRequest, BaseException]]:
         """Stop spending steps on requests the router has already answered with 504."""
@@ -108,7 +121,7 @@ class DenoiseStage(Stage):
         return done
 
     def work(self) -> list[tuple[DenoiseRequest, Forward | BaseException]]:
-        """One batched step for the oldest compatible group; returns the requests that left."""
+        """One batched step for the oldest compatible requests; returns the requests that left."""
         done: list[tuple[DenoiseRequest, Forward | BaseException]] = self._drop_expired()
         if not self.active:
             return done
@@ -117,14 +130,16 @@ class DenoiseStage(Stage):
             velocities = self.batched_velocity([a.task for a in batch])
         except Exception as e:  # a failed forward fails the requests that were in it, nothing else
             return done + [self._leave(a, e) for a in batch]
-        for a, v in zip(batch, velocities):
-            a.largest_batch = max(a.largest_batch, len(batch))
-            try:
-                a.task.advance(v)
-                if a.task.done:
+        samples = sum(a.task.n for a in batch)
+        for a, error in zip(batch, advance_all([a.task for a in batch], velocities)):
+            a.largest_batch = max(a.largest_batch, samples)
+            if error is not None:
+                done.append(self._leave(a, error))
+            elif a.task.done:
+                try:
                     done.append(self._leave(a, self._finished(a)))
-            except Exception as e:
-                done.append(self._leave(a, e))
+                except Exception as e:
+                    done.append(self._leave(a, e))
         return done
 
     def _leave(self, a: _Active, outcome: Forward | BaseException) -> tuple[DenoiseRequest, Forward | BaseException]:
@@ -141,7 +156,7 @@ class DenoiseStage(Stage):
         extras = task.extras()
         if msg.params.output_type == "latent":
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
-            return Forward("router", out, {OUTPUT.name: task.latents[0].float(), **extras})
+            return Forward("router", out, {OUTPUT.name: task.latents.float(), **extras})
         nxt = DecodeRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=msg.params,
                             timings=timings, info=info)
         return Forward("decode", nxt, {LATENTS.name: task.latents, **extras})

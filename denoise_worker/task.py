@@ -1,11 +1,13 @@
 """One request's denoising state, owned by that request alone.
 
-A :class:`DenoiseTask` holds everything that changes while a request is
-denoised: its scheduler (rebuilt for it), its generator (seeded from its
-seed: initial noise first, then the SDE noise), its latents, its step index,
-and what it returns (trajectory, log-probs). The worker only asks a task for
-its model input and hands it the guided model output; nothing of one request
-lives on a shared object.
+A :class:`DenoiseTask` holds everything that changes while a request's ``n``
+samples are denoised: its scheduler (rebuilt for it, shared by its samples,
+which always stand at the same step), one generator per sample (seeded from
+``seed + i``: initial noise first, then the SDE noise), the stacked latents
+[n, ...], its step index, and what it returns (trajectory, log-probs). The
+worker only asks a task for its model input and hands it the guided model
+output; nothing of one request lives on a shared object. Each sample gets
+exactly the noise it gets alone, so a group equals its samples run one by one.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from common.protocol.messages import (
 from common.wan import schedulers
 from common.wan.lora import LoraAdapter
 from common.wan.model_info import ModelInfo
-from common.wan.policy import ModelInput, step_at
+from common.wan.policy import ModelInput, sigma_max
 
 
-def initial_noise(info: ModelInfo, params: GenerationParams, generator: torch.Generator) -> torch.Tensor:
-    """The seed's initial latents, drawn exactly as diffusers' WanPipeline draws them."""
+def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """Each sample's initial latents [n, ...], drawn from its own generator as diffusers' WanPipeline draws them."""
     shape = info.latent_shape(params.height, params.width, params.num_frames)
-    return torch.randn(shape, generator=generator, dtype=torch.float32)
+    return torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
 
 
 def sde_settings(params: GenerationParams) -> RolloutParams | None:
@@ -47,13 +49,13 @@ class DenoiseTask:
     cond: torch.Tensor
     uncond: torch.Tensor | None
     scheduler: object
-    generator: torch.Generator
-    latents: torch.Tensor
+    generators: list[torch.Generator]  # one per sample
+    latents: torch.Tensor  # [n, C, F', H', W']
     sde: RolloutParams | None  # None: the serving scheduler steps this request
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     step: int = 0
-    trajectory: list[torch.Tensor] = field(default_factory=list)
-    log_probs: list[torch.Tensor] = field(default_factory=list)
+    trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
+    log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
     log_prob_steps: list[int] = field(default_factory=list)
 
     @classmethod
@@ -62,12 +64,16 @@ class DenoiseTask:
         scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device)
         if sde is not None:
             schedulers.check_flow_match_convention(scheduler)
-        generator = torch.Generator("cpu").manual_seed(params.seed)
-        latents = initial_noise(info, params, generator).to(device)
-        task = cls(params, cond, uncond, scheduler, generator, latents, sde, lora)
+        generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
+        latents = initial_noise(info, params, generators).to(device)
+        task = cls(params, cond, uncond, scheduler, generators, latents, sde, lora)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
+
+    @property
+    def n(self) -> int:
+        return self.latents.shape[0]
 
     @property
     def wants_trajectory(self) -> bool:
@@ -86,37 +92,46 @@ class DenoiseTask:
         return ModelInput(self.latents, self.timestep, self.cond, self.uncond, p.guidance_scale, p.guidance_scale_2,
                           self.lora)
 
-    def _sde_type(self) -> str:
+    def sde_type_now(self) -> str:
         """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""
         windowed = self.sde.sde_step_indices is not None and self.step not in self.sde.sde_step_indices
         return "ode" if windowed else self.sde.sde_type
 
-    def advance(self, velocity: torch.Tensor) -> None:
-        """Take this request's step ``self.step`` with the guided model output."""
+    def step_key(self) -> tuple | None:
+        """What an SDE step depends on besides the tensors: tasks with equal keys take this step in one
+        ``sde_step`` call (see denoise_worker/joint_step.py). None: the serving scheduler steps it alone."""
         if self.sde is None:
-            self.latents = self.scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0]
-        else:
-            out = step_at(self.scheduler.sigmas, self.step, velocity, self.latents, sde_type=self._sde_type(),
-                          noise_level=self.sde.noise_level, generator=self.generator)
-            self.latents = out.prev_sample
-            if out.log_prob is not None:
-                self.log_probs.append(out.log_prob[0])
-                self.log_prob_steps.append(self.step)
+            return None
+        s = self.scheduler.sigmas
+        return (self.sde_type_now(), self.sde.noise_level, float(s[self.step]), float(s[self.step + 1]),
+                float(sigma_max(s)))
+
+    def advance(self, velocity: torch.Tensor) -> None:
+        """Take a serving-scheduler step with the guided model output (all samples at once)."""
+        self.took(self.scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
+
+    def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None) -> None:
+        """Record this step's outcome: the new latents and, for a stochastic SDE step, its [n] log-probs."""
+        self.latents = latents
+        if log_prob is not None:
+            self.log_probs.append(log_prob)
+            self.log_prob_steps.append(self.step)
         if self.wants_trajectory:
-            self.trajectory.append(self.latents)
+            self.trajectory.append(latents)
         self.step += 1
 
     def extras(self) -> dict[str, torch.Tensor]:
-        """Rollout tensors for the response (empty for a plain generation)."""
+        """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""
         r = self.params.rollout
         out: dict[str, torch.Tensor] = {}
         if r is None:
             return out
         if self.sde is not None and r.return_log_probs:
-            out[LOG_PROBS.name] = torch.stack(self.log_probs).float() if self.log_probs else torch.zeros(0)
+            out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
+                                   else torch.zeros(self.n, 0))
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if r.return_trajectory:
-            out[TRAJECTORY_LATENTS.name] = torch.cat([x.float() for x in self.trajectory], dim=0)
+            out[TRAJECTORY_LATENTS.name] = torch.stack([x.float() for x in self.trajectory], dim=1)
             out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps.float()
             out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas.float()
         return out

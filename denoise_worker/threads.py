@@ -24,7 +24,7 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
     p = cfg.patch_size
     shape = inputs[0].latents.shape
     tokens = (shape[2] // p[0]) * (shape[3] // p[1]) * (shape[4] // p[2]) + inputs[0].cond.shape[1]
-    samples = sum(2 if x.uncond is not None else 1 for x in inputs)
-    threads = max_threads if samples * tokens * width * width >= SMALL_FORWARD else 1
+    rows = sum(x.n * (2 if x.uncond is not None else 1) for x in inputs)
+    threads = max_threads if rows * tokens * width * width >= SMALL_FORWARD else 1
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

@@ -7,12 +7,10 @@ drain hooks to the supervisor and the server itself.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -96,16 +94,12 @@ class Routes:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)
         params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps)
-        self.dispatcher.admit(body.n)
+        self.dispatcher.admit(params.n)
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        seeds = [body.seed + i for i in range(body.n)]
-        ids = [rid if body.n == 1 else f"{rid}-{i}" for i in range(body.n)]
-        outcomes = await asyncio.gather(*(
-            self.dispatcher.submit(msgspec.structs.replace(params, seed=s), i, body.timeout_s)
-            for s, i in zip(seeds, ids)
-        ))
-        payload = samples_payload(rid, seeds, outcomes, time.perf_counter() - t0, wants_msgpack(request))
+        outcome = await self.dispatcher.submit(params, rid, body.timeout_s)  # the n samples as one unit
+        payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - t0,
+                                  wants_msgpack(request))
         return encode_response(payload, request)
 
 

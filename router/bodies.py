@@ -94,17 +94,16 @@ def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
     return body
 
 
-def samples_payload(request_id: str, seeds: list[int], outcomes: list[Outcome], total_s: float,
-                    binary: bool) -> dict:
-    """The whole answer: every sample, the summed stage timings, and the one weight version."""
-    timings = {k: sum(o.timings.get(k, 0.0) for o in outcomes) for k in ("encode_s", "denoise_s", "decode_s")}
+def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_s: float, binary: bool) -> dict:
+    """The whole answer: every sample (seeds ``seed + i``), the request's stage timings, its weight version.
+
+    The n samples went through the stages as one unit, so they share their timings, route and weights.
+    """
+    timings = {k: outcome.timings.get(k, 0.0) for k in ("encode_s", "denoise_s", "decode_s")}
     timings["total_s"] = total_s
-    samples = [sample_body(s, o, binary) for s, o in zip(seeds, outcomes)]
-    versions = {s["weight_version"] for s in samples}
     return {
         "request_id": request_id,
-        "samples": samples,
+        "samples": [sample_body(seed + i, outcome.sample(i), binary) for i in range(n)],
         "timings": timings,
-        # One version when every sample ran on the same weights; null if an update landed in between.
-        "weight_version": versions.pop() if len(versions) == 1 else None,
+        "weight_version": outcome.info.get("weight_version"),
     }

@@ -106,17 +106,19 @@ class Dispatcher:
 
     # --- requests ----------------------------------------------------------
     def admit(self, count: int) -> None:
-        """Refuse work beyond the bound instead of queueing without limit."""
-        self.admission.check(len(self.pending), count)
+        """Refuse work beyond the bound (``count`` samples more) instead of queueing without limit."""
+        self.admission.check(self.pending.samples, count)
 
     async def submit(self, params: GenerationParams, request_id: str | None = None,
                      timeout_s: float | None = None) -> Outcome:
+        """One request, its ``params.n`` samples as one unit through the stages; its answer."""
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s or self.config.limits.request_timeout_s
-        chosen = self.registry.reserve(ROLES)
+        chosen = self.registry.reserve(ROLES, params.n)
         route = Route(**{role: w.spec.index for role, w in chosen.items()})
         future = asyncio.get_running_loop().create_future()
-        pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent"))
+        pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent",
+                                                samples=params.n))
         try:
             params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
@@ -129,7 +131,7 @@ class Dispatcher:
             ) from None
         finally:
             self.pending.discard(rid)
-            self.registry.release(chosen)
+            self.registry.release(chosen, params.n)
 
     async def control(self, role: str, op: str, tensors: dict | None = None, only: WorkerSpec | None = None,
                       **fields) -> list[Reply]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol.messages import ROLES, ControlReply, ErrorReply, Progress, Result, Route
+from common.protocol.messages import PER_SAMPLE, ROLES, ControlReply, ErrorReply, Progress, Result, Route
 from router.errors import EngineError
 
 log = logging.getLogger("disagg.router")
@@ -25,6 +25,7 @@ class Pending:
     uses_decode: bool = True
     done_stage: int = -1  # index in ROLES of the last stage that handed the request on
     target: tuple[str, int] | None = None  # control requests: the one worker asked
+    samples: int = 1  # a request's n samples travel as one unit
 
     def waits_on(self, role: str, index: int) -> bool:
         """Whether this request is still in (or queued for) worker ``role``-``index``."""
@@ -49,6 +50,21 @@ class Outcome:
     info: dict
     route: Route | None
 
+    def sample(self, i: int) -> "Outcome":
+        """Sample ``i`` alone: its row of every per-sample tensor, the shared tensors as they are."""
+        rows = {f.name for f in PER_SAMPLE}
+        tensors = {k: v[i] if k in rows else v for k, v in self.tensors.items()}
+        return Outcome(tensors, self.timings, self.info, self.route)
+
+
+def sample_count_problem(tensors: dict[str, torch.Tensor], n: int) -> str | None:
+    """Why a result's per-sample tensors do not hold one row per sample of the request, or None."""
+    for f in PER_SAMPLE:
+        t = tensors.get(f.name)
+        if t is not None and t.shape[0] != n:
+            return f"{f.name} holds {t.shape[0]} samples, the request asked for {n}"
+    return None
+
 
 class PendingTable:
     def __init__(self):
@@ -56,6 +72,11 @@ class PendingTable:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    @property
+    def samples(self) -> int:
+        """Samples in flight (what admission bounds): a request counts its n."""
+        return sum(p.samples for p in self._by_id.values())
 
     def get(self, request_id: str) -> Pending | None:
         return self._by_id.get(request_id)
@@ -83,6 +104,9 @@ class PendingTable:
             p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
         elif isinstance(msg, ControlReply):
             p.future.set_result(msg)
+        elif (problem := sample_count_problem(tensors, p.samples)) is not None:
+            p.future.set_exception(EngineError(502, "bad_result", f"malformed answer: {problem}", msg.stage,
+                                               msg.request_id))
         else:  # the codec checked the Result's tensors against its contract (OUTPUT is required)
             p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route))
         return True

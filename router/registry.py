@@ -108,16 +108,17 @@ class WorkerRegistry:
         ties = [w for w in ready if w.outstanding == low]
         return ties[next(self._rr) % len(ties)]
 
-    def reserve(self, roles: Iterable[str] = ROLES) -> dict[str, WorkerState]:
-        """One instance per role for a new request, each counted as holding it until :meth:`release`."""
+    def reserve(self, roles: Iterable[str] = ROLES, samples: int = 1) -> dict[str, WorkerState]:
+        """One instance per role for a new request, each counted as holding its ``samples`` until
+        :meth:`release` (the least loaded is the one with the fewest samples in flight)."""
         chosen = {role: self.pick(role) for role in roles}
         for w in chosen.values():
-            w.outstanding += 1
+            w.outstanding += samples
         return chosen
 
-    def release(self, chosen: dict[str, WorkerState]) -> None:
+    def release(self, chosen: dict[str, WorkerState], samples: int = 1) -> None:
         for w in chosen.values():
-            w.outstanding -= 1
+            w.outstanding -= samples
 
     def health(self) -> tuple[bool, list[dict]]:
         """Whether every worker is ready, and one ``/health`` row per worker in pipeline order."""

@@ -237,6 +237,7 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
         guidance_scale=float(v["guidance_scale"]),
         guidance_scale_2=body.guidance_scale_2,
         seed=body.seed,
+        n=body.n,
         output_type=body.output_type,
         lora_name=body.lora_name,
         lora_scale=body.lora_scale,

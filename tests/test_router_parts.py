@@ -212,7 +212,7 @@ def test_resolve_joins_a_result_and_drops_a_second_answer():
     async def body():
         loop = asyncio.get_running_loop()
         table = _table(a=Pending(loop.create_future(), ROUTE0))
-        out = torch.zeros(2)
+        out = torch.zeros(1, 2)  # one sample
         assert table.resolve(_result("a"), {"output": out}) is True
         err = ErrorReply(v=PROTOCOL_VERSION, request_id="a", stage="decode", type="X", message="late")
         assert table.resolve(err, {}) is False  # already settled: dropped

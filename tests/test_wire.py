@@ -194,7 +194,7 @@ def test_a_message_with_its_declared_tensors_decodes():
     msg, got = decode(encode(_denoise(), tensors))
     assert isinstance(msg, DenoiseRequest) and set(got) == set(tensors)
     result = Result(v=PROTOCOL_VERSION, request_id="c2", stage="decode")
-    _, got = decode(encode(result, {"output": torch.rand(5, 8, 8, 3), "log_probs": torch.randn(2),
+    _, got = decode(encode(result, {"output": torch.rand(1, 5, 8, 8, 3), "log_probs": torch.randn(1, 2),
                                     "log_prob_steps": torch.tensor([1, 2])}))
     assert got["log_prob_steps"].dtype == torch.int64
 
@@ -204,12 +204,12 @@ def test_a_message_with_its_declared_tensors_decodes():
     (_denoise(), {"prompt_embeds": torch.ones(3, 8, dtype=torch.int64)}, "dtype int64"),
     (_denoise(), {"prompt_embeds": torch.randn(1, 3, 8)}, "rank 3 is not 2"),
     (_denoise(), {"negative_prompt_embeds": torch.randn(3, 8)}, "without prompt_embeds"),
-    (DecodeRequest(v=PROTOCOL_VERSION, request_id="c1", route=ROUTE, params=PARAMS), {"log_probs": torch.randn(2)},
+    (DecodeRequest(v=PROTOCOL_VERSION, request_id="c1", route=ROUTE, params=PARAMS), {"log_probs": torch.randn(1, 2)},
      "without latents"),
     (Result(v=PROTOCOL_VERSION, request_id="c1", stage="decode"),
-     {"output": torch.rand(5, 8, 8, 3), "log_prob_steps": torch.randn(2)}, "dtype float32"),
+     {"output": torch.rand(1, 5, 8, 8, 3), "log_prob_steps": torch.randn(2)}, "dtype float32"),
     (ErrorReply(v=PROTOCOL_VERSION, request_id="c1", stage="decode", type="X", message="m"),
-     {"output": torch.rand(5, 8, 8, 3)}, "carries no tensor"),
+     {"output": torch.rand(1, 5, 8, 8, 3)}, "carries no tensor"),
 ])
 def test_tensors_outside_the_contract_are_rejected_naming_the_request(msg, tensors, needle):
     frames = encode(msg, tensors)

@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal, Union, get_args
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a request carries its n samples as one unit (leading sample axis)
 
 ROLES = ("encoder", "denoise", "decode")
 # Value sets, each spelled once here; the tuples are for membership checks and messages.
@@ -50,18 +50,21 @@ class TensorField:
         return None
 
 
-PROMPT_EMBEDS = TensorField("prompt_embeds", FLOAT_DTYPES, 2)  # [L, D], trimmed to the real tokens
+# A request's n samples travel together: per-sample tensors have a leading sample axis [n, ...].
+PROMPT_EMBEDS = TensorField("prompt_embeds", FLOAT_DTYPES, 2)  # [L, D], trimmed to the real tokens; one per request
 NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, required=False)  # with guidance
-LATENTS = TensorField("latents", FLOAT_DTYPES, 5)  # [1, C, F', H', W'], as the transformer sees them
-OUTPUT = TensorField("output", FLOAT_DTYPES, 4)  # frames [F, H, W, 3] in [0, 1], or latents [C, F', H', W']
-LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 1, required=False)  # [K], one per SDE step
-LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices
-TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, 5, required=False)  # [T+1, C, F', H', W']
-TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T]
-TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1]
+LATENTS = TensorField("latents", FLOAT_DTYPES, 5)  # [n, C, F', H', W'], as the transformer sees them
+OUTPUT = TensorField("output", FLOAT_DTYPES, 5)  # frames [n, F, H, W, 3] in [0, 1], or latents [n, C, F', H', W']
+LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
+LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
+TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, 6, required=False)  # [n, T+1, C, F', H', W']
+TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T], shared
+TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
 ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS)
+# The tensors of a result with one row per sample (the rest are shared by the request's samples).
+PER_SAMPLE = (OUTPUT, LOG_PROBS, TRAJECTORY_LATENTS)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -149,7 +152,8 @@ class GenerationParams(_Strict):
     num_frames: int
     num_inference_steps: int
     guidance_scale: float
-    seed: int
+    seed: int  # sample i of the request draws from seed + i
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1  # samples, one unit of work through every stage
     output_type: OutputType = "frames"
     guidance_scale_2: float | None = None
     sigmas: list[float] | None = None

@@ -17,7 +17,7 @@ log-probs to agree to float32 rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
@@ -26,7 +26,7 @@ from diffusers import WanTransformer3DModel
 from common.protocol.messages import ExpertName, SdeType
 from common.wan.lora import LoraAdapter, LoraHooks
 from common.wan.model_info import ModelInfo
-from common.wan.sde import SdeStep, sde_step
+from common.wan.sde import Generators, SdeStep, sde_step
 
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
@@ -38,9 +38,10 @@ def uses_guidance(guidance_scale: float) -> bool:
 
 @dataclass(frozen=True)
 class ModelInput:
-    """What one sample brings to a transformer forward: latents at a timestep, its text, its guidance."""
+    """What a request's samples bring to a transformer forward: latents at one timestep, their text,
+    their guidance. The samples of one request share everything but their latents."""
 
-    latents: torch.Tensor  # [1, C, F', H', W']
+    latents: torch.Tensor  # [n, C, F', H', W']
     timestep: torch.Tensor  # 0-d, or one per sample of ``latents``
     cond: torch.Tensor  # [1, 512, D]
     uncond: torch.Tensor | None  # None: no guidance
@@ -48,12 +49,23 @@ class ModelInput:
     guidance_scale_2: float | None = None
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
 
+    @property
+    def n(self) -> int:
+        return self.latents.shape[0]
+
+    def rows(self, start: int, stop: int) -> "ModelInput":
+        """Samples ``start:stop`` alone (a forward that takes only part of a large request)."""
+        t = self.timestep if self.timestep.dim() == 0 else self.timestep[start:stop]
+        return replace(self, latents=self.latents[start:stop], timestep=t)
+
 
 class WanPolicy:
     def __init__(self, info: ModelInfo, experts: dict[str, WanTransformer3DModel]):
         self.info = info
         self.experts = experts
         self.lora_hooks = {name: LoraHooks(name, model) for name, model in experts.items()}
+        # Read once: a diffusers model's ``dtype`` walks its parameters on every call.
+        self.dtypes = {name: model.dtype for name, model in experts.items()}
 
     @classmethod
     def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
@@ -73,7 +85,7 @@ class WanPolicy:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.experts["transformer"].dtype
+        return self.dtypes["transformer"]
 
     def expert_for(self, timestep: float | torch.Tensor) -> str:
         """Wan2.2 two-expert split: ``transformer`` for t >= boundary_ratio * n_train, else ``transformer_2``."""
@@ -89,55 +101,66 @@ class WanPolicy:
         return x.guidance_scale
 
     def velocity(self, x: ModelInput) -> torch.Tensor:
-        """Guided model output for one sample, in the model's dtype.
+        """Guided model output for ``x``'s samples, in the model's dtype.
 
         Two passes, then ``uncond + g * (cond - uncond)``: the order of operations
         of diffusers' WanPipeline (and so of a trainer's recompute).
         """
         name = self.expert_for(x.timestep)
         model = self.experts[name]
-        h = x.latents.to(model.dtype)
+        h = x.latents.to(self.dtypes[name])
         t = x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep
         with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
-            v = model(hidden_states=h, timestep=t, encoder_hidden_states=x.cond, return_dict=False)[0]
+            v = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.cond, x.n), return_dict=False)[0]
             if x.uncond is not None:
-                v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=x.uncond, return_dict=False)[0]
+                v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.uncond, x.n),
+                            return_dict=False)[0]
                 v = v_u + self.guidance_scale(name, x) * (v - v_u)
         return v
 
     def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
-        """Guided model outputs for samples at (possibly) different timesteps, in one forward.
+        """Guided model outputs (one [n, ...] per input) for inputs at (possibly) different timesteps,
+        in one forward.
 
-        All samples must map to the same expert. Each sample's conditional row is followed by its
-        unconditional row when it uses guidance, and samples with the same LoRA adapter are
+        All inputs must map to the same expert. An input's conditional rows are followed by its
+        unconditional rows when it uses guidance, and inputs with the same LoRA adapter are
         consecutive, so that each adapter's delta goes into one slice of every Linear's output.
-        Guidance is applied per sample as in :meth:`velocity`. A sample alone takes
-        :meth:`velocity`'s two passes, exactly as diffusers does.
+        Guidance is applied per input, on all its samples at once, as in :meth:`velocity`. A single
+        sample alone takes :meth:`velocity`'s two passes, exactly as diffusers does.
         """
-        if len(inputs) == 1:
+        if len(inputs) == 1 and inputs[0].n == 1:
             return [self.velocity(inputs[0])]
         name = self.expert_for(inputs[0].timestep)
         model = self.experts[name]
-        rows = _rows_by_adapter(inputs)
-        at = {row: k for k, row in enumerate(rows)}
-        h = torch.cat([inputs[i].latents for i, _ in rows]).to(model.dtype)
-        ts = torch.stack([inputs[i].timestep.float() for i, _ in rows])
-        text = torch.cat([inputs[i].uncond if uncond else inputs[i].cond for i, uncond in rows])
-        with self.lora_hooks[name].rows([inputs[i].lora for i, _ in rows]):
+        blocks = _blocks_by_adapter(inputs)
+        h = torch.cat([inputs[i].latents for i, _ in blocks]).to(self.dtypes[name])
+        ts = torch.cat([inputs[i].timestep.float().expand(inputs[i].n) for i, _ in blocks])
+        text = torch.cat([_text_rows(inputs[i].uncond if uncond else inputs[i].cond, inputs[i].n)
+                          for i, uncond in blocks])
+        with self.lora_hooks[name].rows([inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]):
             out = model(hidden_states=h, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+        at, start = {}, 0
+        for block in blocks:
+            at[block] = out[start : start + inputs[block[0]].n]
+            start += inputs[block[0]].n
         result = []
         for i, x in enumerate(inputs):
-            v = out[at[(i, False)]].unsqueeze(0)
+            v = at[(i, False)]
             if x.uncond is not None:
-                v_u = out[at[(i, True)]].unsqueeze(0)
+                v_u = at[(i, True)]
                 v = v_u + self.guidance_scale(name, x) * (v - v_u)
             result.append(v)
         return result
 
 
-def _rows_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
-    """(sample, unconditional?) per row of a batched forward: each sample's rows together, the samples
-    of one adapter together, in order of first appearance."""
+def _text_rows(embeds: torch.Tensor, n: int) -> torch.Tensor:
+    """One request's [1, L, D] text embeddings for its n samples (a view, no copy)."""
+    return embeds if embeds.shape[0] == n else embeds.expand(n, -1, -1)
+
+
+def _blocks_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
+    """(input, unconditional?) per block of rows of a batched forward: each input's rows together, the
+    inputs of one adapter together, in order of first appearance."""
     first: dict[int, int] = {}
     for i, x in enumerate(inputs):
         first.setdefault(id(x.lora[0]) if x.lora is not None else 0, i)
@@ -151,9 +174,9 @@ def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, *, sde_type: SdeType,
-            noise_level: float, generator: torch.Generator | None = None,
+            noise_level: float, generator: Generators = None,
             prev_sample: torch.Tensor | None = None) -> SdeStep:
-    """Rollout step ``i`` of a flow-match schedule: the engine draws ``x_{i+1}`` (``generator``),
-    a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
+    """Rollout step ``i`` of a flow-match schedule: the engine draws ``x_{i+1}`` (``generator``: one, or one
+    per sample), a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
     return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=sde_type,
                     noise_level=noise_level, generator=generator, prev_sample=prev_sample)

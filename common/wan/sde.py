@@ -53,6 +53,8 @@ from common.protocol.messages import SDE_TYPES
 
 SigmaLike = Union[float, torch.Tensor]
 """A Python number, a 0-d tensor, or a 1-d tensor with one value per sample ([B] or [1])."""
+Generators = Union[torch.Generator, list, tuple, None]
+"""One CPU generator for the whole batch, or one per sample (a list of B), or None (torch's global one)."""
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
 
@@ -148,7 +150,7 @@ def checked_noise_level(sde_type: str, noise_level: float) -> float:
 
 
 def _check_tensors(model_output: torch.Tensor, sample: torch.Tensor, noise: torch.Tensor | None,
-                   generator: torch.Generator | None, prev_sample: torch.Tensor | None) -> None:
+                   generator: Generators, prev_sample: torch.Tensor | None) -> None:
     if not isinstance(sample, torch.Tensor) or sample.ndim < 2:
         raise ValueError("sample must be a tensor of shape [B, ...] with ndim >= 2")
     if not sample.is_floating_point():
@@ -158,8 +160,12 @@ def _check_tensors(model_output: torch.Tensor, sample: torch.Tensor, noise: torc
     _check_like("prev_sample", prev_sample, sample)
     if noise is not None and prev_sample is not None:
         raise ValueError("give either noise (sampling) or prev_sample (evaluation), not both")
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError(f"generator must be a CPU generator, got one on {generator.device}")
+    gens = generator if isinstance(generator, (list, tuple)) else [generator]
+    if isinstance(generator, (list, tuple)) and len(generator) != sample.shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {sample.shape[0]}: give one per sample")
+    for g in gens:
+        if g is not None and (not isinstance(g, torch.Generator) or g.device.type != "cpu"):
+            raise ValueError(f"generator must be a CPU generator, got {getattr(g, 'device', type(g).__name__)}")
 
 
 def _sigmas(sigma: SigmaLike, sigma_next: SigmaLike, sigma_max: SigmaLike,
@@ -191,11 +197,19 @@ def _euler_step(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor, noise_scale:
     return SdeStep(prev_sample=out, log_prob=None, mean=mean, noise_scale=noise_scale)
 
 
+def _draw(shape: torch.Size, generator: Generators) -> torch.Tensor:
+    """Standard-normal noise of ``shape`` on the CPU: from one generator, or row by row from one per sample."""
+    if isinstance(generator, (list, tuple)):
+        row = (1, *shape[1:])
+        return torch.cat([torch.randn(row, generator=g, dtype=torch.float32, device="cpu") for g in generator])
+    return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
+
+
 def _add_noise(mean: torch.Tensor, sd: torch.Tensor, noise: torch.Tensor | None,
-               generator: torch.Generator | None) -> torch.Tensor:
+               generator: Generators) -> torch.Tensor:
     """``mean + sd eps``; ``eps`` drawn on the CPU (device-independent noise) unless given."""
     if noise is None:
-        noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device="cpu")
+        noise = _draw(mean.shape, generator)
     return torch.addcmul(mean, noise.to(device=mean.device, dtype=torch.float32), sd)
 
 
@@ -220,7 +234,7 @@ def sde_step(
     sde_type: str = "sde",
     noise_level: float = 0.7,
     noise: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     prev_sample: torch.Tensor | None = None,
 ) -> SdeStep:
     """Take (or evaluate) one flow-matching step from ``sigma`` to ``sigma_next``.
@@ -237,6 +251,8 @@ def sde_step(
         generator: CPU generator to draw ``eps`` from (default: torch's global CPU generator).
             Exactly one ``torch.randn(sample.shape, dtype=float32, device="cpu")`` is drawn per
             stochastic step, then moved to the sample's device, so the noise is device independent.
+            A list of B generators draws each sample's row from its own, so that every sample of a
+            batch gets exactly the noise (and the step) it gets alone.
         prev_sample: evaluation mode: the observed ``x_{i+1}``; nothing is drawn and ``log_prob`` is
             that of the given tensor (treated as a constant: gradients flow through ``mean`` only).
 

@@ -1,0 +1,54 @@
+"""One step for every task of a batched forward, with the SDE steps that can be shared taken together.
+
+Tasks whose samples stand at the same step of the same schedule with the same
+SDE settings (:meth:`DenoiseTask.step_key`; the samples of one request always
+do, requests with equal settings often do) take that step in one
+:func:`~common.wan.policy.step_at` call on the stacked tensors: one set of
+coefficients, one log-prob reduction. Each sample still draws its noise from
+its own generator, so every sample gets what it gets alone. Serving (UniPC)
+tasks step on their own scheduler, all their samples at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.wan.policy import step_at
+from denoise_worker.task import DenoiseTask
+
+
+def advance_all(tasks: list[DenoiseTask], velocities: list[torch.Tensor]) -> list[BaseException | None]:
+    """Step each task with its guided model output; per task, None or the error that stopped it."""
+    errors: list[BaseException | None] = [None] * len(tasks)
+    shared: dict[tuple, list[int]] = {}
+    for i, task in enumerate(tasks):
+        key = task.step_key()
+        if key is not None:
+            shared.setdefault(key, []).append(i)
+            continue
+        try:
+            task.advance(velocities[i])
+        except Exception as e:  # one request's failure is its own
+            errors[i] = e
+    for idx in shared.values():
+        try:
+            _sde_step_together([tasks[i] for i in idx], [velocities[i] for i in idx])
+        except Exception as e:
+            for i in idx:
+                errors[i] = e
+    return errors
+
+
+def _sde_step_together(tasks: list[DenoiseTask], velocities: list[torch.Tensor]) -> None:
+    first = tasks[0]  # equal keys: every task's sigmas at its step equal the first one's
+    one = len(tasks) == 1
+    out = step_at(first.scheduler.sigmas, first.step,
+                  velocities[0] if one else torch.cat(velocities),
+                  first.latents if one else torch.cat([t.latents for t in tasks]),
+                  sde_type=first.sde_type_now(), noise_level=first.sde.noise_level,
+                  generator=[g for t in tasks for g in t.generators])
+    start = 0
+    for task in tasks:
+        rows = slice(start, start + task.n)
+        start += task.n
+        task.took(out.prev_sample[rows], None if out.log_prob is None else out.log_prob[rows])
