@@ -24,12 +24,12 @@ from common.runtime.stage import Forward, Stage
 from common.wan import schedulers
 from common.wan.model_info import ModelInfo
 from common.wan.policy import WanPolicy, uses_guidance
-from common.wan.text import conditioning
 from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.joint_step import advance_all
 from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
+from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
 
 
@@ -51,6 +51,7 @@ class DenoiseStage(Stage):
         self.info = ModelInfo.read(self.config.model)
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
         self.adapters = AdapterTable(self.config, self.policy)
+        self.texts = TextTable(self.device, self.policy.dtype)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
@@ -64,7 +65,8 @@ class DenoiseStage(Stage):
         negative = tensors.get(NEGATIVE_PROMPT_EMBEDS.name) if uses_guidance(p.guidance_scale) else None
         if uses_guidance(p.guidance_scale) and negative is None:
             raise RequestError(f"guidance_scale > 1 but no {NEGATIVE_PROMPT_EMBEDS.name}")
-        cond, uncond = conditioning(tensors[PROMPT_EMBEDS.name], negative, self.device, self.policy.dtype)
+        cond = self.texts.padded(tensors[PROMPT_EMBEDS.name])
+        uncond = None if negative is None else self.texts.padded(negative)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p))
 

@@ -222,3 +222,46 @@ def test_a_result_with_the_wrong_number_of_samples_is_refused():
         assert e.status == 502 and "output holds 3 samples" in e.message
 
     asyncio.run(run())
+
+
+def test_a_forward_that_shares_its_text_equals_each_request_alone(tiny_dir):
+    """Requests sharing a prompt, a negative prompt, an adapter (also on text-side Linears) or none: the
+    model sees each distinct (text, adapter) once, and every request's output equals its forward alone."""
+    from common.wan.lora import build_adapter
+    from common.wan.lora_format import ExpertLora
+    from common.wan.policy import WanPolicy
+
+    policy = WanPolicy.load(ModelInfo.read(tiny_dir), torch.float32, "cpu")
+    model = policy.experts["transformer"]
+    g = torch.Generator().manual_seed(3)
+    d = model.config.text_dim
+    prompt, other, negative = (torch.randn(1, 512, d, generator=g) for _ in range(3))
+
+    def lora(path):
+        linear = model.get_submodule(path)
+        return (torch.randn(4, linear.in_features, generator=g) * 0.3,
+                torch.randn(linear.out_features, 4, generator=g) * 0.3, 2.0)
+
+    paths = ["blocks.0.attn2.to_k", "blocks.1.attn2.to_v", "blocks.0.attn2.to_q", "blocks.1.ffn.net.0.proj",
+             "condition_embedder.text_embedder.linear_1"]
+    adapter = build_adapter("t", 1, {"transformer": ExpertLora({p: lora(p) for p in paths})}, policy.experts, 8)
+    policy.cover(adapter)
+
+    def latents(n):
+        return torch.randn(n, 16, 2, 4, 4, generator=g)
+
+    inputs = [ModelInput(latents(3), torch.tensor(900.0), prompt, negative, 4.0),
+              ModelInput(latents(2), torch.tensor(700.0), prompt, negative, 5.0),  # the same texts, another step
+              ModelInput(latents(2), torch.tensor(900.0), prompt, negative, 4.0, lora=(adapter, 0.8)),
+              ModelInput(latents(1), torch.tensor(500.0), other, None, 1.0, lora=(adapter, 0.8))]
+    seen: list[int] = []
+    hook = model.blocks[0].attn2.to_k.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    try:
+        joint = policy.batched_velocity(inputs)
+    finally:
+        hook.remove()
+    assert seen == [5]  # (prompt, negative) x (base, adapter), and (other, adapter): not the 15 rows
+    for x, v in zip(inputs, joint):
+        torch.testing.assert_close(v, policy.velocity(x), rtol=0, atol=TOL)
+    base = policy.velocity(ModelInput(inputs[2].latents, inputs[2].timestep, prompt, negative, 4.0))
+    assert (base - joint[2]).abs().max() > 1e-3  # the adapter did act

@@ -159,8 +159,8 @@ class LoraHooks:
     def __init__(self, expert: str, model: torch.nn.Module):
         self.expert, self.model = expert, model
         self.hooked: set[str] = set()
-        self.active: LoraRows | None = None
-        self._last: tuple[tuple, LoraRows] | None = None  # consecutive forwards often have the same rows
+        self.active: dict[int, LoraRows] = {}  # by batch size: the forward's rows, and its distinct text rows
+        self._last: dict[tuple, LoraRows] = {}  # consecutive forwards often have the same rows
 
     def cover(self, adapter: LoraAdapter) -> None:
         """Hook the modules ``adapter`` targets in this expert (hooks stay: an idle one costs a check)."""
@@ -171,20 +171,33 @@ class LoraHooks:
 
     def _hook(self, path: str):
         def hook(module, args, out):
-            return None if self.active is None else self.active.add_deltas(self.expert, path, args[0], out)
+            if not self.active:
+                return None
+            x = args[0]
+            rows = self.active.get(x.shape[0]) or next(iter(self.active.values()))  # a mismatch raises there
+            return rows.add_deltas(self.expert, path, x, out)
         return hook
 
+    def _rows(self, rows: list) -> LoraRows:
+        key = tuple(rows)  # adapters hash by identity: a new version is a new key
+        if key not in self._last:
+            self._last = {k: v for k, v in self._last.items() if len(k) != len(key)}  # the latest of each size
+            self._last[key] = LoraRows(rows, next(self.model.parameters()).device)
+        return self._last[key]
+
     @contextmanager
-    def rows(self, rows: list[tuple[LoraAdapter, float] | None]) -> Iterator[None]:
-        """Apply the rows' adapters during the forward inside this block (nothing when no row has one)."""
+    def rows(self, rows: list[tuple[LoraAdapter, float] | None],
+             text_rows: list[tuple[LoraAdapter, float] | None] | None = None) -> Iterator[None]:
+        """Apply the rows' adapters during the forward inside this block (nothing when no row has one).
+        ``text_rows``: the adapters of the distinct text rows when the forward shares its text
+        (:mod:`common.wan.shared_text`); the text-side Linears see those rows only."""
         if all(r is None for r in rows):
             yield
             return
-        key = tuple(rows)  # adapters hash by identity: a new version is a new key
-        if self._last is None or self._last[0] != key:
-            self._last = (key, LoraRows(rows, next(self.model.parameters()).device))
-        self.active = self._last[1]
+        self.active = {len(rows): self._rows(rows)}
+        if text_rows is not None:
+            self.active[len(text_rows)] = self._rows(text_rows)
         try:
             yield
         finally:
-            self.active = None
+            self.active = {}

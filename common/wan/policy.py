@@ -27,6 +27,8 @@ from common.protocol.messages import ExpertName, SdeType
 from common.wan.lora import LoraAdapter, LoraHooks
 from common.wan.model_info import ModelInfo
 from common.wan.sde import Generators, SdeStep, sde_step
+from common.wan import shared_text
+from common.wan.shared_text import SharedText, TextPlan
 
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
@@ -66,6 +68,12 @@ class WanPolicy:
         self.lora_hooks = {name: LoraHooks(name, model) for name, model in experts.items()}
         # Read once: a diffusers model's ``dtype`` walks its parameters on every call.
         self.dtypes = {name: model.dtype for name, model in experts.items()}
+        self.shared_text: dict[str, SharedText] = {}  # installed by the first batched forward of an expert
+
+    def _shared_text(self, name: str) -> SharedText:
+        if name not in self.shared_text:
+            self.shared_text[name] = shared_text.install(self.experts[name])
+        return self.shared_text[name]
 
     @classmethod
     def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
@@ -135,9 +143,14 @@ class WanPolicy:
         blocks = _blocks_by_adapter(inputs)
         h = torch.cat([inputs[i].latents for i, _ in blocks]).to(self.dtypes[name])
         ts = torch.cat([inputs[i].timestep.float().expand(inputs[i].n) for i, _ in blocks])
-        text = torch.cat([_text_rows(inputs[i].uncond if uncond else inputs[i].cond, inputs[i].n)
-                          for i, uncond in blocks])
-        with self.lora_hooks[name].rows([inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]):
+        texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
+        loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
+        plan = TextPlan.of([(id(t), None if lo is None else (id(lo[0]), lo[1])) for t, lo in zip(texts, loras)],
+                           h.device)
+        # With a plan the model sees each distinct text (and adapter) once: see common/wan/shared_text.py.
+        text = torch.cat(texts if plan is None else [texts[r] for r in plan.first])
+        text_loras = None if plan is None else [loras[r] for r in plan.first]
+        with self.lora_hooks[name].rows(loras, text_loras), self._shared_text(name).active(plan):
             out = model(hidden_states=h, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
         at, start = {}, 0
         for block in blocks:
