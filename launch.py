@@ -69,6 +69,8 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
                    help=f"key for weight updates (visible in ps: prefer ${ADMIN_KEY_ENV})")
     p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
                    help="weight updates may read only below DIR (repeatable); without one, updates are refused")
+    p.add_argument("--weight-sync-from-memory", action="store_true",
+                   help="accept weight updates from the trainer's memory (shared memory, torch.distributed)")
 
 
 def _limit_flags(p: argparse.ArgumentParser) -> None:
@@ -210,6 +212,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,
         cuda_ipc=args.transport == "ipc" and not args.no_cuda_ipc,
         weight_roots=weight_roots,
+        weight_sync_from_memory=args.weight_sync_from_memory,
         limits=Limits(
             max_height=args.max_height,
             max_width=args.max_width,

@@ -31,6 +31,12 @@ from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
+from denoise_worker.weight_sync import WeightSync
+
+
+# Control operations that take weights from the trainer's memory (off unless --weight-sync-from-memory).
+FROM_MEMORY = ("update_weights_from_tensors", "init_weights_group", "update_weights_from_distributed",
+               "destroy_weights_group")
 
 
 @dataclass
@@ -52,6 +58,7 @@ class DenoiseStage(Stage):
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
         self.adapters = AdapterTable(self.config, self.policy)
         self.texts = TextTable(self.device, self.policy.dtype)
+        self.sync = WeightSync(self.config, self.device)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
@@ -173,16 +180,27 @@ class DenoiseStage(Stage):
             return self.adapters.load(msg, tensors)
         if msg.op == "unload_lora":
             return self.adapters.unload(msg)
+        if msg.op in FROM_MEMORY and not self.config.weight_sync_from_memory:  # the router refuses first
+            raise Forbidden("weight sync from memory is off: start the engine with --weight-sync-from-memory")
+        if msg.op == "init_weights_group":
+            return self.sync.init_group(msg)
+        if msg.op == "destroy_weights_group":
+            return self.sync.destroy_group()
         module = self.policy.experts.get(msg.module)
         if module is None:
             raise RequestError(f"module: this model has no {msg.module}")
+        if msg.op == "checksum":
+            return {"weight_version": self.weight_version, "sha256": state_dict_checksum(module)}
+        t0 = time.perf_counter()
         if msg.op == "update_weights":
-            t0 = time.perf_counter()
             self._load_weights(module, msg.path)
-            self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
-            return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
-                    "sha256": state_dict_checksum(module)}
-        return {"weight_version": self.weight_version, "sha256": state_dict_checksum(module)}
+        elif msg.op == "update_weights_from_tensors":
+            self.sync.load_from_segments(module, msg)
+        else:
+            self.sync.load_from_group(module, msg)
+        self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
+        return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
+                "sha256": state_dict_checksum(module)}
 
     def _load_weights(self, module: torch.nn.Module, path: str | None) -> None:
         if not path:

@@ -24,9 +24,10 @@ from router.lora import LoraControl
 from router.http_errors import error_response, install_error_handlers
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
-    FieldError, GenerateBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody, UpdateWeightsBody,
-    checked_module, to_params,
+    FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
+    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module, to_params,
 )
+from router.weight_sync import MemorySync
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
 
@@ -38,13 +39,22 @@ class Routes:
         self.config, self.dispatcher, self.info = config, dispatcher, info
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
+        self.memory = MemorySync(config, dispatcher.control, self.weights)
+        self.weights.on_current = self._all_current
         dispatcher.on_worker_back = self._worker_back
 
     async def _worker_back(self, worker) -> None:
-        """A restarted denoise worker gets the weight updates and the adapters its predecessor held."""
+        """A restarted denoise worker gets the weight updates and the adapters its predecessor held; one
+        whose predecessor held weights from the trainer's memory stays stale until the next update."""
         if worker.role == LoraControl.role:
-            await self.weights.replay(worker)
+            if not await self.weights.replay(worker):
+                self.dispatcher.registry.workers[(worker.role, worker.index)].stale = True
             await self.loras.replay(worker)
+
+    def _all_current(self) -> None:
+        for (role, _), w in self.dispatcher.registry.workers.items():
+            if role == LoraControl.role:
+                w.stale = False
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()
@@ -84,6 +94,35 @@ class Routes:
 
     async def lora_adapters(self) -> JSONResponse:
         return JSONResponse(self.loras.adapters())
+
+    # --- weight sync from memory (router/weight_sync.py) ------------------------------
+    async def weight_sync(self) -> JSONResponse:
+        return JSONResponse(self.memory.info())
+
+    async def update_weights_from_tensors(self, request: Request) -> JSONResponse:
+        self.memory.check_enabled()  # refused before the body is read
+        body = await self._large_body(request, UpdateWeightsFromTensorsBody)
+        return JSONResponse(await self.memory.from_tensors(self._module_checked(body)))
+
+    async def init_weights_group(self, request: Request) -> JSONResponse:
+        self.memory.check_enabled()
+        return JSONResponse(await self.memory.init_group(await self._body(request, InitWeightsGroupBody)))
+
+    async def update_weights_from_distributed(self, request: Request) -> JSONResponse:
+        self.memory.check_enabled()
+        body = await self._large_body(request, UpdateWeightsFromDistributedBody)
+        return JSONResponse(await self.memory.from_distributed(self._module_checked(body)))
+
+    async def destroy_weights_group(self) -> JSONResponse:
+        return JSONResponse(await self.memory.destroy_group())
+
+    async def _large_body(self, request: Request, schema):
+        """A weight update's description: one entry per tensor, so it may exceed the usual body limit."""
+        return schema.model_validate(await parse_body(request, self.config.limits.max_lora_bytes))
+
+    def _module_checked(self, body):
+        checked_module(body.module, self.info.has_transformer_2)
+        return body
 
     async def _body(self, request: Request, schema):
         """The request body as ``schema``; a bad one becomes a 400 naming the field."""
@@ -126,6 +165,28 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       response_description="checksums, and whether every worker agrees",
                       responses=errors(400, 401, 500, 503, 504))
     add_lora_routes(app, routes)
+    add_weight_sync_routes(app, routes)
+
+
+def add_weight_sync_routes(app: FastAPI, routes: Routes) -> None:
+    updated = "the new weight_version and each worker's checksum"
+    app.add_api_route("/weight_sync", routes.weight_sync, methods=["GET"],
+                      summary="Whether weight sync from memory is on, the shared-memory prefix for buckets, the group",
+                      responses=errors(401))
+    app.add_api_route("/update_weights_from_tensors", routes.update_weights_from_tensors, methods=["POST"],
+                      summary="Load the trainer's tensors from shared-memory buckets into every denoise worker",
+                      openapi_extra=request_body(UpdateWeightsFromTensorsBody), response_description=updated,
+                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+    app.add_api_route("/init_weights_group", routes.init_weights_group, methods=["POST"],
+                      summary="Every denoise worker joins the trainer's torch.distributed group (trainer: rank 0)",
+                      openapi_extra=request_body(InitWeightsGroupBody), response_description="world size and ranks",
+                      responses=errors(400, 401, 403, 500, 503, 504))
+    app.add_api_route("/update_weights_from_distributed", routes.update_weights_from_distributed, methods=["POST"],
+                      summary="Announce an update the trainer then broadcasts over the weights group",
+                      openapi_extra=request_body(UpdateWeightsFromDistributedBody), response_description=updated,
+                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+    app.add_api_route("/destroy_weights_group", routes.destroy_weights_group, methods=["POST"],
+                      summary="Leave the weights group", responses=errors(401, 403, 500, 503, 504))
 
 
 def add_lora_routes(app: FastAPI, routes: Routes) -> None:

@@ -106,3 +106,57 @@ class EngineClient:
     def lora_adapters(self) -> list[dict]:
         """Each loaded adapter: lora_name, lora_version, rank, scale, target_modules, experts, sha256."""
         return self._decode(self._http.get("/v1/lora_adapters"))["adapters"]
+
+    # --- weight sync from the trainer's memory (--weight-sync-from-memory) ---------------
+    def weight_sync_info(self) -> dict:
+        """Whether the engine takes weights from memory, the shared-memory prefix, the denoise workers."""
+        return self._decode(self._http.get("/weight_sync"))
+
+    def update_weights_from_tensors(self, named_tensors, module: str = "transformer",
+                                    bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Load the trainer's tensors into every denoise worker through shared memory (same host), no disk.
+
+        ``named_tensors``: a module (its ``state_dict()``), a mapping or (name, tensor) pairs, on the CPU or
+        a GPU (copied into the buckets). They are written once into shared-memory buckets of at most
+        ``bucket_bytes``, which every worker copies from and which are removed when the engine has answered.
+        All or nothing: a wrong name, shape or dtype changes no weight (400). Returns the new
+        ``weight_version`` and the workers' ``sha256`` (``state_dict_checksum`` of what they now hold).
+        """
+        from common.transport.weight_segments import WrittenBuckets
+        from common.wan import weight_buckets
+
+        info = self.weight_sync_info()
+        if not info.get("shm_prefix"):
+            raise RuntimeError("this engine takes no shared-memory weights (tcp transport): use a weights group")
+        named = weight_buckets.named_tensors(named_tensors)
+        entries, sizes = weight_buckets.plan(named, bucket_bytes)
+        written = WrittenBuckets(info["shm_prefix"], sizes)
+        try:
+            weight_buckets.pack_into(written.buffers, entries, dict(named))
+            return self._post("/update_weights_from_tensors", {
+                "module": module, "tensors": [_plain(e) for e in entries],
+                "buckets": [_plain(b) for b in written.buckets()]})
+        finally:
+            written.close()
+
+    def init_weights_group(self, master_address: str, master_port: int, backend: str = "gloo",
+                           timeout_s: float = 600.0) -> dict[str, Any]:
+        """Have every denoise worker join the trainer's torch.distributed group (returns once all joined).
+        The trainer must create its rank-0 side at the same time: use ``rl.WeightsGroup``, which does both."""
+        return self._post("/init_weights_group", {"master_address": master_address, "master_port": master_port,
+                                                  "backend": backend, "timeout_s": timeout_s})
+
+    def update_weights_from_distributed(self, module: str, tensors: list, bucket_sizes: list[int]) -> dict[str, Any]:
+        """Announce an update the trainer broadcasts bucket by bucket (``tensors``: the layout's entries);
+        returns once every worker applied it (or none did)."""
+        return self._post("/update_weights_from_distributed", {
+            "module": module, "tensors": [_plain(e) for e in tensors], "buckets": [{"nbytes": n} for n in bucket_sizes]})
+
+    def destroy_weights_group(self) -> dict[str, Any]:
+        return self._post("/destroy_weights_group", {})
+
+
+def _plain(struct) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(struct)

@@ -18,6 +18,7 @@ from router.errors import EngineError
 from router.join import Pending, PendingTable
 
 Reply = ControlReply | EngineError
+FROM_MEMORY = "<memory>"  # the source of an update a restarted worker cannot be given again
 SendControl = Callable[[WorkerSpec, ControlRequest, dict | None], Awaitable[None]]
 # Dispatcher.control(role, op, **fields): every instance's reply, by index.
 ControlCall = Callable[..., Awaitable[list[Reply]]]
@@ -54,7 +55,10 @@ def control_failure(replies: list[Reply], stage: str) -> EngineError | None:
     errors = [r for r in replies if isinstance(r, EngineError)]
     if not errors:
         return None
-    if len(errors) == len(replies) and all(400 <= e.status < 500 for e in errors):
+    # Every worker refused (4xx), or every one failed the same way before applying anything (a weight
+    # transfer that broke off: 504): their answer, not a disagreement.
+    if len(errors) == len(replies) and (all(400 <= e.status < 500 for e in errors)
+                                         or len({e.status for e in errors}) == 1 and errors[0].status == 504):
         e = errors[0]
         return EngineError(e.status, e.type, e.message, e.stage, "")
     detail = "; ".join(f"{e.stage}: {e.message}" for e in errors)
@@ -76,22 +80,33 @@ class WeightControl:
         self._control = control
         self.version = 0  # the last version every worker loaded
         self._lock = asyncio.Lock()
-        self._loaded: dict[str, str] = {}  # module -> the path of its last update, for a restarted worker
+        # module -> the path of its last update, for a restarted worker; FROM_MEMORY: it cannot be replayed
+        self._loaded: dict[str, str] = {}
+        self.on_current: Callable[[], None] | None = None  # every worker holds the latest weights again
 
-    async def _all(self, op: str, **fields) -> list[ControlReply]:
-        replies = await self._control(self.role, op, **fields)
+    async def _all(self, op: str, timeout_s: float | None = None, **fields) -> list[ControlReply]:
+        replies = await self._control(self.role, op, timeout_s=timeout_s, **fields)
         failure = control_failure(replies, self.role)
         if failure is not None:
             raise failure
         return replies
 
     async def update(self, module: str, path: str) -> dict:
+        return await self._update("update_weights", module, path, path=path)
+
+    async def update_from_memory(self, op: str, module: str, timeout_s: float | None = None, **fields) -> dict:
+        """An update whose tensors come from the trainer's memory (shared memory or a broadcast)."""
+        return await self._update(op, module, FROM_MEMORY, timeout_s=timeout_s, **fields)
+
+    async def _update(self, op: str, module: str, source: str, timeout_s: float | None = None, **fields) -> dict:
         async with self._lock:
             version = self.version + 1
             t0 = time.perf_counter()
-            replies = await self._all("update_weights", module=module, path=path, version=version)
+            replies = await self._all(op, module=module, version=version, timeout_s=timeout_s, **fields)
             self.version = version
-            self._loaded[module] = path
+            self._loaded[module] = source
+            if self.on_current is not None:
+                self.on_current()
         return {
             "weight_version": version,
             "module": module,
@@ -100,15 +115,21 @@ class WeightControl:
             "workers": [{"index": r.index, **r.data} for r in replies],
         }
 
-    async def replay(self, worker: WorkerSpec) -> None:
-        """A restarted worker loaded the model directory's weights: give it the updates since, at this version."""
+    async def replay(self, worker: WorkerSpec) -> bool:
+        """A restarted worker loaded the model directory's weights: give it the updates since, at this version.
+        False when one came from the trainer's memory: the worker then stays stale (not routed to)."""
         async with self._lock:
+            current = True
             for module, path in sorted(self._loaded.items()):
+                if path == FROM_MEMORY:
+                    current = False
+                    continue
                 replies = await self._control(self.role, "update_weights", only=worker, module=module, path=path,
                                               version=self.version)
                 failure = control_failure(replies, self.role)
                 if failure is not None:
                     raise failure
+            return current
 
     async def checksum(self, module: str) -> dict:
         replies = await self._all("checksum", module=module)

@@ -134,12 +134,12 @@ class Dispatcher:
             self.registry.release(chosen, params.n)
 
     async def control(self, role: str, op: str, tensors: dict | None = None, only: WorkerSpec | None = None,
-                      **fields) -> list[Reply]:
+                      timeout_s: float | None = None, **fields) -> list[Reply]:
         """Send one control request (with ``tensors``) to every instance of ``role`` (or ``only`` that one);
-        each answer or error."""
+        each answer or error, waited for ``timeout_s`` (default: the request timeout)."""
         workers = [only] if only is not None else self.config.of_role(role)
         return await fan_out(workers, op, fields, self.pending, self._send_control,
-                             self.config.limits.request_timeout_s, tensors)
+                             timeout_s or self.config.limits.request_timeout_s, tensors)
 
     async def _send_control(self, w: WorkerSpec, msg: ControlRequest, tensors: dict | None) -> None:
         key = (w.role, w.index)

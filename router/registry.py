@@ -30,17 +30,22 @@ class WorkerState:
     cuda_ipc: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
     new_process: bool = False  # a process replaced the one before it and has not been synced yet
     syncing: bool = False  # the router is giving a new process what the old one held (LoRA adapters)
+    # A restarted denoise worker that cannot have the trainer's in-memory weights: not routed to until the
+    # trainer pushes again or a disk update reaches it.
+    stale: bool = False
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return self.last_seen is not None and now - self.last_seen < timeout_s
 
     def ready(self, now: float, timeout_s: float) -> bool:
-        return self.state == "ready" and not self.syncing and self.alive(now, timeout_s)
+        return self.state == "ready" and not self.syncing and not self.stale and self.alive(now, timeout_s)
 
     def reported_state(self, now: float, timeout_s: float) -> str:
         """The state ``/health`` shows: a quiet worker is ``lost`` (or still ``starting``)."""
         if self.syncing and self.state == "ready":
             return "syncing"
+        if self.stale and self.state == "ready":
+            return "stale"
         if self.state == "dead" or self.alive(now, timeout_s):
             return self.state
         return "starting" if self.last_seen is None else "lost"
@@ -137,6 +142,7 @@ class WorkerRegistry:
             "socket_type": "PULL",
             "state": w.reported_state(now, self.timeout_s),
             "outstanding": w.outstanding,
+            "weights": "stale" if w.stale else "current",
             "seconds_since_heartbeat": None if w.last_seen is None else round(now - w.last_seen, 3),
             "cuda_ipc": dict(w.cuda_ipc),
         }

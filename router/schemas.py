@@ -8,6 +8,8 @@ limits that depend on the engine's flags and on the model are checked in
 from __future__ import annotations
 
 import math
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
@@ -116,6 +118,48 @@ class UpdateWeightsBody(BaseModel):
 
     path: str = Field(min_length=1, max_length=4096, description="a checkpoint below one of the --weight-root dirs")
     module: ExpertName = "transformer"
+
+
+class WeightTensorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=512)
+    dtype: str = Field(min_length=1, max_length=16, description="a wire dtype name, e.g. bfloat16")
+    shape: list[int] = Field(max_length=8)
+    bucket: int = Field(ge=0)
+    offset: int = Field(ge=0, le=1 << 48)
+
+
+class WeightBucketBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    nbytes: int = Field(ge=0, le=1 << 48)
+    segment: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,255}$",
+                                description="the shared-memory segment holding the bucket (same host)")
+
+
+class UpdateWeightsFromTensorsBody(BaseModel):
+    """The trainer's tensors in shared-memory buckets (``EngineClient.update_weights_from_tensors`` writes them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    module: ExpertName = "transformer"
+    tensors: list[WeightTensorBody] = Field(min_length=1, max_length=100_000)
+    buckets: list[WeightBucketBody] = Field(min_length=1, max_length=100_000)
+
+
+class UpdateWeightsFromDistributedBody(UpdateWeightsFromTensorsBody):
+    """An update the trainer broadcasts over the weights group: the same description, buckets without segments."""
+
+
+class InitWeightsGroupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"master_address": "10.0.0.5", "master_port": 29600, "backend": "gloo"}]})
+
+    master_address: str = Field(min_length=1, max_length=255, description="the trainer's host (rank 0, the store)")
+    master_port: int = Field(ge=1, le=65535)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(default=600.0, gt=0, le=86400, description="for joining and for each broadcast")
 
 
 def checked_module(module: str, has_transformer_2: bool) -> str:

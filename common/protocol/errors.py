@@ -27,6 +27,12 @@ class DeadlineExceeded(RuntimeError):
     status = 504
 
 
+class TransferFailed(RuntimeError):
+    """A weight transfer from the trainer broke off or timed out; nothing was applied: HTTP 504."""
+
+    status = 504
+
+
 def check_deadline(params) -> None:
     """Raise :class:`DeadlineExceeded` once ``params.deadline`` (seconds since the epoch) has passed."""
     if params.deadline is not None and time.time() > params.deadline:

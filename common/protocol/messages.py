@@ -131,6 +131,25 @@ class LoraTensor(_Strict, frozen=True):
     shape: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]], msgspec.Meta(min_length=1, max_length=2)]
 
 
+class WeightTensor(_Strict, frozen=True):
+    """One tensor of a weight update from memory: its state-dict name, dtype, shape, and where its
+    bytes lie (bucket index, byte offset) in the update's buckets (common/wan/weight_buckets.py)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    dtype: str
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]], msgspec.Meta(max_length=8)]
+    bucket: Annotated[int, msgspec.Meta(ge=0)]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+
+
+class WeightBucket(_Strict, frozen=True):
+    """One bucket of a weight update: its size and, on one host, the shared-memory segment holding it
+    (written by the trainer; common/transport/weight_segments.py). Broadcast buckets have no segment."""
+
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+    segment: ShmName | None = None
+
+
 class RolloutParams(_Strict):
     """What ``/rollout/generate`` adds to a generation request."""
 
@@ -224,7 +243,8 @@ class ControlRequest(_Header, tag="control", kw_only=True):
 
     carries = (LORA_BLOB,)
 
-    op: Literal["update_weights", "checksum", "load_lora", "unload_lora"]
+    op: Literal["update_weights", "checksum", "load_lora", "unload_lora", "update_weights_from_tensors",
+                "init_weights_group", "update_weights_from_distributed", "destroy_weights_group"]
     module: ExpertName = "transformer"  # load_lora from memory: the expert the tensors belong to
     path: str | None = None
     version: int | None = None  # the weight (or adapter) version to report after a successful load
@@ -234,6 +254,16 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     lora_tensors: list[LoraTensor] = []
     lora_rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
     lora_alpha: float | None = None
+    # Weight updates from memory: the tensors and their buckets (segments on one host, else broadcast).
+    weight_tensors: list[WeightTensor] = []
+    weight_buckets: list[WeightBucket] = []
+    # init_weights_group: the trainer's torch.distributed group (the trainer is rank 0 and hosts the store).
+    master_address: Annotated[str, msgspec.Meta(max_length=255)] | None = None
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    world_size: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    backend: Literal["gloo", "nccl"] = "gloo"
+    group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
 
 
 class ControlReply(_Header, tag="control_reply", kw_only=True):

@@ -1,0 +1,78 @@
+"""The trainer's half of a weights group: broadcast new weights into every denoise worker, across hosts.
+
+    with WeightsGroup(client, master_address="10.0.0.5", master_port=29600) as group:   # gloo, or "nccl"
+        for step in training:
+            ...
+            group.push(policy.transformer)             # every worker applies it whole, or none does
+
+The trainer is rank 0 and hosts the group's store on ``master_address:master_port``
+(reachable from the denoise workers' hosts); each denoise worker is one more rank.
+On one host, ``client.update_weights_from_tensors`` (shared memory) needs no group.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from common.transport import weights_group
+from common.wan import weight_buckets
+
+REFUSAL_WAIT_S = 0.02
+
+
+class WeightsGroup:
+    def __init__(self, client, master_address: str, master_port: int, backend: str = "gloo",
+                 timeout_s: float = 600.0, bucket_bytes: int = 256 << 20, device: str | torch.device = "cpu"):
+        """``device``: where the broadcast buckets live (a GPU for NCCL, the CPU for gloo)."""
+        self.client, self.address, self.port = client, master_address, master_port
+        self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
+        self.device = torch.device(device)
+        self.pg = None
+        self._store = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-group")
+
+    def open(self) -> dict:
+        """Create rank 0 and have every denoise worker join; returns the engine's answer (world size, ranks)."""
+        world = 1 + self.client.weight_sync_info()["denoise_workers"]
+        self._store = weights_group.store(self.address, self.port, world, True, self.timeout_s)
+        joined = self._pool.submit(self.client.init_weights_group, self.address, self.port, self.backend,
+                                   self.timeout_s)
+        self.pg = weights_group.new_group(self._store, 0, world, self.backend, self.timeout_s)
+        return joined.result()
+
+    def push(self, named_tensors, module: str = "transformer") -> dict:
+        """Broadcast ``named_tensors`` (a module, a mapping or (name, tensor) pairs) as ``module``'s new weights;
+        returns the engine's answer: the new ``weight_version`` and the workers' ``sha256``."""
+        if self.pg is None:
+            raise RuntimeError("the weights group is not open")
+        named = weight_buckets.named_tensors(named_tensors)
+        entries, sizes = weight_buckets.plan(named, self.bucket_bytes)
+        tensors = dict(named)
+        answer: Future = self._pool.submit(self.client.update_weights_from_distributed, module, entries, sizes)
+        wait([answer], timeout=REFUSAL_WAIT_S)  # a refusal by the router comes at once, before any worker waits
+        for k, size in enumerate(sizes):
+            if answer.done() and answer.exception() is not None:
+                break  # refused: no worker receives, so broadcasting would only wait for the timeout
+            if not size:
+                continue
+            bucket = torch.empty(size, dtype=torch.uint8, device=self.device)
+            weight_buckets.pack_into({k: bucket}, [e for e in entries if e.bucket == k], tensors)
+            self.pg.broadcast([bucket], weights_group.broadcast_options(0)).wait()
+        return answer.result()
+
+    def close(self) -> None:
+        try:
+            if self.pg is not None:
+                self.client.destroy_weights_group()
+        finally:
+            self.pg, self._store = None, None
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "WeightsGroup":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

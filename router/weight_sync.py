@@ -1,0 +1,91 @@
+"""Weight sync from the trainer's memory: shared-memory buckets on one host, a torch.distributed group across.
+
+The router checks the request and hands each denoise worker its part: the
+bucket description (all of them), or its rank in the trainer's group. The
+weights themselves never pass through the router. Off unless the engine runs
+with ``--weight-sync-from-memory`` (403 here, before anything reaches a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from common.config.engine import EngineConfig
+from common.protocol.messages import WeightBucket, WeightTensor
+from common.transport.shm import engine_prefix
+from common.transport.weight_segments import weight_prefix
+from router.control import WeightControl, control_failure
+from router.errors import EngineError
+from router.schemas import InitWeightsGroupBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody
+
+DISABLED = "weight sync from memory is off: start the engine with --weight-sync-from-memory"
+GRACE_S = 30.0  # the router waits this much longer than a worker's own group timeout
+
+
+class MemorySync:
+    role = "denoise"
+
+    def __init__(self, config: EngineConfig, control, weights: WeightControl):
+        self.config, self._control, self.weights = config, control, weights
+        self.group_timeout_s: float | None = None  # set while a weights group exists
+
+    def check_enabled(self) -> None:
+        if not self.config.weight_sync_from_memory:
+            raise EngineError(403, "forbidden", DISABLED, "router", "")
+
+    def info(self) -> dict:
+        """What a trainer needs to write buckets and to size a group."""
+        return {"enabled": self.config.weight_sync_from_memory,
+                "shm_prefix": weight_prefix(engine_prefix(self.config.runtime_dir))
+                if self.config.transport == "ipc" else None,
+                "denoise_workers": len(self.config.of_role(self.role)),
+                "weight_version": self.weights.version, "group": self.group_timeout_s is not None}
+
+    async def from_tensors(self, body: UpdateWeightsFromTensorsBody) -> dict:
+        self.check_enabled()
+        return await self.weights.update_from_memory("update_weights_from_tensors", body.module,
+                                                     **_layout(body))
+
+    async def init_group(self, body: InitWeightsGroupBody) -> dict:
+        self.check_enabled()
+        workers = self.config.of_role(self.role)
+        world = 1 + len(workers)
+        replies = await asyncio.gather(*(
+            self._control(self.role, "init_weights_group", only=w, timeout_s=body.timeout_s + GRACE_S,
+                          master_address=body.master_address, master_port=body.master_port, world_size=world,
+                          rank=1 + k, backend=body.backend, group_timeout_s=body.timeout_s)
+            for k, w in enumerate(workers)))
+        replies = [r for rs in replies for r in rs]
+        failure = control_failure(replies, self.role)
+        if failure is not None:
+            raise failure
+        self.group_timeout_s = body.timeout_s
+        return {"world_size": world, "backend": body.backend,
+                "ranks": [{"index": r.index, "rank": r.data["rank"]} for r in replies]}
+
+    async def from_distributed(self, body: UpdateWeightsFromDistributedBody) -> dict:
+        self.check_enabled()
+        if self.group_timeout_s is None:
+            raise EngineError(400, "invalid_request", "no weights group: POST /init_weights_group first", "router", "")
+        try:
+            return await self.weights.update_from_memory("update_weights_from_distributed", body.module,
+                                                         timeout_s=self.group_timeout_s + GRACE_S, **_layout(body))
+        except EngineError as e:
+            if e.status == 504 or e.type == "inconsistent_workers":
+                self.group_timeout_s = None  # a broken-off broadcast drops the group on the workers
+            raise
+
+    async def destroy_group(self) -> dict:
+        self.check_enabled()
+        failure = control_failure(await self._control(self.role, "destroy_weights_group"), self.role)
+        self.group_timeout_s = None
+        if failure is not None:
+            raise failure
+        return {"destroyed": True}
+
+
+def _layout(body: UpdateWeightsFromTensorsBody) -> dict:
+    return {"weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
+            "weight_buckets": [msgspec.convert(b.model_dump(exclude_none=True), WeightBucket) for b in body.buckets]}

@@ -1,0 +1,209 @@
+"""Weight sync from the trainer's memory: shared-memory buckets (one host) and a gloo weights group.
+
+After each path the engine's checksum equals the trainer's and its outputs equal a fresh engine started
+from those weights; refused and broken-off updates change nothing and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from common.runtime.engine_process import ROOT, free_port
+from common.wan.weights import state_dict_checksum
+from rl import WeightsGroup
+from router.client import EngineClient, EngineHTTPError
+
+REQ = dict(prompt="a lighthouse at dusk", seed=4, num_inference_steps=4, guidance_scale=4.0, output_type="latent")
+
+
+def _trainer_copy(tiny_dir, seed: int, scale: float = 0.05) -> WanTransformer3DModel:
+    model = WanTransformer3DModel.from_pretrained(tiny_dir / "transformer").eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory):
+    return engine_factory("tiny", extra=["--weight-sync-from-memory"])
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with EngineClient(engine.url) as c:
+        yield c
+
+
+def _output(client) -> torch.Tensor:
+    return client.generate(**REQ)["samples"][0]["output"]
+
+
+def _fresh_engine_output(engine_factory, tiny_dir, tmp_path, model) -> torch.Tensor:
+    """The same request on an engine started from a model directory holding ``model``'s weights."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dir, d)
+    shutil.rmtree(d / "transformer")
+    model.save_pretrained(d / "transformer")
+    fresh = engine_factory(str(d))
+    try:
+        with EngineClient(fresh.url) as c:
+            return _output(c)
+    finally:
+        fresh.stop()
+
+
+def test_off_without_the_flag(engine_factory):
+    off = engine_factory("tiny")
+    with EngineClient(off.url) as c:
+        assert c.weight_sync_info()["enabled"] is False
+        for path, body in (("/update_weights_from_tensors", {"tensors": [], "buckets": []}),
+                           ("/init_weights_group", {"master_address": "127.0.0.1", "master_port": 1}),
+                           ("/destroy_weights_group", {})):
+            r = off.http.post(path, json=body)
+            assert r.status_code == 403 and "--weight-sync-from-memory" in r.json()["error"]["message"], path
+
+
+def test_shared_memory_update_equals_a_fresh_engine_on_those_weights(client, engine_factory, tiny_dir, tmp_path):
+    before = client.weights_checksum()
+    new = _trainer_copy(tiny_dir, seed=1)
+    reply = client.update_weights_from_tensors(new, bucket_bytes=64 << 10)  # many buckets
+    assert reply["sha256"] == state_dict_checksum(new)
+    assert reply["weight_version"] == before["weight_version"] + 1
+    ck = client.weights_checksum()
+    assert ck["sha256"] == state_dict_checksum(new) and ck["weight_version"] == reply["weight_version"]
+    sample = client.generate(**REQ)["samples"][0]
+    assert sample["weight_version"] == reply["weight_version"]
+    assert (sample["output"] - _fresh_engine_output(engine_factory, tiny_dir, tmp_path, new)).abs().max() == 0.0
+    assert not [n for n in os.listdir("/dev/shm") if "-weights-" in n]  # the client removed its buckets
+
+
+@pytest.mark.parametrize("spoil", ["name", "shape", "dtype", "nan", "missing"])
+def test_a_wrong_update_changes_nothing(client, tiny_dir, spoil):
+    before, out = client.weights_checksum(), _output(client)
+    state = {k: v.clone() for k, v in _trainer_copy(tiny_dir, seed=2).state_dict().items()}
+    key = sorted(state)[0]
+    if spoil == "name":
+        state["not.a.parameter"] = state.pop(key)
+    elif spoil == "shape":
+        state[key] = torch.zeros(3, 3)
+    elif spoil == "dtype":
+        state[key] = state[key].to(torch.int32)
+    elif spoil == "nan":
+        state[key][...] = float("nan")
+    else:
+        del state[key]
+    with pytest.raises(EngineHTTPError) as e:
+        client.update_weights_from_tensors(state)
+    assert e.value.status == 400
+    after = client.weights_checksum()
+    assert after["sha256"] == before["sha256"] and after["weight_version"] == before["weight_version"]
+    assert torch.equal(_output(client), out)
+
+
+def test_segments_outside_this_engine_are_refused(client, engine):
+    d = client.weight_sync_info()
+    token = "0" * 32
+    for name in ("disagg-00000000-weights-" + token, d["shm_prefix"] + "x" * 32, "etc-passwd"):
+        r = engine.http.post("/update_weights_from_tensors", json={
+            "tensors": [{"name": "a", "dtype": "float32", "shape": [1], "bucket": 0, "offset": 0}],
+            "buckets": [{"nbytes": 4, "segment": name}]})
+        assert r.status_code == 400 and "weight" in r.json()["error"]["message"], (name, r.text)
+
+
+def test_gloo_group_broadcast_equals_the_trainer(client, tiny_dir):
+    new = _trainer_copy(tiny_dir, seed=3)
+    with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60, bucket_bytes=32 << 10) as group:
+        assert client.weight_sync_info()["group"] is True
+        for seed in (3, 4):  # twice over one group
+            new = _trainer_copy(tiny_dir, seed=seed)
+            reply = group.push(new)
+            assert reply["sha256"] == state_dict_checksum(new)
+            assert client.weights_checksum()["sha256"] == state_dict_checksum(new)
+        with pytest.raises(EngineHTTPError) as e:  # a wrong update over the group: all received, none applied
+            group.push({"not.a.parameter": torch.zeros(4)})
+        assert e.value.status == 400
+        assert client.weights_checksum()["sha256"] == state_dict_checksum(new)
+        assert group.push(new)["sha256"] == state_dict_checksum(new)  # the group still works
+    assert client.weight_sync_info()["group"] is False
+
+
+TRAINER_DIES = textwrap.dedent("""
+    import os, sys, threading, torch
+    sys.path.insert(0, {root!r})
+    from diffusers import WanTransformer3DModel
+    from common.transport import weights_group
+    from rl import WeightsGroup
+    from router.client import EngineClient
+
+    client = EngineClient({url!r})
+    group = WeightsGroup(client, "127.0.0.1", {port}, timeout_s=20, bucket_bytes=16 << 10)
+    group.open()
+    sent = []
+    real = group.pg.broadcast
+    def broadcast(tensors, opts):  # the trainer dies after its third bucket
+        if len(sent) == 3:
+            os._exit(0)
+        sent.append(1)
+        return real(tensors, opts)
+    group.pg = type("P", (), {{"broadcast": staticmethod(broadcast)}})()
+    model = WanTransformer3DModel.from_pretrained({model!r})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    group.push(model)
+""")
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(client, engine, tiny_dir):
+    before, out = client.weights_checksum(), _output(client)
+    script = TRAINER_DIES.format(root=str(ROOT), url=engine.url, port=free_port(),
+                                 model=str(tiny_dir / "transformer"))
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
+    deadline = time.monotonic() + 60
+    while client.weight_sync_info()["group"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # the workers notice the broken broadcast, the router drops the group
+    after = client.weights_checksum()
+    assert after["sha256"] == before["sha256"] and after["weight_version"] == before["weight_version"]
+    assert torch.equal(_output(client), out)  # still serving, on the old weights
+    assert time.monotonic() - t0 < 90
+    # A new group works afterwards.
+    new = _trainer_copy(tiny_dir, seed=9)
+    with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60) as group:
+        assert group.push(new)["sha256"] == state_dict_checksum(new)
+
+
+# --- last: it kills the engine's denoise worker ---------------------------------------------------------
+
+def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(client, engine, tiny_dir):
+    new = _trainer_copy(tiny_dir, seed=5)
+    version = client.update_weights_from_tensors(new)["weight_version"]
+    pid = next(w["pid"] for w in client.health()["workers"] if w["role"] == "denoise")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        d = next(w for w in engine.http.get("/health").json()["workers"] if w["role"] == "denoise")
+        if d["pid"] not in (None, pid) and d["state"] == "stale":
+            break
+        assert time.monotonic() < deadline, f"no stale restarted worker: {d}"
+        time.sleep(0.1)
+    assert d["weights"] == "stale" and engine.http.get("/health").status_code == 503
+    r = engine.http.post("/generate", json=REQ)
+    assert r.status_code == 503  # no request runs on weights the trainer did not send
+    reply = client.update_weights_from_tensors(new)
+    assert reply["weight_version"] == version + 1 and reply["sha256"] == state_dict_checksum(new)
+    d = next(w for w in client.health()["workers"] if w["role"] == "denoise")
+    assert d["state"] == "ready" and d["weights"] == "current"
+    assert client.generate(**REQ)["samples"][0]["weight_version"] == version + 1
