@@ -200,7 +200,7 @@ class DenoiseStage(Stage):
             self.sync.load_from_group(module, msg)
         self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
         return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
-                "sha256": state_dict_checksum(module)}
+                "sha256": state_dict_checksum(module) if msg.checksum else None}
 
     def _load_weights(self, module: torch.nn.Module, path: str | None) -> None:
         if not path:

@@ -42,7 +42,7 @@ class WeightsGroup:
         self.pg = weights_group.new_group(self._store, 0, world, self.backend, self.timeout_s)
         return joined.result()
 
-    def push(self, named_tensors, module: str = "transformer") -> dict:
+    def push(self, named_tensors, module: str = "transformer", checksum: bool = True) -> dict:
         """Broadcast ``named_tensors`` (a module, a mapping or (name, tensor) pairs) as ``module``'s new weights;
         returns the engine's answer: the new ``weight_version`` and the workers' ``sha256``."""
         if self.pg is None:
@@ -50,7 +50,8 @@ class WeightsGroup:
         named = weight_buckets.named_tensors(named_tensors)
         entries, sizes = weight_buckets.plan(named, self.bucket_bytes)
         tensors = dict(named)
-        answer: Future = self._pool.submit(self.client.update_weights_from_distributed, module, entries, sizes)
+        answer: Future = self._pool.submit(self.client.update_weights_from_distributed, module, entries, sizes,
+                                           checksum)
         wait([answer], timeout=REFUSAL_WAIT_S)  # a refusal by the router comes at once, before any worker waits
         for k, size in enumerate(sizes):
             if answer.done() and answer.exception() is not None:

@@ -72,7 +72,7 @@ class Routes:
             return error_response(403, "forbidden", WEIGHTS_DISABLED)
         body = await self._body(request, UpdateWeightsBody)
         module = checked_module(body.module, self.info.has_transformer_2)
-        return JSONResponse(await self.weights.update(module, body.path))
+        return JSONResponse(await self.weights.update(module, body.path, checksum=body.checksum))
 
     async def weights_checksum(self, request: Request) -> JSONResponse:
         # Read by hand like the bodies: a bad value is the router's own 400 (documented in MODULE_QUERY).

@@ -68,9 +68,9 @@ class EngineClient:
         ``return_trajectory=True``, ``trajectory`` {latents, timesteps, sigmas} as torch tensors."""
         return self._post("/rollout/generate", {"prompt": prompt, **fields})
 
-    def update_weights_from_disk(self, path: str, module: str = "transformer") -> dict[str, Any]:
+    def update_weights_from_disk(self, path: str, module: str = "transformer", checksum: bool = True) -> dict[str, Any]:
         """Load new weights into every denoise worker; returns the new ``weight_version``."""
-        return self._post("/update_weights_from_disk", {"path": str(path), "module": module})
+        return self._post("/update_weights_from_disk", {"path": str(path), "module": module, "checksum": checksum})
 
     def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
         return self._decode(self._http.get("/weights_checksum", params={"module": module}))
@@ -113,14 +113,15 @@ class EngineClient:
         return self._decode(self._http.get("/weight_sync"))
 
     def update_weights_from_tensors(self, named_tensors, module: str = "transformer",
-                                    bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+                                    bucket_bytes: int = 256 << 20, checksum: bool = True) -> dict[str, Any]:
         """Load the trainer's tensors into every denoise worker through shared memory (same host), no disk.
 
         ``named_tensors``: a module (its ``state_dict()``), a mapping or (name, tensor) pairs, on the CPU or
         a GPU (copied into the buckets). They are written once into shared-memory buckets of at most
         ``bucket_bytes``, which every worker copies from and which are removed when the engine has answered.
         All or nothing: a wrong name, shape or dtype changes no weight (400). Returns the new
-        ``weight_version`` and the workers' ``sha256`` (``state_dict_checksum`` of what they now hold).
+        ``weight_version`` and the workers' ``sha256`` (``state_dict_checksum`` of what they now hold;
+        None with ``checksum=False``, which spares the workers a pass over the weights).
         """
         from common.transport.weight_segments import WrittenBuckets
         from common.wan import weight_buckets
@@ -134,7 +135,7 @@ class EngineClient:
         try:
             weight_buckets.pack_into(written.buffers, entries, dict(named))
             return self._post("/update_weights_from_tensors", {
-                "module": module, "tensors": [_plain(e) for e in entries],
+                "module": module, "checksum": checksum, "tensors": [_plain(e) for e in entries],
                 "buckets": [_plain(b) for b in written.buckets()]})
         finally:
             written.close()
@@ -146,11 +147,13 @@ class EngineClient:
         return self._post("/init_weights_group", {"master_address": master_address, "master_port": master_port,
                                                   "backend": backend, "timeout_s": timeout_s})
 
-    def update_weights_from_distributed(self, module: str, tensors: list, bucket_sizes: list[int]) -> dict[str, Any]:
+    def update_weights_from_distributed(self, module: str, tensors: list, bucket_sizes: list[int],
+                                        checksum: bool = True) -> dict[str, Any]:
         """Announce an update the trainer broadcasts bucket by bucket (``tensors``: the layout's entries);
         returns once every worker applied it (or none did)."""
         return self._post("/update_weights_from_distributed", {
-            "module": module, "tensors": [_plain(e) for e in tensors], "buckets": [{"nbytes": n} for n in bucket_sizes]})
+            "module": module, "checksum": checksum, "tensors": [_plain(e) for e in tensors],
+            "buckets": [{"nbytes": n} for n in bucket_sizes]})
 
     def destroy_weights_group(self) -> dict[str, Any]:
         return self._post("/destroy_weights_group", {})

@@ -91,8 +91,8 @@ class WeightControl:
             raise failure
         return replies
 
-    async def update(self, module: str, path: str) -> dict:
-        return await self._update("update_weights", module, path, path=path)
+    async def update(self, module: str, path: str, checksum: bool = True) -> dict:
+        return await self._update("update_weights", module, path, path=path, checksum=checksum)
 
     async def update_from_memory(self, op: str, module: str, timeout_s: float | None = None, **fields) -> dict:
         """An update whose tensors come from the trainer's memory (shared memory or a broadcast)."""

@@ -118,6 +118,8 @@ class UpdateWeightsBody(BaseModel):
 
     path: str = Field(min_length=1, max_length=4096, description="a checkpoint below one of the --weight-root dirs")
     module: ExpertName = "transformer"
+    checksum: bool = Field(default=True, description="answer with each worker's sha256 of its new weights "
+                                                     "(a pass over them; false skips it)")
 
 
 class WeightTensorBody(BaseModel):
@@ -144,6 +146,7 @@ class UpdateWeightsFromTensorsBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     module: ExpertName = "transformer"
+    checksum: bool = Field(default=True, description="as for /update_weights_from_disk")
     tensors: list[WeightTensorBody] = Field(min_length=1, max_length=100_000)
     buckets: list[WeightBucketBody] = Field(min_length=1, max_length=100_000)
 

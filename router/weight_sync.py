@@ -87,5 +87,5 @@ class MemorySync:
 
 
 def _layout(body: UpdateWeightsFromTensorsBody) -> dict:
-    return {"weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
+    return {"checksum": body.checksum,"weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
             "weight_buckets": [msgspec.convert(b.model_dump(exclude_none=True), WeightBucket) for b in body.buckets]}

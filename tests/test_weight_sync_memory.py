@@ -18,7 +18,9 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
+from common.protocol.messages import WeightTensor
 from common.runtime.engine_process import ROOT, free_port
+from common.wan import weight_buckets
 from common.wan.weights import state_dict_checksum
 from rl import WeightsGroup
 from router.client import EngineClient, EngineHTTPError
@@ -62,6 +64,37 @@ def _fresh_engine_output(engine_factory, tiny_dir, tmp_path, model) -> torch.Ten
             return _output(c)
     finally:
         fresh.stop()
+
+
+def test_bucket_layout_round_trip():
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("c", torch.arange(11, dtype=torch.int64)), ("empty", torch.zeros(0, 4)), ("scalar", torch.tensor(2.5)),
+             ("big", torch.randn(300, generator=g)), ("d", torch.ones(2, 2, dtype=torch.float16))]
+    entries, sizes = weight_buckets.plan(named, bucket_bytes=256)
+    assert len(sizes) > 2 and all(n <= 256 for n in sizes if n != 1200)
+    assert max(sizes) == 1200  # a tensor larger than a bucket gets one of its own
+    assert all(e.offset % weight_buckets.ALIGN == 0 for e in entries)
+    buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    weight_buckets.pack_into(buffers, entries, dict(named))
+    back = weight_buckets.unpack(buffers, entries)
+    assert list(back) == [n for n, _ in named]
+    for name, t in named:
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("entry, needle", [
+    (WeightTensor(name="x", dtype="float32", shape=[100], bucket=0, offset=0), "do not fit"),
+    (WeightTensor(name="x", dtype="float32", shape=[1], bucket=3, offset=0), "bucket 3 of 1"),
+    (WeightTensor(name="x", dtype="float32", shape=[1], bucket=0, offset=4), "aligned"),
+    (WeightTensor(name="x", dtype="complex64", shape=[1], bucket=0, offset=0), "unknown dtype"),
+])
+def test_bucket_layout_refuses_what_does_not_fit(entry, needle):
+    with pytest.raises(weight_buckets.LayoutError, match=needle):
+        weight_buckets.unpack([torch.zeros(64, dtype=torch.uint8)], [entry])
+    twice = WeightTensor(name="x", dtype="uint8", shape=[1], bucket=0, offset=0)
+    with pytest.raises(weight_buckets.LayoutError, match="named twice"):
+        weight_buckets.unpack([torch.zeros(64, dtype=torch.uint8)], [twice, twice])
 
 
 def test_off_without_the_flag(engine_factory):
@@ -122,8 +155,7 @@ def test_segments_outside_this_engine_are_refused(client, engine):
         assert r.status_code == 400 and "weight" in r.json()["error"]["message"], (name, r.text)
 
 
-def test_gloo_group_broadcast_equals_the_trainer(client, tiny_dir):
-    new = _trainer_copy(tiny_dir, seed=3)
+def test_gloo_group_broadcast_equals_the_trainer(client, engine_factory, tiny_dir, tmp_path):
     with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60, bucket_bytes=32 << 10) as group:
         assert client.weight_sync_info()["group"] is True
         for seed in (3, 4):  # twice over one group
@@ -137,6 +169,7 @@ def test_gloo_group_broadcast_equals_the_trainer(client, tiny_dir):
         assert client.weights_checksum()["sha256"] == state_dict_checksum(new)
         assert group.push(new)["sha256"] == state_dict_checksum(new)  # the group still works
     assert client.weight_sync_info()["group"] is False
+    assert (_output(client) - _fresh_engine_output(engine_factory, tiny_dir, tmp_path, new)).abs().max() == 0.0
 
 
 TRAINER_DIES = textwrap.dedent("""

@@ -248,6 +248,7 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     module: ExpertName = "transformer"  # load_lora from memory: the expert the tensors belong to
     path: str | None = None
     version: int | None = None  # the weight (or adapter) version to report after a successful load
+    checksum: bool = True  # weight updates: answer with the sha256 of the new weights (one pass over them)
     lora_name: LoraName | None = None
     load_into_transformer_2: bool = False  # load_lora from a path: its transformer keys go to the second expert
     # load_lora from memory: the adapter's tensors, in order, inside LORA_BLOB, and its rank and alpha.
