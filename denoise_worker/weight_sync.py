@@ -49,6 +49,7 @@ class WeightSync:
         self.prefix = weight_prefix(engine_prefix(config.runtime_dir))
         self.device = device
         self.group: _Group | None = None
+        self._kept: list[torch.Tensor] = []  # CPU staging of the last broadcast update
 
     # --- one host: shared memory -----------------------------------------------------
     def load_from_segments(self, module: torch.nn.Module, msg: ControlRequest) -> None:
@@ -78,17 +79,27 @@ class WeightSync:
         self.group = _Group(tcp, pg, msg.backend, msg.rank, msg.world_size)
         return {"rank": msg.rank, "world_size": msg.world_size, "backend": msg.backend}
 
+    def _staging(self, sizes: list[int], backend: str) -> list[torch.Tensor]:
+        """Buffers for every bucket of an update. On the CPU (gloo) they are kept for the next update of the
+        same layout (fresh pages cost a fault each); on a GPU (NCCL) they are freed after each update."""
+        if backend == "nccl":
+            return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        if [b.numel() for b in self._kept] != sizes:
+            self._kept = []  # the old ones go first
+            self._kept = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return self._kept
+
     def destroy_group(self) -> dict:
         had = self.group is not None
         self.group = None  # the group and its store close when they are collected
+        self._kept = []
         return {"group": "destroyed" if had else "none"}
 
     def load_from_group(self, module: torch.nn.Module, msg: ControlRequest) -> None:
         group = self.group
         if group is None:
             raise RequestError("no weights group: call init_weights_group first")
-        device = self.device if group.backend == "nccl" else torch.device("cpu")
-        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in msg.weight_buckets]
+        buffers = self._staging([b.nbytes for b in msg.weight_buckets], group.backend)
         try:
             for buf in buffers:  # every bucket, even if the update turns out wrong: the trainer sends them all
                 if buf.numel():

@@ -31,6 +31,7 @@ class WeightsGroup:
         self.device = torch.device(device)
         self.pg = None
         self._store = None
+        self._buffers: list[torch.Tensor] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-group")
 
     def open(self) -> dict:
@@ -53,22 +54,37 @@ class WeightsGroup:
         answer: Future = self._pool.submit(self.client.update_weights_from_distributed, module, entries, sizes,
                                            checksum)
         wait([answer], timeout=REFUSAL_WAIT_S)  # a refusal by the router comes at once, before any worker waits
-        for k, size in enumerate(sizes):
-            if answer.done() and answer.exception() is not None:
-                break  # refused: no worker receives, so broadcasting would only wait for the timeout
-            if not size:
-                continue
-            bucket = torch.empty(size, dtype=torch.uint8, device=self.device)
-            weight_buckets.pack_into({k: bucket}, [e for e in entries if e.bucket == k], tensors)
-            self.pg.broadcast([bucket], weights_group.broadcast_options(0)).wait()
+        staging = self._staging(max(sizes))
+        works: list = [None, None]
+        try:
+            for k, size in enumerate(sizes):
+                if answer.done() and answer.exception() is not None:
+                    break  # refused: no worker receives, so broadcasting would only wait for the timeout
+                if not size:
+                    continue
+                if works[k % 2] is not None:
+                    works[k % 2].wait()  # that buffer's previous bucket has gone out
+                bucket = staging[k % 2][:size]
+                weight_buckets.pack_into({k: bucket}, [e for e in entries if e.bucket == k], tensors)
+                works[k % 2] = self.pg.broadcast([bucket], weights_group.broadcast_options(0))  # packs k+1 meanwhile
+        finally:
+            for w in works:
+                if w is not None:
+                    w.wait()
         return answer.result()
+
+    def _staging(self, nbytes: int) -> list[torch.Tensor]:
+        """Two bucket buffers, kept across pushes: one is packed while the other is broadcast."""
+        if self._buffers is None or self._buffers[0].numel() < nbytes:
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._buffers
 
     def close(self) -> None:
         try:
             if self.pg is not None:
                 self.client.destroy_weights_group()
         finally:
-            self.pg, self._store = None, None
+            self.pg, self._store, self._buffers = None, None, None
             self._pool.shutdown(wait=False)
 
     def __enter__(self) -> "WeightsGroup":

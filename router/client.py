@@ -32,8 +32,13 @@ class EngineClient:
         self.binary = binary
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+        self._buckets: dict = {}  # (shm prefix, module) -> the weight buckets of the last update, reused
 
     def close(self) -> None:
+        """Also removes the shared-memory buckets kept for weight updates."""
+        for written in self._buckets.values():
+            written.close()
+        self._buckets.clear()
         self._http.close()
 
     def __enter__(self) -> "EngineClient":
@@ -118,7 +123,8 @@ class EngineClient:
 
         ``named_tensors``: a module (its ``state_dict()``), a mapping or (name, tensor) pairs, on the CPU or
         a GPU (copied into the buckets). They are written once into shared-memory buckets of at most
-        ``bucket_bytes``, which every worker copies from and which are removed when the engine has answered.
+        ``bucket_bytes``, which every worker copies from; the client keeps them for its next update of the
+        same layout and removes them on ``close()`` (the launcher removes leftovers of its engine).
         All or nothing: a wrong name, shape or dtype changes no weight (400). Returns the new
         ``weight_version`` and the workers' ``sha256`` (``state_dict_checksum`` of what they now hold;
         None with ``checksum=False``, which spares the workers a pass over the weights).
@@ -131,14 +137,22 @@ class EngineClient:
             raise RuntimeError("this engine takes no shared-memory weights (tcp transport): use a weights group")
         named = weight_buckets.named_tensors(named_tensors)
         entries, sizes = weight_buckets.plan(named, bucket_bytes)
-        written = WrittenBuckets(info["shm_prefix"], sizes)
+        key = (info["shm_prefix"], module)
+        written = self._buckets.pop(key, None)
+        if written is None or written.sizes != sizes:
+            if written is not None:
+                written.close()
+            written = WrittenBuckets(info["shm_prefix"], sizes)
         try:
             weight_buckets.pack_into(written.buffers, entries, dict(named))
-            return self._post("/update_weights_from_tensors", {
+            reply = self._post("/update_weights_from_tensors", {
                 "module": module, "checksum": checksum, "tensors": [_plain(e) for e in entries],
                 "buckets": [_plain(b) for b in written.buckets()]})
-        finally:
+        except BaseException:
             written.close()
+            raise
+        self._buckets[key] = written  # the next update of this layout rewrites the same segments
+        return reply
 
     def init_weights_group(self, master_address: str, master_port: int, backend: str = "gloo",
                            timeout_s: float = 600.0) -> dict[str, Any]:

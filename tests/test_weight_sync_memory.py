@@ -111,15 +111,19 @@ def test_off_without_the_flag(engine_factory):
 def test_shared_memory_update_equals_a_fresh_engine_on_those_weights(client, engine_factory, tiny_dir, tmp_path):
     before = client.weights_checksum()
     new = _trainer_copy(tiny_dir, seed=1)
-    reply = client.update_weights_from_tensors(new, bucket_bytes=64 << 10)  # many buckets
+    prefix = client.weight_sync_info()["shm_prefix"]
+    with EngineClient(client.base_url) as trainer:
+        trainer.update_weights_from_tensors(_trainer_copy(tiny_dir, seed=8), bucket_bytes=64 << 10)
+        reply = trainer.update_weights_from_tensors(new, bucket_bytes=64 << 10)  # many buckets, the same ones again
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # kept for the next update
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # removed with the client
     assert reply["sha256"] == state_dict_checksum(new)
-    assert reply["weight_version"] == before["weight_version"] + 1
+    assert reply["weight_version"] == before["weight_version"] + 2
     ck = client.weights_checksum()
     assert ck["sha256"] == state_dict_checksum(new) and ck["weight_version"] == reply["weight_version"]
     sample = client.generate(**REQ)["samples"][0]
     assert sample["weight_version"] == reply["weight_version"]
     assert (sample["output"] - _fresh_engine_output(engine_factory, tiny_dir, tmp_path, new)).abs().max() == 0.0
-    assert not [n for n in os.listdir("/dev/shm") if "-weights-" in n]  # the client removed its buckets
 
 
 @pytest.mark.parametrize("spoil", ["name", "shape", "dtype", "nan", "missing"])
