@@ -85,7 +85,9 @@ class WeightControl:
         self.on_current: Callable[[], None] | None = None  # every worker holds the latest weights again
 
     async def _all(self, op: str, timeout_s: float | None = None, **fields) -> list[ControlReply]:
-        replies = await self._control(self.role, op, timeout_s=timeout_s, **fields)
+        if timeout_s is not None:
+            fields["timeout_s"] = timeout_s
+        replies = await self._control(self.role, op, **fields)
         failure = control_failure(replies, self.role)
         if failure is not None:
             raise failure

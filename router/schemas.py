@@ -143,7 +143,10 @@ class WeightBucketBody(BaseModel):
 class UpdateWeightsFromTensorsBody(BaseModel):
     """The trainer's tensors in shared-memory buckets (``EngineClient.update_weights_from_tensors`` writes them)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{
+        "module": "transformer",
+        "tensors": [{"name": "proj_out.weight", "dtype": "bfloat16", "shape": [64, 1536], "bucket": 0, "offset": 0}],
+        "buckets": [{"nbytes": 196608, "segment": "disagg-1a2b3c4d-weights-" + "0" * 32}]}]})
 
     module: ExpertName = "transformer"
     checksum: bool = Field(default=True, description="as for /update_weights_from_disk")

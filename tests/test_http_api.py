@@ -224,7 +224,10 @@ BODY_MODELS = {
     "/generate": {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
                   "guidance_scale_2", "seed", "n", "sigmas", "timesteps", "mu", "output_type", "timeout_s",
                   "lora_name", "lora_scale"},
-    "/update_weights_from_disk": {"path", "module"},
+    "/update_weights_from_disk": {"path", "module", "checksum"},
+    "/update_weights_from_tensors": {"module", "checksum", "tensors", "buckets"},
+    "/update_weights_from_distributed": {"module", "checksum", "tensors", "buckets"},
+    "/init_weights_group": {"master_address", "master_port", "backend", "timeout_s"},
     "/v1/load_lora_adapter": {"lora_name", "lora_path", "load_into_transformer_2"},
     "/v1/unload_lora_adapter": {"lora_name"},
 }
@@ -249,7 +252,9 @@ def test_openapi_declares_each_request_body(openapi, path):
     assert "$ref" not in json.dumps(schema)  # self-contained: "Try it out" needs no components
     assert set(schema["properties"]) == BODY_MODELS[path]
     required = {"/update_weights_from_disk": ["path"], "/v1/load_lora_adapter": ["lora_name", "lora_path"],
-                "/v1/unload_lora_adapter": ["lora_name"]}
+                "/v1/unload_lora_adapter": ["lora_name"], "/update_weights_from_tensors": ["tensors", "buckets"],
+                "/update_weights_from_distributed": ["tensors", "buckets"],
+                "/init_weights_group": ["master_address", "master_port"]}
     assert schema.get("required", []) == required.get(path, ["prompt"])
     assert schema["additionalProperties"] is False
     assert set(body["content"]["application/json"]["example"]) <= BODY_MODELS[path]

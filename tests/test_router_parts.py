@@ -375,7 +375,8 @@ def test_weight_control_counts_versions_only_when_every_worker_loaded():
         answers.append([_reply(0, sha256="aa"), _reply(1, sha256="aa")])
         done = await weights.update("transformer", "/w/1")
         assert (done["weight_version"], done["sha256"], weights.version) == (1, "aa", 1)
-        assert calls[0] == ("denoise", "update_weights", {"module": "transformer", "path": "/w/1", "version": 1})
+        assert calls[0] == ("denoise", "update_weights",
+                            {"module": "transformer", "path": "/w/1", "version": 1, "checksum": True})
         answers.append([_reply(0, sha256="bb"), EngineError(500, "RuntimeError", "boom", "denoise", "x")])
         with pytest.raises(EngineError) as e:
             await weights.update("transformer", "/w/2")
