@@ -12,7 +12,7 @@ On one host, ``client.update_weights_from_tensors`` (shared memory) needs no gro
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -32,15 +32,19 @@ class WeightsGroup:
         self.pg = None
         self._store = None
         self._buffers: list[torch.Tensor] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-group")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="weights-group")
 
     def open(self) -> dict:
         """Create rank 0 and have every denoise worker join; returns the engine's answer (world size, ranks)."""
         world = 1 + self.client.weight_sync_info()["denoise_workers"]
         self._store = weights_group.store(self.address, self.port, world, True, self.timeout_s)
+        forming = self._pool.submit(weights_group.new_group, self._store, 0, world, self.backend, self.timeout_s)
         joined = self._pool.submit(self.client.init_weights_group, self.address, self.port, self.backend,
                                    self.timeout_s)
-        self.pg = weights_group.new_group(self._store, 0, world, self.backend, self.timeout_s)
+        wait([forming, joined], return_when=FIRST_EXCEPTION)
+        if joined.done() and joined.exception() is not None:
+            raise joined.exception()  # refused (e.g. 403): say so now, not after the group's timeout
+        self.pg = forming.result()
         return joined.result()
 
     def push(self, named_tensors, module: str = "transformer", checksum: bool = True) -> dict:

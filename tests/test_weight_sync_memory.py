@@ -106,6 +106,10 @@ def test_off_without_the_flag(engine_factory):
                            ("/destroy_weights_group", {})):
             r = off.http.post(path, json=body)
             assert r.status_code == 403 and "--weight-sync-from-memory" in r.json()["error"]["message"], path
+        t0 = time.monotonic()
+        with pytest.raises(EngineHTTPError) as e:  # refused at once, not after the group's timeout
+            WeightsGroup(c, "127.0.0.1", free_port(), timeout_s=5).open()
+        assert e.value.status == 403 and time.monotonic() - t0 < 4
 
 
 def test_shared_memory_update_equals_a_fresh_engine_on_those_weights(client, engine_factory, tiny_dir, tmp_path):
