@@ -4,8 +4,9 @@ A trainer on the engine's host writes each bucket of an update into its own
 segment, named ``<engine prefix>weights-<token>`` (the prefix comes from the
 router's ``GET /weight_sync``), and posts only their names and sizes. Each
 denoise worker maps the segments and copies from them into its parameters;
-nobody but the trainer writes them, and the trainer removes them when the
-update has been answered (the launcher sweeps leftovers of its engine).
+nobody but the trainer writes them. The trainer rewrites them for its next
+update of the same layout and removes them when it is done (the launcher
+sweeps leftovers of its engine).
 
 A worker opens only names of that form with its own engine's prefix, never
 through a symlink, only regular files of its own user, and only when the
