@@ -37,11 +37,9 @@ from common.wan.weights import WeightsError, load_into
 
 @dataclass
 class _Group:
-    store: dist.TCPStore
+    store: dist.TCPStore  # kept alive with the group
     pg: object
     backend: str
-    rank: int
-    world_size: int
 
 
 class WeightSync:
@@ -76,7 +74,7 @@ class WeightSync:
         except Exception as e:  # the trainer never came, or went
             raise TransferFailed(f"could not join the trainer's {msg.backend} group at "
                                  f"{msg.master_address}:{msg.master_port}: {e}") from None
-        self.group = _Group(tcp, pg, msg.backend, msg.rank, msg.world_size)
+        self.group = _Group(tcp, pg, msg.backend)
         return {"rank": msg.rank, "world_size": msg.world_size, "backend": msg.backend}
 
     def _staging(self, sizes: list[int], backend: str) -> list[torch.Tensor]:

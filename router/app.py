@@ -48,13 +48,11 @@ class Routes:
         whose predecessor held weights from the trainer's memory stays stale until the next update."""
         if worker.role == LoraControl.role:
             if not await self.weights.replay(worker):
-                self.dispatcher.registry.workers[(worker.role, worker.index)].stale = True
+                self.dispatcher.registry.set_stale(worker.role, worker.index)
             await self.loras.replay(worker)
 
     def _all_current(self) -> None:
-        for (role, _), w in self.dispatcher.registry.workers.items():
-            if role == LoraControl.role:
-                w.stale = False
+        self.dispatcher.registry.set_stale(LoraControl.role, stale=False)
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()
@@ -114,6 +112,7 @@ class Routes:
         return JSONResponse(await self.memory.from_distributed(self._module_checked(body)))
 
     async def destroy_weights_group(self) -> JSONResponse:
+        self.memory.check_enabled()
         return JSONResponse(await self.memory.destroy_group())
 
     async def _large_body(self, request: Request, schema):

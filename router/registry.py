@@ -80,6 +80,12 @@ class WorkerRegistry:
         w.cuda_ipc = {"sent": hb.cuda_ipc_sent, "received": hb.cuda_ipc_received}
         return replaced
 
+    def set_stale(self, role: str, index: int | None = None, stale: bool = True) -> None:
+        """Mark one worker of ``role`` (``index``), or every one, as holding stale weights or not."""
+        for (r, i), w in self.workers.items():
+            if r == role and index in (None, i):
+                w.stale = stale
+
     def take_new_ready(self, w: WorkerState) -> bool:
         """True once for a replacing process that is now ready: it starts syncing (not routed to)."""
         if not (w.new_process and w.state == "ready"):

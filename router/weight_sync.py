@@ -32,6 +32,7 @@ class MemorySync:
         self.group_timeout_s: float | None = None  # set while a weights group exists
 
     def check_enabled(self) -> None:
+        """The routes call this before reading a body, so that nothing is parsed when the feature is off."""
         if not self.config.weight_sync_from_memory:
             raise EngineError(403, "forbidden", DISABLED, "router", "")
 
@@ -44,12 +45,10 @@ class MemorySync:
                 "weight_version": self.weights.version, "group": self.group_timeout_s is not None}
 
     async def from_tensors(self, body: UpdateWeightsFromTensorsBody) -> dict:
-        self.check_enabled()
         return await self.weights.update_from_memory("update_weights_from_tensors", body.module,
                                                      **_layout(body))
 
     async def init_group(self, body: InitWeightsGroupBody) -> dict:
-        self.check_enabled()
         workers = self.config.of_role(self.role)
         world = 1 + len(workers)
         replies = await asyncio.gather(*(
@@ -66,7 +65,6 @@ class MemorySync:
                 "ranks": [{"index": r.index, "rank": r.data["rank"]} for r in replies]}
 
     async def from_distributed(self, body: UpdateWeightsFromDistributedBody) -> dict:
-        self.check_enabled()
         if self.group_timeout_s is None:
             raise EngineError(400, "invalid_request", "no weights group: POST /init_weights_group first", "router", "")
         try:
@@ -78,7 +76,6 @@ class MemorySync:
             raise
 
     async def destroy_group(self) -> dict:
-        self.check_enabled()
         failure = control_failure(await self._control(self.role, "destroy_weights_group"), self.role)
         self.group_timeout_s = None
         if failure is not None:

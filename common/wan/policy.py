@@ -174,10 +174,13 @@ def _text_rows(embeds: torch.Tensor, n: int) -> torch.Tensor:
 def _blocks_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
     """(input, unconditional?) per block of rows of a batched forward: each input's rows together, the
     inputs of one adapter together, in order of first appearance."""
+    def adapter(x: ModelInput) -> int:
+        return id(x.lora[0]) if x.lora is not None else 0
+
     first: dict[int, int] = {}
     for i, x in enumerate(inputs):
-        first.setdefault(id(x.lora[0]) if x.lora is not None else 0, i)
-    order = sorted(range(len(inputs)), key=lambda i: first[id(inputs[i].lora[0]) if inputs[i].lora else 0])
+        first.setdefault(adapter(x), i)
+    order = sorted(range(len(inputs)), key=lambda i: first[adapter(inputs[i])])
     return [(i, uncond) for i in order for uncond in ((False, True) if inputs[i].uncond is not None else (False,))]
 
 

@@ -94,6 +94,6 @@ class SharedTextAttention:
             q = query[rows]
             o = dispatch_attention_fn(q.reshape(1, -1, *q.shape[2:]), key[u : u + 1], value[u : u + 1],
                                       attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
-            out[rows] = o.view(q.shape)
+            out[rows] = o.reshape(q.shape)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
