@@ -16,20 +16,25 @@ turn (interleaved, so that a noisy machine weighs on every path alike):
   ``update_weights_from_disk`` (timed as save + load, and each separately);
 - ``shared memory``: one ``update_weights_from_tensors`` call (write the
   buckets into /dev/shm, every worker copies from them);
+- ``CUDA IPC`` (only on a machine with a GPU, where the denoise workers run on
+  GPUs): the same call with the trainer's copy on the GPU; the client packs GPU
+  buckets and hands over CUDA IPC handles, each worker copies device to device;
 - ``distributed (gloo)``: one ``WeightsGroup.push`` (pack and broadcast each
   bucket, every worker receives and applies);
 - ``memcpy``: ``dst.copy_(src)`` of two pre-touched uint8 CPU tensors of the
   model's byte size, torch's default threads (median of a few): what this
   machine's memory can do in the same run.
 
-Before each update the trainer's copy is perturbed in place (seeded noise), so
+Before each timed update the machine settles (untimed: ``os.sync()`` and a
+second's pause), so that the disk path's writeback does not land on the path
+after it. Before each update the trainer's copy is perturbed in place (seeded noise), so
 every update really changes the weights; after it, untimed, the engine's
 ``/weights_checksum`` must equal ``state_dict_checksum`` of the trainer's copy.
 Updates are sent with ``checksum=False``. Bytes are the state dict's
 (numel x element size); GB = 1e9 bytes.
 
-Prints, per model, a table (median seconds per update, GB/s, disk / path,
-fraction of memcpy GB/s), where each path's time goes (the bench times the
+Prints, per model, a table (median seconds per update, the best repeat's,
+and from the medians GB/s, disk / path, fraction of memcpy GB/s), where each path's time goes (the bench times the
 library calls it makes: bucket allocation, packing, the engine call, the
 broadcasts; ``worker`` is the slowest worker's own ``load_s``), the peak memory
 in use on the machine, and whether the targets for the 1.3B shape are met:
@@ -41,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -64,8 +71,10 @@ from common.wan.weights import save_weights, state_dict_checksum, validate_again
 from rl import WeightsGroup  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
-DISK, SHM, DIST, MEMCPY = "disk", "shared memory", "distributed (gloo)", "memcpy"
-PATHS = (DISK, SHM, DIST, MEMCPY)
+DISK, SHM, CUDA, DIST, MEMCPY = "disk", "shared memory", "CUDA IPC", "distributed (gloo)", "memcpy"
+# CUDA IPC only where there is a GPU: the trainer's copy on it, the denoise workers on GPUs.
+UPDATES = (SHM, CUDA, DIST) if torch.cuda.is_available() else (SHM, DIST)
+PATHS = (DISK, *UPDATES, MEMCPY)
 # The dtype each model is served (and held by the trainer) in; others: float32, the engine's CPU default.
 MODEL_DTYPES = {"wan2.1-1.3b": "bfloat16"}
 TARGET_MODEL = "wan2.1-1.3b"
@@ -75,6 +84,7 @@ MEMCPY_COPIES = 3  # per repeat; their median is the repeat's memcpy time
 NOISE_POOL = 1 << 24  # float32 elements of seeded noise the perturbation draws from
 NOISE_SCALE = 1e-3
 GIB = 2**30
+SETTLE_S = 1.0
 
 
 # --------------------------------------------------------------------------
@@ -100,6 +110,13 @@ def perturb(module: torch.nn.Module, seed: int) -> None:
         for s in range(0, n, NOISE_POOL):  # a tensor larger than the pool takes it several times
             k = min(NOISE_POOL, n - s)
             flat[s : s + k].add_(pool[start : start + k] if k == n else pool[:k])
+
+
+def settle() -> None:
+    """Untimed, before each timed update: the disk path's writeback and freed pages would otherwise land on
+    whichever path runs next (measured: the next shared-memory pack took 3x as long)."""
+    os.sync()
+    time.sleep(SETTLE_S)
 
 
 def memcpy_seconds(nbytes: int, copies: int = MEMCPY_COPIES) -> list[float]:
@@ -266,6 +283,7 @@ class Updates:
         self.work, self.bucket_bytes = work, bucket_bytes
         self.check = Checker(client, trainer, denoise)
         self.seed, self.count = 0, 0
+        self.trainer_gpu: torch.nn.Module | None = None
 
     def _perturb(self) -> None:
         self.seed += 1
@@ -287,17 +305,30 @@ class Updates:
 
     def shm(self) -> dict:
         self._perturb()
+        return self._from_tensors(self.trainer, SHM)
+
+    def cuda(self) -> dict:
+        """The same update from a copy of the trainer's weights on the GPU: CUDA IPC handles to GPU buckets."""
+        self._perturb()
+        if self.trainer_gpu is None:
+            self.trainer_gpu = copy.deepcopy(self.trainer).to("cuda")
+        with torch.no_grad():  # untimed: the trainer's new weights, on its GPU
+            for dst, src in zip(self.trainer_gpu.state_dict().values(), self.trainer.state_dict().values()):
+                dst.copy_(src)
+        torch.cuda.synchronize()
+        return self._from_tensors(self.trainer_gpu, CUDA)
+
+    def _from_tensors(self, model: torch.nn.Module, path: str) -> dict:
+        """One timed ``update_weights_from_tensors`` of ``model`` (host buckets or, on a GPU, CUDA IPC)."""
         ph = Phases()
-        with ph.timing((EngineClient, "weight_sync_info", "info"),
-                       (WrittenBuckets, "__init__", "alloc"),
-                       (weight_buckets_module, "pack_into", "pack"),
-                       (EngineClient, "_post", "engine"),
+        with ph.timing((EngineClient, "weight_sync_info", "info"), (WrittenBuckets, "__init__", "alloc"),
+                       (weight_buckets_module, "pack_into", "pack"), (EngineClient, "_post", "engine"),
                        (WrittenBuckets, "close", "unlink")):
             t0 = time.perf_counter()
-            reply = self.client.update_weights_from_tensors(self.trainer, module="transformer",
+            reply = self.client.update_weights_from_tensors(model, module="transformer",
                                                             bucket_bytes=self.bucket_bytes, checksum=False)
             t1 = time.perf_counter()
-        self.check(f"{self.name} shared memory", reply)
+        self.check(f"{self.name} {path}", reply)
         return {"s": t1 - t0, "worker": _worker_load_s(reply), "phases": {**ph.s, "worker": _worker_load_s(reply)}}
 
     def dist(self) -> dict:
@@ -337,8 +368,8 @@ def bench_model(name: str, repeats: int, denoise: int, bucket_bytes: int) -> dic
 
     seconds: dict[str, list[float]] = {p: [] for p in PATHS}
     seconds.update({"disk save": [], "disk load": []})
-    worker_s: dict[str, list[float]] = {DISK: [], SHM: [], DIST: []}
-    phases: dict[str, list[dict[str, float]]] = {SHM: [], DIST: []}
+    worker_s: dict[str, list[float]] = {p: [] for p in (DISK, *UPDATES)}
+    phases: dict[str, list[dict[str, float]]] = {p: [] for p in UPDATES}
     warmup: dict[str, dict] = {}
     work = Path(tempfile.mkdtemp(prefix="wsync-"))  # the engine may read weights only below it
     extra = ["--weight-root", str(work), "--weight-sync-from-memory", "--dtype", dtype_name]
@@ -361,18 +392,21 @@ def bench_model(name: str, repeats: int, denoise: int, bucket_bytes: int) -> dic
                     u = Updates(name, c, group, trainer, work, denoise, bucket_bytes)
                     # Untimed warm-up, one update by each path: the first write into the weights a worker
                     # loaded at start costs far more than any later one (page faults on its first touch).
-                    for path, run in ((DISK, u.disk), (SHM, u.shm), (DIST, u.dist)):
-                        warmup[path] = run()
+                    runs = {DISK: u.disk, SHM: u.shm, CUDA: u.cuda, DIST: u.dist}
+                    for path in (DISK, *UPDATES):
+                        warmup[path] = runs[path]()
                     print(f"[{name}] warm-up (untimed): " + ", ".join(
                         f"{p} {w['s']:.3f}s (worker {w['worker']:.3f}s)" for p, w in warmup.items()), flush=True)
                     for r in range(repeats):
+                        settle()
                         m = u.disk()
                         seconds[DISK].append(m["s"])
                         seconds["disk save"].append(m["save"])
                         seconds["disk load"].append(m["load"])
                         worker_s[DISK].append(m["worker"])
-                        for path, run in ((SHM, u.shm), (DIST, u.dist)):
-                            m = run()
+                        for path in UPDATES:
+                            settle()
+                            m = runs[path]()
                             seconds[path].append(m["s"])
                             worker_s[path].append(m["worker"])
                             phases[path].append(m["phases"])
@@ -391,10 +425,10 @@ def bench_model(name: str, repeats: int, denoise: int, bucket_bytes: int) -> dic
     med = {k: statistics.median(v) for k, v in seconds.items()}
     memcpy_gbs = nbytes / med[MEMCPY] / 1e9
     rows = []
-    for p in (DISK, "disk save", "disk load", SHM, DIST, MEMCPY):
+    for p in (DISK, "disk save", "disk load", *UPDATES, MEMCPY):
         gbs = nbytes / med[p] / 1e9
-        rows.append({"path": p, "seconds": med[p], "gb_per_s": gbs, "disk_over_path": med[DISK] / med[p],
-                     "memcpy_fraction": gbs / memcpy_gbs,
+        rows.append({"path": p, "seconds": med[p], "best_s": min(seconds[p]), "gb_per_s": gbs,
+                     "disk_over_path": med[DISK] / med[p], "memcpy_fraction": gbs / memcpy_gbs,
                      "worker_load_s": statistics.median(worker_s[p]) if p in worker_s else None})
     breakdown = {p: {k: statistics.median(d.get(k, 0.0) for d in phases[p]) for k in phases[p][0]}
                  for p in phases}
@@ -423,11 +457,13 @@ def print_result(r: dict) -> None:
     print(f"\n{r['model']}: {r['params']:,} parameters, {r['bytes'] / 1e9:.3f} GB ({r['dtype']}), "
           f"{r['denoise_workers']} denoise worker(s), buckets of {r['bucket_bytes'] >> 20} MiB, "
           f"median of {r['repeats']}")
-    print(f"  {'path':<20} {'s/update':>9} {'GB/s':>7} {'disk/path':>9} {'of memcpy':>9} {'worker s':>9}")
+    print(f"  {'path':<20} {'s/update':>9} {'best s':>7} {'GB/s':>7} {'disk/path':>9} {'of memcpy':>9} "
+          f"{'worker s':>9}")
     for row in r["rows"]:
         name = ("  " + row["path"].removeprefix("disk ")) if row["path"].startswith("disk ") else row["path"]
         worker = f"{row['worker_load_s']:>9.3f}" if row["worker_load_s"] is not None else f"{'':>9}"
-        print(f"  {name:<20} {row['seconds']:>9.3f} {row['gb_per_s']:>7.2f} {row['disk_over_path']:>8.1f}x "
+        print(f"  {name:<20} {row['seconds']:>9.3f} {row['best_s']:>7.3f} {row['gb_per_s']:>7.2f} "
+              f"{row['disk_over_path']:>8.1f}x "
               f"{row['memcpy_fraction']:>8.0%} {worker}")
     for path, parts in r["breakdown"].items():
         print(f"  {path} (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))

@@ -33,11 +33,22 @@ class AdapterTable:
         return adapter, params.lora_scale
 
     def load(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
+        """An adapter from a path, or from the trainer's tensors in the message (one blob)."""
+        return self._install(msg, lambda: self._read_path(msg) if msg.path else self._read_tensors(msg, tensors))
+
+    def load_state(self, msg: ControlRequest, state: dict[str, torch.Tensor]) -> dict:
+        """An adapter from the trainer's memory (shared-memory buckets or a broadcast): peft-named tensors."""
+        if msg.lora_rank is None:
+            raise RequestError("lora.rank: required")
+        return self._install(msg, lambda: parse_state(state, LoraConfig(r=msg.lora_rank, lora_alpha=msg.lora_alpha),
+                                                      default_expert=msg.module))
+
+    def _install(self, msg: ControlRequest, read) -> dict:
         limits = self.config.limits
         if msg.lora_name not in self.by_name and len(self.by_name) >= limits.max_loras:
             raise RequestError(f"lora_name: {len(self.by_name)} adapters are loaded, the most --max-loras allows")
         try:
-            parsed = self._read_path(msg) if msg.path else self._read_tensors(msg, tensors)
+            parsed = read()
             version = msg.version if msg.version is not None else self._next_version(msg.lora_name)
             adapter = build_adapter(msg.lora_name, version, parsed, self.policy.experts, limits.max_lora_rank)
         except WeightsError as e:  # LoraError is one too: bad paths, files or tensors are the caller's

@@ -21,6 +21,7 @@ from common.protocol.messages import (
     Result,
 )
 from common.runtime.stage import Forward, Stage
+from common.transport.cuda_ipc import receiver_for
 from common.wan import schedulers
 from common.wan.model_info import ModelInfo
 from common.wan.policy import WanPolicy, uses_guidance
@@ -58,7 +59,7 @@ class DenoiseStage(Stage):
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
         self.adapters = AdapterTable(self.config, self.policy)
         self.texts = TextTable(self.device, self.policy.dtype)
-        self.sync = WeightSync(self.config, self.device)
+        self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
@@ -66,6 +67,9 @@ class DenoiseStage(Stage):
         self.max_batch = max(1, self.config.max_batch_size)
         self.active: list[_Active] = []
         self._seq = itertools.count()
+
+    def idle(self) -> None:
+        self.sync.idle()
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
@@ -173,7 +177,7 @@ class DenoiseStage(Stage):
     # --- weight sync and adapters ---------------------------------------------
     def applies_between_steps(self, msg: ControlRequest) -> bool:
         """Adapter changes need no quiet moment: requests in flight keep the version they hold."""
-        return msg.op in ("load_lora", "unload_lora")
+        return msg.op in ("load_lora", "unload_lora") or msg.lora_name is not None
 
     def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
         if msg.op == "load_lora":
@@ -186,6 +190,8 @@ class DenoiseStage(Stage):
             return self.sync.init_group(msg)
         if msg.op == "destroy_weights_group":
             return self.sync.destroy_group()
+        if msg.lora_name is not None:  # an adapter from the trainer's memory
+            return self.adapters.load_state(msg, self.sync.tensors(msg))
         module = self.policy.experts.get(msg.module)
         if module is None:
             raise RequestError(f"module: this model has no {msg.module}")
@@ -194,10 +200,8 @@ class DenoiseStage(Stage):
         t0 = time.perf_counter()
         if msg.op == "update_weights":
             self._load_weights(module, msg.path)
-        elif msg.op == "update_weights_from_tensors":
-            self.sync.load_from_segments(module, msg)
         else:
-            self.sync.load_from_group(module, msg)
+            self.sync.load(module, msg)
         self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
         return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
                 "sha256": state_dict_checksum(module) if msg.checksum else None}

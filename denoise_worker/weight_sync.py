@@ -19,6 +19,9 @@ drops the group, which the trainer then sets up again.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +32,13 @@ from common.protocol.codec import WireError
 from common.protocol.errors import RequestError, TransferFailed
 from common.protocol.messages import ControlRequest
 from common.transport import weights_group
+from common.transport.cuda_ipc import CudaIpcReceiver
 from common.transport.shm import engine_prefix
-from common.transport.weight_segments import close_maps, open_buckets, weight_prefix
+from common.transport.weight_segments import MappedBuckets, weight_prefix
 from common.wan.weight_buckets import LayoutError, unpack
 from common.wan.weights import WeightsError, load_into
+
+PRUNE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -43,23 +49,74 @@ class _Group:
 
 
 class WeightSync:
-    def __init__(self, config: EngineConfig, device: torch.device):
-        self.prefix = weight_prefix(engine_prefix(config.runtime_dir))
+    def __init__(self, config: EngineConfig, device: torch.device, cuda_ipc: CudaIpcReceiver | None = None):
+        self.cuda_ipc = cuda_ipc
+        self.segments = MappedBuckets(weight_prefix(engine_prefix(config.runtime_dir)))
         self.device = device
         self.group: _Group | None = None
-        self._kept: list[torch.Tensor] = []  # CPU staging of the last broadcast update
+        # CPU staging of the last broadcast update, one for weights and one for adapters (small, frequent)
+        self._kept: dict[bool, list[torch.Tensor]] = {}
+        self._pruned_at = 0.0
+
+    def idle(self) -> None:
+        """Let go of kept segments the trainer removed (it closed its client, or died and was swept)."""
+        now = time.monotonic()
+        if now - self._pruned_at >= PRUNE_INTERVAL_S:
+            self._pruned_at = now
+            self.segments.prune()
+
+    def load(self, module: torch.nn.Module, msg: ControlRequest) -> None:
+        """``module``'s new weights, from the trainer's memory: every bucket first, then all of it or nothing."""
+        with self._buffers(msg) as buffers:
+            try:
+                load_into(module, unpack(buffers, msg.weight_tensors))
+            except (LayoutError, WeightsError) as e:
+                raise RequestError(str(e)) from None
+
+    def tensors(self, msg: ControlRequest) -> dict[str, torch.Tensor]:
+        """The update's tensors as copies of their own on this worker's device (an adapter's: it outlives
+        the buckets)."""
+        with self._buffers(msg) as buffers:
+            try:
+                return {name: t.to(self.device, copy=True)
+                        for name, t in unpack(buffers, msg.weight_tensors).items()}
+            except LayoutError as e:
+                raise RequestError(str(e)) from None
+
+    @contextlib.contextmanager
+    def _buffers(self, msg: ControlRequest) -> Iterator[list[torch.Tensor]]:
+        """Every bucket of the update, for the length of the block."""
+        if msg.op == "update_weights_from_distributed":
+            yield self._broadcast(msg)
+        elif any(b.cuda is not None for b in msg.weight_buckets):
+            with self._borrowed(msg) as views:
+                yield views
+        else:
+            yield self._mapped(msg)
+
+    # --- one host, the trainer's tensors on a GPU: CUDA IPC ------------------------------
+    @contextlib.contextmanager
+    def _borrowed(self, msg: ControlRequest) -> Iterator[list[torch.Tensor]]:
+        if self.cuda_ipc is None:
+            raise RequestError("buckets: CUDA IPC handles need denoise workers on GPUs of the trainer's host "
+                               "(and CUDA IPC on); send host buckets or use a weights group")
+        buckets = msg.weight_buckets
+        if any(b.cuda is None and b.nbytes for b in buckets) or any(b.segment is not None for b in buckets):
+            raise RequestError("buckets: all of an update's buckets are CUDA IPC handles, or none")
+        full = [b for b in buckets if b.nbytes]
+        try:
+            with self.cuda_ipc.borrowed([b.cuda for b in full], [b.nbytes for b in full]) as views:
+                opened = iter(views)
+                yield [next(opened) if b.nbytes else torch.empty(0, dtype=torch.uint8) for b in buckets]
+        except WireError as e:  # a handle that cannot be opened
+            raise RequestError(str(e)) from None
 
     # --- one host: shared memory -----------------------------------------------------
-    def load_from_segments(self, module: torch.nn.Module, msg: ControlRequest) -> None:
+    def _mapped(self, msg: ControlRequest) -> list[torch.Tensor]:
         try:
-            views, maps = open_buckets(self.prefix, msg.weight_buckets)
+            return self.segments.open(msg.weight_buckets)
         except WireError as e:
             raise RequestError(str(e)) from None
-        try:
-            _load(module, views, msg)
-        finally:
-            del views
-            close_maps(maps)
 
     # --- across hosts: a torch.distributed group ---------------------------------------
     def init_group(self, msg: ControlRequest) -> dict:
@@ -77,27 +134,27 @@ class WeightSync:
         self.group = _Group(tcp, pg, msg.backend)
         return {"rank": msg.rank, "world_size": msg.world_size, "backend": msg.backend}
 
-    def _staging(self, sizes: list[int], backend: str) -> list[torch.Tensor]:
+    def _staging(self, sizes: list[int], backend: str, adapter: bool) -> list[torch.Tensor]:
         """Buffers for every bucket of an update. On the CPU (gloo) they are kept for the next update of the
         same layout (fresh pages cost a fault each); on a GPU (NCCL) they are freed after each update."""
         if backend == "nccl":
             return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        if [b.numel() for b in self._kept] != sizes:
-            self._kept = []  # the old ones go first
-            self._kept = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-        return self._kept
+        if [b.numel() for b in self._kept.get(adapter, [])] != sizes:
+            self._kept.pop(adapter, None)  # the old ones go first
+            self._kept[adapter] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return self._kept[adapter]
 
     def destroy_group(self) -> dict:
         had = self.group is not None
         self.group = None  # the group and its store close when they are collected
-        self._kept = []
+        self._kept = {}
         return {"group": "destroyed" if had else "none"}
 
-    def load_from_group(self, module: torch.nn.Module, msg: ControlRequest) -> None:
+    def _broadcast(self, msg: ControlRequest) -> list[torch.Tensor]:
         group = self.group
         if group is None:
             raise RequestError("no weights group: call init_weights_group first")
-        buffers = self._staging([b.nbytes for b in msg.weight_buckets], group.backend)
+        buffers = self._staging([b.nbytes for b in msg.weight_buckets], group.backend, msg.lora_name is not None)
         try:
             for buf in buffers:  # every bucket, even if the update turns out wrong: the trainer sends them all
                 if buf.numel():
@@ -106,11 +163,4 @@ class WeightSync:
             self.group = None  # a collective that broke off leaves the group unusable
             raise TransferFailed(f"the trainer's broadcast broke off; nothing applied, the group is gone "
                                  f"(init_weights_group again): {e}") from None
-        _load(module, buffers, msg)
-
-
-def _load(module: torch.nn.Module, buffers: list[torch.Tensor], msg: ControlRequest) -> None:
-    try:
-        load_into(module, unpack(buffers, msg.weight_tensors))
-    except (LayoutError, WeightsError) as e:
-        raise RequestError(str(e)) from None
+        return buffers

@@ -116,11 +116,24 @@ def _rank_alpha(config: LoraConfig) -> tuple[int, float]:
 
 
 def push_lora(client, policy: TrainerPolicy, lora_name: str, expert: str = "transformer",
-              adapter_name: str = DEFAULT_ADAPTER) -> dict:
-    """Send the adapter from memory to the engine as ``lora_name`` (for ``module=expert``); returns its answer."""
+              adapter_name: str = DEFAULT_ADAPTER, via="http") -> dict:
+    """Send the adapter from memory to the engine as ``lora_name`` (for ``module=expert``); returns its answer.
+
+    ``via``: ``"http"`` (in the request body; the router keeps it for workers that restart), ``"shm"``
+    (shared-memory buckets, same host, needs ``--weight-sync-from-memory``) or an open
+    :class:`rl.WeightsGroup` (a broadcast). A worker that restarts lacks an adapter sent the last two
+    ways and is stale until the next push.
+    """
     rank, alpha = _rank_alpha(lora_config(policy, expert, adapter_name))
-    return client.load_lora_adapter_from_tensors(lora_name, lora_state_dict(policy, expert, adapter_name),
-                                                 rank=rank, alpha=alpha, module=expert)
+    state = lora_state_dict(policy, expert, adapter_name)
+    if via == "http":
+        return client.load_lora_adapter_from_tensors(lora_name, state, rank=rank, alpha=alpha, module=expert)
+    lora = {"lora_name": lora_name, "rank": rank, "alpha": alpha}
+    if via == "shm":
+        return client.update_weights_from_tensors(state, module=expert, lora=lora)
+    if hasattr(via, "push"):
+        return via.push(state, module=expert, lora=lora)
+    raise ValueError(f"via: 'http', 'shm' or a WeightsGroup, not {via!r}")
 
 
 def lora_sha256(policy: TrainerPolicy, expert: str = "transformer", adapter_name: str = DEFAULT_ADAPTER) -> str:

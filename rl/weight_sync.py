@@ -47,16 +47,18 @@ class WeightsGroup:
         self.pg = forming.result()
         return joined.result()
 
-    def push(self, named_tensors, module: str = "transformer", checksum: bool = True) -> dict:
+    def push(self, named_tensors, module: str = "transformer", checksum: bool = True,
+             lora: dict | None = None) -> dict:
         """Broadcast ``named_tensors`` (a module, a mapping or (name, tensor) pairs) as ``module``'s new weights;
-        returns the engine's answer: the new ``weight_version`` and the workers' ``sha256``."""
+        returns the engine's answer: the new ``weight_version`` and the workers' ``sha256``. With
+        ``lora={"lora_name", "rank", "alpha"}`` they are an adapter of ``module`` instead (peft names)."""
         if self.pg is None:
             raise RuntimeError("the weights group is not open")
         named = weight_buckets.named_tensors(named_tensors)
         entries, sizes = weight_buckets.plan(named, self.bucket_bytes)
         tensors = dict(named)
         answer: Future = self._pool.submit(self.client.update_weights_from_distributed, module, entries, sizes,
-                                           checksum)
+                                           checksum, lora)
         wait([answer], timeout=REFUSAL_WAIT_S)  # a refusal by the router comes at once, before any worker waits
         staging = self._staging(max(sizes))
         works: list = [None, None]

@@ -39,20 +39,21 @@ class Routes:
         self.config, self.dispatcher, self.info = config, dispatcher, info
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
-        self.memory = MemorySync(config, dispatcher.control, self.weights)
-        self.weights.on_current = self._all_current
+        self.memory = MemorySync(config, dispatcher.control, self.weights, self.loras)
+        self.weights.on_supplied = self.loras.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
 
     async def _worker_back(self, worker) -> None:
-        """A restarted denoise worker gets the weight updates and the adapters its predecessor held; one
-        whose predecessor held weights from the trainer's memory stays stale until the next update."""
+        """A restarted denoise worker gets the weight updates and the adapters its predecessor held. What
+        only the trainer's memory held (weights or adapters it pushed) it cannot get: it is stale, not
+        routed to, until the trainer pushes each of those again."""
         if worker.role == LoraControl.role:
-            if not await self.weights.replay(worker):
-                self.dispatcher.registry.set_stale(worker.role, worker.index)
-            await self.loras.replay(worker)
+            missing = await self.weights.replay(worker) | await self.loras.replay(worker)
+            if missing:
+                self.dispatcher.registry.lacks(worker.role, worker.index, missing)
 
-    def _all_current(self) -> None:
-        self.dispatcher.registry.set_stale(LoraControl.role, stale=False)
+    def _supplied(self, item: str) -> None:
+        self.dispatcher.registry.supplied(LoraControl.role, item)
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()

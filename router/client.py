@@ -118,36 +118,43 @@ class EngineClient:
         return self._decode(self._http.get("/weight_sync"))
 
     def update_weights_from_tensors(self, named_tensors, module: str = "transformer",
-                                    bucket_bytes: int = 256 << 20, checksum: bool = True) -> dict[str, Any]:
-        """Load the trainer's tensors into every denoise worker through shared memory (same host), no disk.
+                                    bucket_bytes: int = 256 << 20, checksum: bool = True,
+                                    lora: dict | None = None) -> dict[str, Any]:
+        """Load the trainer's tensors into every denoise worker of this host from memory (no disk).
 
-        ``named_tensors``: a module (its ``state_dict()``), a mapping or (name, tensor) pairs, on the CPU or
-        a GPU (copied into the buckets). They are written once into shared-memory buckets of at most
-        ``bucket_bytes``, which every worker copies from; the client keeps them for its next update of the
-        same layout and removes them on ``close()`` (the launcher removes leftovers of its engine).
+        ``named_tensors``: a module (its ``state_dict()``), a mapping or (name, tensor) pairs. They are written
+        once into buckets of at most ``bucket_bytes``, which every worker copies from: shared-memory segments,
+        or, when they all lie on one GPU and the engine's denoise workers are GPU workers of this host
+        (``weight_sync_info()["cuda_ipc"]``), buffers on that GPU handed over as CUDA IPC handles. The client
+        keeps the buckets for its next update of the same layout and frees them on ``close()`` (the launcher
+        removes leftover segments of its engine).
         All or nothing: a wrong name, shape or dtype changes no weight (400). Returns the new
         ``weight_version`` and the workers' ``sha256`` (``state_dict_checksum`` of what they now hold;
         None with ``checksum=False``, which spares the workers a pass over the weights).
+
+        ``lora={"lora_name": ..., "rank": r, "alpha": a}``: the tensors are instead a LoRA adapter of
+        ``module`` (peft names, ``...lora_A.weight``), loaded as ``lora_name``; the answer is the adapter's
+        (its new ``lora_version`` and sha256), as for ``load_lora_adapter``.
         """
-        from common.transport.weight_segments import WrittenBuckets
         from common.wan import weight_buckets
 
         info = self.weight_sync_info()
-        if not info.get("shm_prefix"):
-            raise RuntimeError("this engine takes no shared-memory weights (tcp transport): use a weights group")
         named = weight_buckets.named_tensors(named_tensors)
         entries, sizes = weight_buckets.plan(named, bucket_bytes)
-        key = (info["shm_prefix"], module)
+        gpu = _one_gpu(named) if info.get("cuda_ipc") else None
+        if gpu is None and not info.get("shm_prefix"):
+            raise RuntimeError("this engine takes no shared-memory weights (tcp transport): use a weights group")
+        key = (info["shm_prefix"], gpu, module, None if lora is None else lora["lora_name"])
         written = self._buckets.pop(key, None)
         if written is None or written.sizes != sizes:
             if written is not None:
                 written.close()
-            written = WrittenBuckets(info["shm_prefix"], sizes)
+            written = _new_buckets(info["shm_prefix"], sizes, gpu)
         try:
             weight_buckets.pack_into(written.buffers, entries, dict(named))
             reply = self._post("/update_weights_from_tensors", {
                 "module": module, "checksum": checksum, "tensors": [_plain(e) for e in entries],
-                "buckets": [_plain(b) for b in written.buckets()]})
+                "buckets": [_plain(b) for b in written.buckets()], **_lora_field(lora)})
         except BaseException:
             written.close()
             raise
@@ -162,15 +169,35 @@ class EngineClient:
                                                   "backend": backend, "timeout_s": timeout_s})
 
     def update_weights_from_distributed(self, module: str, tensors: list, bucket_sizes: list[int],
-                                        checksum: bool = True) -> dict[str, Any]:
+                                        checksum: bool = True, lora: dict | None = None) -> dict[str, Any]:
         """Announce an update the trainer broadcasts bucket by bucket (``tensors``: the layout's entries);
-        returns once every worker applied it (or none did)."""
+        returns once every worker applied it (or none did). ``lora``: as for ``update_weights_from_tensors``."""
         return self._post("/update_weights_from_distributed", {
             "module": module, "checksum": checksum, "tensors": [_plain(e) for e in tensors],
-            "buckets": [{"nbytes": n} for n in bucket_sizes]})
+            "buckets": [{"nbytes": n} for n in bucket_sizes], **_lora_field(lora)})
 
     def destroy_weights_group(self) -> dict[str, Any]:
         return self._post("/destroy_weights_group", {})
+
+
+def _one_gpu(named: list) -> "torch.device | None":
+    """The GPU every tensor lies on, if they all lie on the same one."""
+    devices = {t.device for _, t in named}
+    return next(iter(devices)) if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
+
+
+def _new_buckets(shm_prefix: str | None, sizes: list[int], gpu):
+    if gpu is not None:
+        from common.transport.weight_handles import DeviceBuckets
+
+        return DeviceBuckets(sizes, gpu)
+    from common.transport.weight_segments import WrittenBuckets
+
+    return WrittenBuckets(shm_prefix, sizes)
+
+
+def _lora_field(lora: dict | None) -> dict:
+    return {} if lora is None else {"lora": dict(lora)}
 
 
 def _plain(struct) -> dict:

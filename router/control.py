@@ -82,7 +82,7 @@ class WeightControl:
         self._lock = asyncio.Lock()
         # module -> the path of its last update, for a restarted worker; FROM_MEMORY: it cannot be replayed
         self._loaded: dict[str, str] = {}
-        self.on_current: Callable[[], None] | None = None  # every worker holds the latest weights again
+        self.on_supplied: Callable[[str], None] | None = None  # every worker holds this module's latest weights
 
     async def _all(self, op: str, timeout_s: float | None = None, **fields) -> list[ControlReply]:
         if timeout_s is not None:
@@ -107,8 +107,8 @@ class WeightControl:
             replies = await self._all(op, module=module, version=version, timeout_s=timeout_s, **fields)
             self.version = version
             self._loaded[module] = source
-            if self.on_current is not None:
-                self.on_current()
+            if self.on_supplied is not None:
+                self.on_supplied(module)
         return {
             "weight_version": version,
             "module": module,
@@ -117,21 +117,21 @@ class WeightControl:
             "workers": [{"index": r.index, **r.data} for r in replies],
         }
 
-    async def replay(self, worker: WorkerSpec) -> bool:
+    async def replay(self, worker: WorkerSpec) -> set[str]:
         """A restarted worker loaded the model directory's weights: give it the updates since, at this version.
-        False when one came from the trainer's memory: the worker then stays stale (not routed to)."""
+        Returns the modules whose latest update came from the trainer's memory, which it cannot be given."""
         async with self._lock:
-            current = True
+            missing = set()
             for module, path in sorted(self._loaded.items()):
                 if path == FROM_MEMORY:
-                    current = False
+                    missing.add(module)
                     continue
                 replies = await self._control(self.role, "update_weights", only=worker, module=module, path=path,
                                               version=self.version)
                 failure = control_failure(replies, self.role)
                 if failure is not None:
                     raise failure
-            return current
+            return missing
 
     async def checksum(self, module: str) -> dict:
         replies = await self._all("checksum", module=module)

@@ -30,21 +30,21 @@ class WorkerState:
     cuda_ipc: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
     new_process: bool = False  # a process replaced the one before it and has not been synced yet
     syncing: bool = False  # the router is giving a new process what the old one held (LoRA adapters)
-    # A restarted denoise worker that cannot have the trainer's in-memory weights: not routed to until the
-    # trainer pushes again or a disk update reaches it.
-    stale: bool = False
+    # What a restarted denoise worker lacks that only the trainer's memory held (an expert's weights, "lora:"
+    # and an adapter's name): not routed to until each is pushed again (or, for weights, loaded from disk).
+    missing: set[str] = field(default_factory=set)
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return self.last_seen is not None and now - self.last_seen < timeout_s
 
     def ready(self, now: float, timeout_s: float) -> bool:
-        return self.state == "ready" and not self.syncing and not self.stale and self.alive(now, timeout_s)
+        return self.state == "ready" and not self.syncing and not self.missing and self.alive(now, timeout_s)
 
     def reported_state(self, now: float, timeout_s: float) -> str:
         """The state ``/health`` shows: a quiet worker is ``lost`` (or still ``starting``)."""
         if self.syncing and self.state == "ready":
             return "syncing"
-        if self.stale and self.state == "ready":
+        if self.missing and self.state == "ready":
             return "stale"
         if self.state == "dead" or self.alive(now, timeout_s):
             return self.state
@@ -80,11 +80,15 @@ class WorkerRegistry:
         w.cuda_ipc = {"sent": hb.cuda_ipc_sent, "received": hb.cuda_ipc_received}
         return replaced
 
-    def set_stale(self, role: str, index: int | None = None, stale: bool = True) -> None:
-        """Mark one worker of ``role`` (``index``), or every one, as holding stale weights or not."""
-        for (r, i), w in self.workers.items():
-            if r == role and index in (None, i):
-                w.stale = stale
+    def lacks(self, role: str, index: int, items: set[str]) -> None:
+        """One worker lacks ``items`` (stale: not routed to until each is supplied)."""
+        self.workers[(role, index)].missing |= items
+
+    def supplied(self, role: str, item: str) -> None:
+        """Every worker of ``role`` now holds ``item`` (or it no longer exists)."""
+        for (r, _), w in self.workers.items():
+            if r == role:
+                w.missing.discard(item)
 
     def take_new_ready(self, w: WorkerState) -> bool:
         """True once for a replacing process that is now ready: it starts syncing (not routed to)."""
@@ -148,7 +152,8 @@ class WorkerRegistry:
             "socket_type": "PULL",
             "state": w.reported_state(now, self.timeout_s),
             "outstanding": w.outstanding,
-            "weights": "stale" if w.stale else "current",
+            "weights": "stale" if w.missing else "current",
+            "missing": sorted(w.missing),
             "seconds_since_heartbeat": None if w.last_seen is None else round(now - w.last_seen, 3),
             "cuda_ipc": dict(w.cuda_ipc),
         }

@@ -132,12 +132,39 @@ class WeightTensorBody(BaseModel):
     offset: int = Field(ge=0, le=1 << 48)
 
 
+class CudaIpcHandleBody(BaseModel):
+    """A CUDA IPC handle of the trainer's GPU buffer (``torch.UntypedStorage._share_cuda_``; bytes in base64)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    device: int = Field(ge=0, le=255)
+    handle: str = Field(min_length=1, max_length=2048)
+    storage_bytes: int = Field(ge=1, le=1 << 48)
+    offset_bytes: int = Field(ge=0, le=1 << 48)
+    ref_counter: str = Field(pattern=r"^/torch_[0-9_]+$", max_length=128)
+    ref_counter_offset: int = Field(ge=0, lt=10000)
+    event: str | None = Field(default=None, max_length=2048)
+    event_sync: bool = False
+
+
 class WeightBucketBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     nbytes: int = Field(ge=0, le=1 << 48)
     segment: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,255}$",
                                 description="the shared-memory segment holding the bucket (same host)")
+    cuda: CudaIpcHandleBody | None = Field(default=None, description="or the trainer's GPU buffer holding it "
+                                           "(same host, denoise workers on GPUs)")
+
+
+class LoraFromMemoryBody(BaseModel):
+    """The tensors of a weight update from memory are a LoRA adapter's (peft names), loaded as ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
+    rank: int = Field(ge=1)
+    alpha: float | None = Field(default=None, description="peft's lora_alpha; none: alpha = rank (scale 1)")
 
 
 class UpdateWeightsFromTensorsBody(BaseModel):
@@ -152,6 +179,8 @@ class UpdateWeightsFromTensorsBody(BaseModel):
     checksum: bool = Field(default=True, description="as for /update_weights_from_disk")
     tensors: list[WeightTensorBody] = Field(min_length=1, max_length=100_000)
     buckets: list[WeightBucketBody] = Field(min_length=1, max_length=100_000)
+    lora: LoraFromMemoryBody | None = Field(default=None, description="the tensors are this adapter of module's, "
+                                            "not its weights: a new lora_version, the weight_version unchanged")
 
 
 class UpdateWeightsFromDistributedBody(UpdateWeightsFromTensorsBody):

@@ -14,11 +14,14 @@ import msgspec
 
 from common.config.engine import EngineConfig
 from common.protocol.messages import WeightBucket, WeightTensor
+from common.transport.cuda_ipc import takes_cuda_ipc
 from common.transport.shm import engine_prefix
 from common.transport.weight_segments import weight_prefix
 from router.control import WeightControl, control_failure
 from router.errors import EngineError
-from router.schemas import InitWeightsGroupBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody
+from router.lora import LoraControl
+from router.schemas import (FieldError, InitWeightsGroupBody, UpdateWeightsFromDistributedBody,
+                            UpdateWeightsFromTensorsBody)
 
 DISABLED = "weight sync from memory is off: start the engine with --weight-sync-from-memory"
 GRACE_S = 30.0  # the router waits this much longer than a worker's own group timeout
@@ -27,8 +30,8 @@ GRACE_S = 30.0  # the router waits this much longer than a worker's own group ti
 class MemorySync:
     role = "denoise"
 
-    def __init__(self, config: EngineConfig, control, weights: WeightControl):
-        self.config, self._control, self.weights = config, control, weights
+    def __init__(self, config: EngineConfig, control, weights: WeightControl, loras: LoraControl):
+        self.config, self._control, self.weights, self.loras = config, control, weights, loras
         self.group_timeout_s: float | None = None  # set while a weights group exists
 
     def check_enabled(self) -> None:
@@ -38,15 +41,23 @@ class MemorySync:
 
     def info(self) -> dict:
         """What a trainer needs to write buckets and to size a group."""
+        same_host = self.config.transport == "ipc"
         return {"enabled": self.config.weight_sync_from_memory,
-                "shm_prefix": weight_prefix(engine_prefix(self.config.runtime_dir))
-                if self.config.transport == "ipc" else None,
+                "shm_prefix": weight_prefix(engine_prefix(self.config.runtime_dir)) if same_host else None,
+                "cuda_ipc": all(takes_cuda_ipc(self.config, w) for w in self.config.of_role(self.role)),
                 "denoise_workers": len(self.config.of_role(self.role)),
                 "weight_version": self.weights.version, "group": self.group_timeout_s is not None}
 
+    async def _apply(self, op: str, body: UpdateWeightsFromTensorsBody, timeout_s: float | None = None) -> dict:
+        """The weights of ``body.module``, or the adapter ``body.lora`` names, from the trainer's memory."""
+        if body.lora is None:
+            return await self.weights.update_from_memory(op, body.module, timeout_s=timeout_s, **_layout(body))
+        return await self.loras.load_from_memory(op, body.lora.lora_name, module=body.module, timeout_s=timeout_s,
+                                                 lora_rank=body.lora.rank, lora_alpha=body.lora.alpha,
+                                                 **_layout(body))
+
     async def from_tensors(self, body: UpdateWeightsFromTensorsBody) -> dict:
-        return await self.weights.update_from_memory("update_weights_from_tensors", body.module,
-                                                     **_layout(body))
+        return await self._apply("update_weights_from_tensors", body)
 
     async def init_group(self, body: InitWeightsGroupBody) -> dict:
         workers = self.config.of_role(self.role)
@@ -68,8 +79,7 @@ class MemorySync:
         if self.group_timeout_s is None:
             raise EngineError(400, "invalid_request", "no weights group: POST /init_weights_group first", "router", "")
         try:
-            return await self.weights.update_from_memory("update_weights_from_distributed", body.module,
-                                                         timeout_s=self.group_timeout_s + GRACE_S, **_layout(body))
+            return await self._apply("update_weights_from_distributed", body, self.group_timeout_s + GRACE_S)
         except EngineError as e:
             if e.status == 504 or e.type == "inconsistent_workers":
                 self.group_timeout_s = None  # a broken-off broadcast drops the group on the workers
@@ -84,5 +94,12 @@ class MemorySync:
 
 
 def _layout(body: UpdateWeightsFromTensorsBody) -> dict:
-    return {"checksum": body.checksum,"weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
-            "weight_buckets": [msgspec.convert(b.model_dump(exclude_none=True), WeightBucket) for b in body.buckets]}
+    return {"checksum": body.checksum, "weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
+            "weight_buckets": [_bucket(b) for b in body.buckets]}
+
+
+def _bucket(b) -> WeightBucket:
+    try:
+        return msgspec.convert(b.model_dump(), WeightBucket)  # a handle's bytes arrive in base64
+    except msgspec.ValidationError as e:
+        raise FieldError("buckets", str(e)) from None

@@ -20,9 +20,11 @@ from diffusers import WanTransformer3DModel
 
 from common.protocol.messages import WeightTensor
 from common.runtime.engine_process import ROOT, free_port
+from common.transport import weight_segments
 from common.wan import weight_buckets
 from common.wan.weights import state_dict_checksum
-from rl import WeightsGroup
+from rl import TrainerPolicy, WeightsGroup
+from rl.lora import add_lora, lora_parameters, lora_sha256, lora_state_dict, push_lora
 from router.client import EngineClient, EngineHTTPError
 
 REQ = dict(prompt="a lighthouse at dusk", seed=4, num_inference_steps=4, guidance_scale=4.0, output_type="latent")
@@ -95,6 +97,38 @@ def test_bucket_layout_refuses_what_does_not_fit(entry, needle):
     twice = WeightTensor(name="x", dtype="uint8", shape=[1], bucket=0, offset=0)
     with pytest.raises(weight_buckets.LayoutError, match="named twice"):
         weight_buckets.unpack([torch.zeros(64, dtype=torch.uint8)], [twice, twice])
+
+
+def test_worker_keeps_its_mappings_while_the_segments_stay_the_same():
+    prefix = weight_segments.weight_prefix(f"disagg-{os.getpid():08x}-")
+    written = weight_segments.WrittenBuckets(prefix, [4096, 64])
+    mapped = weight_segments.MappedBuckets(prefix)
+    try:
+        written.buffers[0].fill_(1)
+        first = mapped.open(written.buckets())
+        assert int(first[0].sum()) == 4096 and [v.numel() for v in first] == [4096, 64]
+        written.buffers[0].fill_(2)  # the trainer's next update, in the same segments
+        again = mapped.open(written.buckets())
+        assert again[0].data_ptr() == first[0].data_ptr() and int(again[0].sum()) == 2 * 4096
+        # The same name for another file (removed and made again): mapped anew, never the old pages.
+        name = written.names[0]
+        os.unlink("/dev/shm/" + name)
+        fd = os.open("/dev/shm/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes([3]) * 4096)
+        os.close(fd)
+        replaced = mapped.open(written.buckets())
+        assert int(replaced[0].sum()) == 3 * 4096
+        del first, again, replaced
+        other = weight_segments.WrittenBuckets(prefix, [128])
+        try:
+            assert mapped.open(other.buckets())[0].numel() == 128
+            assert sorted(mapped._maps) == other.names  # the first update's mappings are gone
+        finally:
+            other.close()
+        assert mapped.prune() == 1 and not mapped._maps  # its file was removed: unmapped when idle
+    finally:
+        mapped.close()
+        written.close()
 
 
 def test_off_without_the_flag(engine_factory):
@@ -226,11 +260,65 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(client, engine, t
         assert group.push(new)["sha256"] == state_dict_checksum(new)
 
 
+def _lora_policy(tiny_dir, seed: int):
+    policy = TrainerPolicy(tiny_dir)
+    add_lora(policy, 4, 8.0, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:  # peft starts lora_B at zero: the adapter would be the base model
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return policy
+
+
+def test_adapters_through_shared_memory_and_a_group_equal_the_http_push(client, tiny_dir):
+    before, base = client.weights_checksum(), _output(client)
+    policy = _lora_policy(tiny_dir, seed=1)
+    answers = {"via-http": push_lora(client, policy, "via-http"),
+               "via-shm": push_lora(client, policy, "via-shm", via="shm")}
+    with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60, bucket_bytes=8 << 10) as group:
+        answers["via-group"] = push_lora(client, policy, "via-group", via=group)
+    assert {a["sha256"] for a in answers.values()} == {lora_sha256(policy)}
+    outputs = {name: client.generate(**REQ, lora_name=name)["samples"][0]["output"] for name in answers}
+    assert (outputs["via-http"] - base).abs().max() > 1e-3  # the adapter changes the output
+    assert torch.equal(outputs["via-shm"], outputs["via-http"]) and torch.equal(outputs["via-group"], outputs["via-http"])
+    assert client.weights_checksum() == before  # adapters leave the weights and their version alone
+    # The worker holds its own copy: the trainer rewriting its buckets changes nothing until the next push.
+    for written in client._buckets.values():
+        for b in written.buffers:
+            b.fill_(0)
+    assert torch.equal(client.generate(**REQ, lora_name="via-shm")["samples"][0]["output"], outputs["via-shm"])
+    # The next training step, pushed again the same way: a new version that equals the same step over HTTP.
+    with torch.no_grad():
+        for p in lora_parameters(policy):
+            p.mul_(1.5)
+    again = push_lora(client, policy, "via-shm", via="shm")
+    assert again["lora_version"] == answers["via-shm"]["lora_version"] + 1 and again["sha256"] == lora_sha256(policy)
+    push_lora(client, policy, "via-http")
+    s = client.generate(**REQ, lora_name="via-shm")["samples"][0]
+    assert s["lora_version"] == again["lora_version"]
+    assert torch.equal(s["output"], client.generate(**REQ, lora_name="via-http")["samples"][0]["output"])
+    for name in answers:
+        client.unload_lora_adapter(name)
+
+
+def test_a_wrong_adapter_from_memory_is_refused(client, tiny_dir):
+    policy = _lora_policy(tiny_dir, seed=2)
+    state = lora_state_dict(policy)
+    bad = {**state, "blocks.0.attn1.to_q.lora_A.weight": torch.zeros(3, 999)}
+    with pytest.raises(EngineHTTPError) as e:
+        client.update_weights_from_tensors(bad, lora={"lora_name": "bad", "rank": 4, "alpha": 8.0})
+    assert e.value.status == 400
+    assert "bad" not in [a["lora_name"] for a in client.lora_adapters()]
+
+
 # --- last: it kills the engine's denoise worker ---------------------------------------------------------
 
 def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(client, engine, tiny_dir):
     new = _trainer_copy(tiny_dir, seed=5)
     version = client.update_weights_from_tensors(new)["weight_version"]
+    policy = _lora_policy(tiny_dir, seed=3)
+    push_lora(client, policy, "pushed", via="shm")
     pid = next(w["pid"] for w in client.health()["workers"] if w["role"] == "denoise")
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
@@ -240,11 +328,15 @@ def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(client, engi
             break
         assert time.monotonic() < deadline, f"no stale restarted worker: {d}"
         time.sleep(0.1)
-    assert d["weights"] == "stale" and engine.http.get("/health").status_code == 503
+    assert d["weights"] == "stale" and d["missing"] == ["lora:pushed", "transformer"]
+    assert engine.http.get("/health").status_code == 503
     r = engine.http.post("/generate", json=REQ)
     assert r.status_code == 503  # no request runs on weights the trainer did not send
     reply = client.update_weights_from_tensors(new)
     assert reply["weight_version"] == version + 1 and reply["sha256"] == state_dict_checksum(new)
+    d = next(w for w in engine.http.get("/health").json()["workers"] if w["role"] == "denoise")
+    assert d["state"] == "stale" and d["missing"] == ["lora:pushed"]  # the adapter is still only the trainer's
+    assert push_lora(client, policy, "pushed", via="shm")["sha256"] == lora_sha256(policy)
     d = next(w for w in client.health()["workers"] if w["role"] == "denoise")
-    assert d["state"] == "ready" and d["weights"] == "current"
+    assert d["state"] == "ready" and d["weights"] == "current" and d["missing"] == []
     assert client.generate(**REQ)["samples"][0]["weight_version"] == version + 1

@@ -144,10 +144,12 @@ class WeightTensor(_Strict, frozen=True):
 
 class WeightBucket(_Strict, frozen=True):
     """One bucket of a weight update: its size and, on one host, the shared-memory segment holding it
-    (written by the trainer; common/transport/weight_segments.py). Broadcast buckets have no segment."""
+    (written by the trainer; common/transport/weight_segments.py) or the CUDA IPC handle of the trainer's
+    GPU buffer holding it. Broadcast buckets have neither."""
 
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
     segment: ShmName | None = None
+    cuda: CudaIpcHandle | None = None
 
 
 class RolloutParams(_Strict):

@@ -61,6 +61,9 @@ class Stage:
     def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
         raise NotImplementedError
 
+    def idle(self) -> None:
+        """Called when nothing arrived for a while and nothing is held: housekeeping that may wait."""
+
     def applies_between_steps(self, msg: ControlRequest) -> bool:
         """Whether ``msg`` may apply while requests are in flight; else it waits until none is."""
         return False

@@ -198,6 +198,8 @@ class WorkerRuntime:
         """Everything already queued on the socket, so that it can join the next batch."""
         waiting = self.stage.has_work() or self._controls
         if not poller.poll(0 if waiting else POLL_MS):
+            if not waiting:
+                self.stage.idle()
             return
         for _ in range(MAX_DRAIN):
             if not self.stage.can_accept():

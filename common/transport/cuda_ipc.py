@@ -28,7 +28,9 @@ this path: such tensors are staged through host memory as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -59,6 +61,21 @@ def _release(h: CudaIpcHandle) -> None:
         log.debug("could not release a CUDA IPC counter: %s", e)
 
 
+def export_handle(t: torch.Tensor) -> CudaIpcHandle:
+    """A CUDA IPC handle to ``t``'s storage, as the receiver accepts it (msgspec-checked here, so that a torch
+    whose export looks different fails at the sender, not at every receiver)."""
+    (device, handle, storage_bytes, offset_bytes, ref_counter, ref_counter_offset,
+     event, event_sync) = t.untyped_storage()._share_cuda_()
+    raw = dict(device=device, handle=handle, storage_bytes=storage_bytes, offset_bytes=offset_bytes,
+               ref_counter=ref_counter.decode("ascii", "replace") if isinstance(ref_counter, bytes) else ref_counter,
+               ref_counter_offset=ref_counter_offset, event=event, event_sync=event_sync)
+    try:
+        return msgspec.convert(raw, CudaIpcHandle)
+    except msgspec.ValidationError:
+        torch.UntypedStorage._release_ipc_counter(ref_counter, ref_counter_offset, device=device)
+        raise
+
+
 class CudaIpcSender:
     """Exports CUDA tensors for one destination worker."""
 
@@ -73,23 +90,10 @@ class CudaIpcSender:
             return None
         private = t.detach().clone(memory_format=torch.contiguous_format)
         try:
-            (device, handle, storage_bytes, offset_bytes, ref_counter, ref_counter_offset,
-             event, event_sync) = private.untyped_storage()._share_cuda_()
-        except Exception as e:  # e.g. an allocator or a container that cannot export IPC handles
+            desc = export_handle(private)
+        except Exception as e:  # an allocator or a container that cannot export, or a torch whose export differs
             self.enabled = False
             log.warning("cannot export CUDA IPC handles (%s); tensors to %s go through host memory", e, self.dest)
-            return None
-        raw = dict(device=device, handle=handle, storage_bytes=storage_bytes, offset_bytes=offset_bytes,
-                   ref_counter=ref_counter.decode("ascii", "replace") if isinstance(ref_counter, bytes)
-                   else ref_counter, ref_counter_offset=ref_counter_offset, event=event, event_sync=event_sync)
-        try:
-            # The receiver accepts only descriptors of this shape: check ours the same way, so that a
-            # torch whose export looks different falls back to host staging instead of failing requests.
-            desc = msgspec.convert(raw, CudaIpcHandle)
-        except msgspec.ValidationError as e:
-            self.enabled = False
-            log.warning("CUDA IPC export not understood (%s); tensors to %s go through host memory", e, self.dest)
-            torch.UntypedStorage._release_ipc_counter(ref_counter, ref_counter_offset, device=device)
             return None
         del private  # the block now lives in torch's limbo until the receiver releases its counter
         torch.cuda.ipc_collect()  # frees blocks of earlier sends whose receivers are done
@@ -116,26 +120,29 @@ class CudaIpcReceiver:
             self._streams[index] = torch.cuda.Stream(device=index)
         return self._streams[index]
 
-    def open(self, h: CudaIpcHandle, dtype: torch.dtype, shape: list[int], nbytes: int,
-             request_id: str | None = None) -> torch.Tensor:
-        """The tensor, in this worker's own memory. Raises :class:`WireError` for a handle it cannot use."""
+    def _storage(self, h: CudaIpcHandle, nbytes: int, request_id: str | None) -> torch.UntypedStorage:
+        """The sender's block, opened on the side stream of its device (which waits on the sender's event,
+        so nothing queued there reads before the sender's copy ran). Call with that stream current."""
         if h.storage_bytes != nbytes:
             _release(h)
             raise WireError(f"CUDA IPC block of {h.storage_bytes} bytes, the descriptor needs {nbytes}", request_id)
         if h.device >= torch.cuda.device_count():
             _release(h)
             raise WireError(f"CUDA IPC handle on device {h.device}, which this process does not see", request_id)
+        try:
+            return torch.UntypedStorage._new_shared_cuda(
+                h.device, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter.encode("ascii"),
+                h.ref_counter_offset, h.event if h.event is not None else b"", h.event_sync)
+        except Exception as e:  # e.g. the sender exited and its memory is gone
+            raise WireError(f"CUDA IPC handle cannot be opened: {e}", request_id) from None
+
+    def open(self, h: CudaIpcHandle, dtype: torch.dtype, shape: list[int], nbytes: int,
+             request_id: str | None = None) -> torch.Tensor:
+        """The tensor, in this worker's own memory. Raises :class:`WireError` for a handle it cannot use."""
         torch.cuda.init()  # no-op once this process has used CUDA; opening a handle needs a context
         source = torch.device("cuda", h.device)
-        stream = self._stream(h.device)
-        with torch.cuda.device(source), torch.cuda.stream(stream):
-            try:
-                # Makes the current (side) stream wait on the sender's event: no read before its copy ran.
-                storage = torch.UntypedStorage._new_shared_cuda(
-                    h.device, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter.encode("ascii"),
-                    h.ref_counter_offset, h.event if h.event is not None else b"", h.event_sync)
-            except Exception as e:  # e.g. the sender exited and its memory is gone
-                raise WireError(f"CUDA IPC handle cannot be opened: {e}", request_id) from None
+        with torch.cuda.device(source), torch.cuda.stream(self._stream(h.device)):
+            storage = self._storage(h, nbytes, request_id)
             view = torch.empty(0, dtype=dtype, device=source).set_(storage, 0, shape)
             copy = view.clone()
             # Freeing the last reference synchronises the side stream (the copy has run), closes the
@@ -146,9 +153,44 @@ class CudaIpcReceiver:
         self.received += 1
         return copy if source == self.device else copy.to(self.device)
 
+    @contextlib.contextmanager
+    def borrowed(self, handles: list[CudaIpcHandle], sizes: list[int]) -> Iterator[list[torch.Tensor]]:
+        """The senders' blocks as uint8 tensors, without a copy, for reading inside the block only (a
+        trainer's weight buckets, which every worker reads). Work queued meanwhile runs on the side streams;
+        on leaving, the device waits for it and every handle is given back."""
+        torch.cuda.init()
+        storages: list[torch.UntypedStorage] = []
+        views: list[torch.Tensor] = []
+        try:
+            for k, (h, n) in enumerate(zip(handles, sizes)):
+                with torch.cuda.device(h.device), torch.cuda.stream(self._stream(h.device)):
+                    try:
+                        storages.append(self._storage(h, n, None))
+                    except WireError:
+                        for later in handles[k + 1:]:  # never opened: give their counters back too
+                            _release(later)
+                        raise
+                    views.append(torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", h.device))
+                                 .set_(storages[-1], 0, [n]))
+            with torch.cuda.stream(self._stream(handles[0].device)) if handles else contextlib.nullcontext():
+                yield views
+        finally:
+            torch.cuda.synchronize(self.device)  # what the block queued (on any stream) has run
+            for d in {h.device for h in handles}:
+                torch.cuda.synchronize(d)
+            views.clear()
+            storages.clear()  # each storage's deleter gives its counter back
+            self.received += len(handles)
+
     def discard(self, h: CudaIpcHandle) -> None:
         """A handle of a message rejected before it was opened: release it so the sender can free the block."""
         _release(h)
+
+
+def receiver_for(config: EngineConfig, me: WorkerSpec) -> CudaIpcReceiver | None:
+    """A receiver for a GPU worker that may take CUDA IPC handles, else None."""
+    return CudaIpcReceiver(torch.device(me.device)) if takes_cuda_ipc(config, me) and torch.cuda.is_available() \
+        else None
 
 
 class CudaIpcContext:
@@ -156,8 +198,7 @@ class CudaIpcContext:
 
     def __init__(self, config: EngineConfig, me: WorkerSpec):
         self.config, self.me = config, me
-        enabled = takes_cuda_ipc(config, me) and torch.cuda.is_available()
-        self.receiver = CudaIpcReceiver(torch.device(me.device)) if enabled else None
+        self.receiver = receiver_for(config, me)
         self._senders: dict[tuple[str, int], CudaIpcSender | None] = {}
 
     def sender(self, role: str, index: int | None) -> CudaIpcSender | None:

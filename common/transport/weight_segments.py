@@ -26,7 +26,7 @@ import torch
 from common.protocol.codec import WireError
 from common.protocol.messages import WeightBucket
 from common.transport.shm_segments import (
-    create_segment, is_token, new_token, open_segment, own_regular_file, release, unlink_segment,
+    create_segment, is_token, new_token, open_segment, own_regular_file, release, segment_path, unlink_segment,
 )
 
 STEM = "weights-"
@@ -84,40 +84,85 @@ class WrittenBuckets:
         self._maps, self.names = [], []
 
 
-def open_buckets(prefix: str, buckets: list[WeightBucket]) -> tuple[list[torch.Tensor], list[mmap.mmap]]:
-    """A worker's side: each announced segment as a uint8 tensor over its mapping, checked first.
-    Release the mappings (:func:`close_maps`) once the tensors are no longer used."""
-    maps: list[mmap.mmap] = []
-    views: list[torch.Tensor] = []
-    try:
-        for i, b in enumerate(buckets):
-            name = b.segment
-            if name is None or not name.startswith(prefix) or not is_token(name[len(prefix):]):
-                raise WireError(f"weight bucket {i}: {name!r} is not a weight segment of this engine")
-            fd = open_segment(name)
+class MappedBuckets:
+    """A worker's side: the announced segments as read-only uint8 tensors, checked first.
+
+    The mappings are kept after an update: a trainer rewrites the same segments for its next update of
+    the same layout, and mapping 2.8 GB anew costs almost as much as copying it. A kept mapping is
+    reused only while its name still leads to the same file (device, inode, size); one whose file was
+    removed or replaced is unmapped by the next :meth:`open` or :meth:`prune` (the worker prunes when
+    idle), so a trainer that went away does not leave its pages alive in here for long.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap | None]] = {}
+
+    def open(self, buckets: list[WeightBucket]) -> list[torch.Tensor]:
+        kept: dict[str, tuple[tuple[int, int, int], mmap.mmap | None]] = {}
+        try:
+            for i, b in enumerate(buckets):
+                name = b.segment
+                if name is None or not name.startswith(self.prefix) or not is_token(name[len(self.prefix):]):
+                    raise WireError(f"weight bucket {i}: {name!r} is not a weight segment of this engine")
+                if name in kept:
+                    raise WireError(f"weight bucket {i}: {name} is named twice")
+                kept[name] = self._mapping(i, name, b.nbytes)
+        except FileNotFoundError as e:
+            self._release_unless(kept, self._maps)
+            raise WireError(f"weight bucket missing: {e.filename}") from None
+        except BaseException:
+            self._release_unless(kept, self._maps)
+            raise
+        self._release_unless(self._maps, kept)
+        self._maps = kept
+        return [_view(kept[b.segment][1]) for b in buckets]
+
+    def _mapping(self, i: int, name: str, nbytes: int) -> tuple[tuple[int, int, int], mmap.mmap | None]:
+        fd = open_segment(name)
+        try:
+            st = os.fstat(fd)
+            if not own_regular_file(st):
+                raise WireError(f"weight bucket {i}: {name} is not a regular file of this user")
+            if st.st_size != nbytes:
+                raise WireError(f"weight bucket {i}: {name} holds {st.st_size} bytes, announced {nbytes}")
+            identity = (st.st_dev, st.st_ino, st.st_size)
+            old = self._maps.get(name)
+            if old is not None and old[0] == identity:
+                return old
+            # Populated at once: one pass in the kernel instead of a fault per page on the copy.
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) if nbytes else None
+            return identity, mm
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _release_unless(entries: dict, keep: dict) -> None:
+        """Unmap each mapping of ``entries`` that ``keep`` does not hold."""
+        held = {id(mm) for _, mm in keep.values()}
+        for _, mm in entries.values():
+            if mm is not None and id(mm) not in held:
+                release(mm)
+
+    def prune(self) -> int:
+        """Unmap every kept segment whose name no longer leads to the file it mapped; how many went."""
+        gone = {}
+        for name, (identity, mm) in self._maps.items():
             try:
-                st = os.fstat(fd)
-                if not own_regular_file(st):
-                    raise WireError(f"weight bucket {i}: {name} is not a regular file of this user")
-                if st.st_size != b.nbytes:
-                    raise WireError(f"weight bucket {i}: {name} holds {st.st_size} bytes, announced {b.nbytes}")
-                # Populated at once: one pass in the kernel instead of a fault per page on the copy.
-                mm = mmap.mmap(fd, b.nbytes, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) \
-                    if b.nbytes else None
-            finally:
-                os.close(fd)
+                st = os.stat(segment_path(name), follow_symlinks=False)
+                same = (st.st_dev, st.st_ino, st.st_size) == identity
+            except OSError:
+                same = False
+            if not same:
+                gone[name] = (identity, mm)
+        for name, (_, mm) in gone.items():
+            del self._maps[name]
             if mm is not None:
-                maps.append(mm)
-            views.append(_view(mm))
-    except FileNotFoundError as e:
-        close_maps(maps)
-        raise WireError(f"weight bucket missing: {e.filename}") from None
-    except BaseException:
-        close_maps(maps)
-        raise
-    return views, maps
+                release(mm)
+        return len(gone)
 
-
-def close_maps(maps: list[mmap.mmap]) -> None:
-    for mm in maps:
-        release(mm)
+    def close(self) -> None:
+        for _, mm in self._maps.values():
+            if mm is not None:
+                release(mm)
+        self._maps = {}
