@@ -197,6 +197,23 @@ def test_segments_outside_this_engine_are_refused(client, engine):
         assert r.status_code == 400 and "weight" in r.json()["error"]["message"], (name, r.text)
 
 
+@pytest.mark.parametrize("cuda, needle", [
+    ({"device": 0, "handle": "AQI=", "storage_bytes": 4, "offset_bytes": 0, "ref_counter": "/torch_1_2",
+      "ref_counter_offset": 0, "event": None, "event_sync": False}, "GPUs"),  # a CPU engine opens no handle
+    ({"device": 0, "handle": "AQI=", "storage_bytes": 4, "offset_bytes": 0, "ref_counter": "/etc/passwd",
+      "ref_counter_offset": 0}, "ref_counter"),
+    ({"device": 0, "handle": "not base64 !", "storage_bytes": 4, "offset_bytes": 0, "ref_counter": "/torch_1_2",
+      "ref_counter_offset": 0}, "buckets"),
+])
+def test_hostile_cuda_handles_are_refused(client, engine, cuda, needle):
+    before = client.weights_checksum()
+    r = engine.http.post("/update_weights_from_tensors", json={
+        "tensors": [{"name": "a", "dtype": "float32", "shape": [1], "bucket": 0, "offset": 0}],
+        "buckets": [{"nbytes": 4, "cuda": cuda}]})
+    assert r.status_code == 400 and needle in r.text, r.text
+    assert client.weights_checksum() == before
+
+
 def test_gloo_group_broadcast_equals_the_trainer(client, engine_factory, tiny_dir, tmp_path):
     with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60, bucket_bytes=32 << 10) as group:
         assert client.weight_sync_info()["group"] is True
