@@ -80,6 +80,10 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-frames", type=int, default=d.max_num_frames)
     p.add_argument("--max-steps", type=int, default=d.max_steps)
     p.add_argument("--max-n", type=int, default=d.max_n, help="most samples one request may ask for")
+    p.add_argument("--max-jobs", type=int, default=d.max_jobs,
+                   help="/v1/videos jobs held at once (queued, running or finished and not yet expired)")
+    p.add_argument("--job-ttl", type=float, default=d.job_ttl_s,
+                   help="seconds a finished /v1/videos job (and its MP4) is kept")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
@@ -219,6 +223,8 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             max_num_frames=args.max_num_frames,
             max_steps=args.max_steps,
             max_n=args.max_n,
+            max_jobs=args.max_jobs,
+            job_ttl_s=args.job_ttl,
             max_prompt_chars=args.max_prompt_chars,
             request_timeout_s=args.request_timeout,
             max_pending=args.max_pending,

@@ -19,6 +19,7 @@ from common.protocol.messages import (
     DecodeRequest,
     DenoiseRequest,
     Result,
+    StepProgress,
 )
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import receiver_for
@@ -35,6 +36,7 @@ from denoise_worker.threads import size_threads
 from denoise_worker.weight_sync import WeightSync
 
 
+PROGRESS_INTERVAL_S = 0.5  # how often a request's step count goes to the router (none for shorter requests)
 # Control operations that take weights from the trainer's memory (off unless --weight-sync-from-memory).
 FROM_MEMORY = ("update_weights_from_tensors", "init_weights_group", "update_weights_from_distributed",
                "destroy_weights_group")
@@ -49,6 +51,7 @@ class _Active:
     t0: float
     seq: int
     largest_batch: int = 0  # reported with the result: the most samples it shared a step with
+    reported_at: float = 0.0  # when the router last heard of its step count
 
 
 class DenoiseStage(Stage):
@@ -67,9 +70,14 @@ class DenoiseStage(Stage):
         self.max_batch = max(1, self.config.max_batch_size)
         self.active: list[_Active] = []
         self._seq = itertools.count()
+        self._notices: list[Forward] = []
 
     def idle(self) -> None:
         self.sync.idle()
+
+    def notices(self) -> list[Forward]:
+        out, self._notices = self._notices, []
+        return out
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
@@ -83,7 +91,8 @@ class DenoiseStage(Stage):
 
     # --- continuous batching ----------------------------------------------
     def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
-        self.active.append(_Active(msg, self.new_task(msg, tensors), time.perf_counter(), next(self._seq)))
+        now = time.perf_counter()
+        self.active.append(_Active(msg, self.new_task(msg, tensors), now, next(self._seq), reported_at=now))
 
     def can_accept(self) -> bool:
         return sum(a.task.n for a in self.active) < 4 * self.max_batch
@@ -144,8 +153,14 @@ class DenoiseStage(Stage):
         except Exception as e:  # a failed forward fails the requests that were in it, nothing else
             return done + [self._leave(a, e) for a in batch]
         samples = sum(a.task.n for a in batch)
+        now = time.perf_counter()
         for a, error in zip(batch, advance_all([a.task for a in batch], velocities)):
             a.largest_batch = max(a.largest_batch, samples)
+            if error is None and not a.task.done and now - a.reported_at >= PROGRESS_INTERVAL_S:
+                a.reported_at = now
+                self._notices.append(Forward("router", StepProgress(
+                    v=PROTOCOL_VERSION, request_id=a.msg.request_id, step=a.task.step,
+                    steps=len(a.task.scheduler.timesteps))))
             if error is not None:
                 done.append(self._leave(a, error))
             elif a.task.done:

@@ -7,6 +7,7 @@ drain hooks to the supervisor and the server itself.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -17,11 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from common.config.engine import EngineConfig
 from common.wan.model_info import ModelInfo
 from router.auth import ApiKeyMiddleware
-from router.bodies import encode_response, parse_body, samples_payload, wants_msgpack
+from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
 from router.dispatcher import Dispatcher
 from router.lora import LoraControl
+from router.media import MEDIA_TYPES
+from router.metrics import EngineState, Metrics, RequestMetrics
 from router.http_errors import error_response, install_error_handlers
+from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
@@ -40,6 +44,7 @@ class Routes:
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
         self.memory = MemorySync(config, dispatcher.control, self.weights, self.loras)
+        self.metrics = Metrics()
         self.weights.on_supplied = self.loras.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
 
@@ -128,15 +133,35 @@ class Routes:
         """The request body as ``schema``; a bad one becomes a 400 naming the field."""
         return schema.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
 
-    async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
+    async def submit(self, params, rid: str, timeout_s: float | None):
+        """Run one admitted request; its answer (and its metrics)."""
+        t0 = time.perf_counter()
+        outcome = await self.dispatcher.submit(params, rid, timeout_s)
+        self.metrics.generated(outcome.timings, outcome.info, params.n, params.num_inference_steps,
+                               time.perf_counter() - t0)
+        return outcome
+
+    def params_for(self, body: GenerateBody):
+        """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)
-        params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps)
+        return to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps)
+
+    async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
+        accept = request.headers.get("accept", "")
+        if "output_type" not in body.model_fields_set:  # an Accept for a file chooses it; the field wins
+            for kind, media_type in MEDIA_TYPES.items():
+                if media_type in accept:
+                    body = body.model_copy(update={"output_type": kind})
+        params = self.params_for(body)
         self.dispatcher.admit(params.n)
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        outcome = await self.dispatcher.submit(params, rid, body.timeout_s)  # the n samples as one unit
+        outcome = await self.submit(params, rid, body.timeout_s)  # the n samples as one unit
+        if body.output_type in MEDIA_TYPES:
+            return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
+                                           self.info.fps, time.perf_counter() - t0, request)
         payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - t0,
                                   wants_msgpack(request))
         return encode_response(payload, request)
@@ -221,7 +246,18 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
     """
     routes = Routes(config, dispatcher, info or ModelInfo.read(config.model))
     app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher))
+    app.add_middleware(RequestMetrics, metrics=routes.metrics)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
     install_error_handlers(app)
     add_routes(app, routes)
+    api = OpenAIRoutes(routes)
+    add_openai_routes(app, api)
+    registry = dispatcher.registry
+    routes.metrics.watch(EngineState(
+        workers=lambda: dispatcher.health()[1], jobs=api.jobs.counts, weights=lambda: routes.weights.version,
+        adapters=lambda: {n: a["lora_version"] for n, a in routes.loras.table.items()},
+        restarts=lambda: {key: len(w.dead_pids) for key, w in registry.workers.items()},
+        shm=dispatcher.shm.counts))
+    app.add_api_route("/metrics", lambda: routes.metrics.exposition(), methods=["GET"],
+                      summary="Prometheus metrics (text exposition format)", responses=errors(401))
     return app

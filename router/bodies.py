@@ -7,6 +7,7 @@ becomes the router's own 400 (see :mod:`router.http_errors`).
 
 from __future__ import annotations
 
+import base64
 import json
 
 import msgpack
@@ -18,6 +19,7 @@ from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, OUTPUT, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
+from router import media
 from router.join import Outcome
 from router.schemas import FieldError
 
@@ -72,12 +74,12 @@ def encode_response(payload: dict, request: Request) -> Response:
 TRAJECTORY_BODY = {"latents": TRAJECTORY_LATENTS, "timesteps": TRAJECTORY_TIMESTEPS, "sigmas": TRAJECTORY_SIGMAS}
 
 
-def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
-    """One sample of a ``/generate`` or ``/rollout/generate`` answer."""
+def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None) -> dict:
+    """One sample of a ``/generate`` or ``/rollout/generate`` answer (``output``: its file instead of its tensor)."""
     t = o.tensors
     body = {
         "seed": seed,
-        "output": tensor_to_body(t[OUTPUT.name], binary),
+        "output": output if output is not None else tensor_to_body(t[OUTPUT.name], binary),
         "route": msgspec.structs.asdict(o.route),
         "weight_version": o.info.get("weight_version"),
     }
@@ -94,16 +96,34 @@ def sample_body(seed: int, o: Outcome, binary: bool) -> dict:
     return body
 
 
-def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_s: float, binary: bool) -> dict:
+def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_s: float, binary: bool,
+                    files: list[dict] | None = None) -> dict:
     """The whole answer: every sample (seeds ``seed + i``), the request's stage timings, its weight version.
 
     The n samples went through the stages as one unit, so they share their timings, route and weights.
+    ``files``: each sample's output as a file (``{"media_type", "data"}``) instead of its tensor.
     """
     timings = {k: outcome.timings.get(k, 0.0) for k in ("encode_s", "denoise_s", "decode_s")}
     timings["total_s"] = total_s
     return {
         "request_id": request_id,
-        "samples": [sample_body(seed + i, outcome.sample(i), binary) for i in range(n)],
+        "samples": [sample_body(seed + i, outcome.sample(i), binary, files[i] if files else None) for i in range(n)],
         "timings": timings,
         "weight_version": outcome.info.get("weight_version"),
     }
+
+
+def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: str, fps: int, total_s: float,
+                   request: Request) -> Response:
+    """Frames as files (``kind``: png or mp4). One sample: the file itself, its facts in headers; several:
+    the usual answer with each sample's ``output`` a ``{"media_type", "data"}`` (base64 in JSON).
+    CPU-bound (video encoding): call it off the event loop."""
+    files = [media.encode(outcome.sample(i).tensors[OUTPUT.name], kind, fps) for i in range(n)]
+    if n == 1:
+        return Response(files[0], media_type=media.MEDIA_TYPES[kind], headers={
+            "X-Request-Id": request_id, "X-Seed": str(seed),
+            "X-Weight-Version": str(outcome.info.get("weight_version")), "X-Total-Seconds": f"{total_s:.3f}"})
+    binary = wants_msgpack(request)
+    data = [{"media_type": media.MEDIA_TYPES[kind], "data": f if binary else base64.b64encode(f).decode("ascii")}
+            for f in files]
+    return encode_response(samples_payload(request_id, seed, outcome, n, total_s, binary, data), request)

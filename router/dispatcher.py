@@ -27,7 +27,7 @@ from common.config.engine import EngineConfig, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
 from common.protocol.messages import (
     PROTOCOL_VERSION, ROLES, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams, Heartbeat,
-    Progress, Result, Route,
+    Progress, Result, Route, StepProgress,
 )
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
@@ -182,6 +182,8 @@ class Dispatcher:
                 self._tasks.append(asyncio.create_task(self._sync(w)))
         elif isinstance(msg, Progress):
             self.pending.progress(msg)
+        elif isinstance(msg, StepProgress):
+            self.pending.step_progress(msg)
         elif isinstance(msg, (Result, ErrorReply, ControlReply)):
             self.pending.resolve(msg, tensors)
         else:

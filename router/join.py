@@ -1,6 +1,6 @@
 """The table of requests waiting for their answer, and the join of answers onto them.
 
-The receive loop hands every Result, ErrorReply, ControlReply and Progress here;
+The receive loop hands every Result, ErrorReply, ControlReply, Progress and StepProgress here;
 a lost worker fails exactly the requests still in (or queued for) it. No sockets here.
 """
 
@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from common.protocol.messages import PER_SAMPLE, ROLES, ControlReply, ErrorReply, Progress, Result, Route
+from common.protocol.messages import (
+    PER_SAMPLE, ROLES, ControlReply, ErrorReply, Progress, Result, Route, StepProgress,
+)
 from router.errors import EngineError
 
 log = logging.getLogger("disagg.router")
+LOG_EVERY_S = 5.0  # a request still denoising after this long is logged, and again every as long
 
 
 @dataclass
@@ -26,6 +30,10 @@ class Pending:
     done_stage: int = -1  # index in ROLES of the last stage that handed the request on
     target: tuple[str, int] | None = None  # control requests: the one worker asked
     samples: int = 1  # a request's n samples travel as one unit
+    step: int = 0  # denoising steps taken, as the denoise worker last reported (StepProgress)
+    steps: int | None = None
+    created: float = field(default_factory=time.monotonic)
+    logged_at: float = 0.0
 
     def waits_on(self, role: str, index: int) -> bool:
         """Whether this request is still in (or queued for) worker ``role``-``index``."""
@@ -93,6 +101,18 @@ class PendingTable:
         p = self._by_id.get(msg.request_id)
         if p is not None and msg.stage in ROLES:
             p.done_stage = max(p.done_stage, ROLES.index(msg.stage))
+
+    def step_progress(self, msg: StepProgress) -> None:
+        """The denoise worker's step count; a long request also gets a log line every ``LOG_EVERY_S``."""
+        p = self._by_id.get(msg.request_id)
+        if p is None:
+            return
+        p.step, p.steps = msg.step, msg.steps
+        now = time.monotonic()
+        if now - max(p.created, p.logged_at) >= LOG_EVERY_S:
+            p.logged_at = now
+            log.info("request %s: denoise step %d/%d, %.0f s since it arrived", msg.request_id, msg.step,
+                     msg.steps, now - p.created)
 
     def resolve(self, msg: Result | ErrorReply | ControlReply, tensors: dict[str, torch.Tensor]) -> bool:
         """Settle the request ``msg`` answers; False (and dropped) if it is unknown or already settled."""

@@ -14,11 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
 from common.protocol.messages import (
-    EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, GenerationParams, OutputType, RolloutParams, SdeType,
+    EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, GenerationParams, RolloutParams, SdeType,
 )
 from common.wan.sde import checked_noise_level
 
 MAX_SEED = 2**63 - 1
+# What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.
+HttpOutputType = Literal["frames", "latent", "mp4", "png"]
+MEDIA_OUTPUTS = ("mp4", "png")
 
 
 class FieldError(ValueError):
@@ -49,7 +52,8 @@ class GenerateBody(BaseModel):
     timesteps: list[float] | None = Field(default=None,
                                           description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
     mu: float | None = None
-    output_type: OutputType = "frames"
+    output_type: HttpOutputType = Field(default="frames", description="frames or latent tensors, or frames as an "
+                                        "mp4 (H.264) or png (one frame) file; Accept: video/mp4 or image/png too")
     timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
                                   description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")
@@ -69,7 +73,7 @@ class RolloutBody(GenerateBody):
                                                description="0-based steps that use the SDE (default: every step)")
     return_trajectory: bool = False
     return_log_probs: bool = True
-    output_type: OutputType = "latent"
+    output_type: HttpOutputType = "latent"
 
 
 class LoadLoraBody(BaseModel):
@@ -302,6 +306,8 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
     v = _filled(body, defaults)
     _check_prompts(body, limits)
     _check_video(v, limits)
+    if body.output_type == "png" and v["num_frames"] != 1:
+        raise FieldError("output_type", f"png holds one frame: set num_frames to 1 (got {v['num_frames']}), or ask for mp4")
     _check_sampling(v, body, limits)
     steps = _schedule_steps(body, v["num_inference_steps"], limits, n_train)
     _check_timeout_and_mu(body, limits)
@@ -317,7 +323,7 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
         guidance_scale_2=body.guidance_scale_2,
         seed=body.seed,
         n=body.n,
-        output_type=body.output_type,
+        output_type="frames" if body.output_type in MEDIA_OUTPUTS else body.output_type,
         lora_name=body.lora_name,
         lora_scale=body.lora_scale,
         sigmas=body.sigmas,

@@ -45,6 +45,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_lora_bytes: int = 1 << 30
     # ZeroMQ disconnects a peer that sends a larger message part (bounds hostile frames).
     max_message_bytes: int = 1 << 30
+    # /v1/videos jobs the router holds at once (queued, running or finished), and how long a finished one's
+    # MP4 stays downloadable.
+    max_jobs: int = 64
+    job_ttl_s: float = 3600.0
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):

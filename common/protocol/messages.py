@@ -282,6 +282,14 @@ class Progress(_Header, tag="progress", kw_only=True):
     stage: str
 
 
+class StepProgress(_Header, tag="step_progress", kw_only=True):
+    """Denoise worker -> router, every so often while a request denoises: ``step`` of ``steps`` taken.
+    The router's job progress, long-request log lines and step metrics come from these."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    steps: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class ErrorReply(_Header, tag="error", kw_only=True):
     """A request failed in ``stage``; ``status`` is the HTTP status to answer with."""
 
@@ -314,5 +322,6 @@ Message = Union[
     ControlRequest,
     ControlReply,
     Progress,
+    StepProgress,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

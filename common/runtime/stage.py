@@ -61,6 +61,10 @@ class Stage:
     def work(self) -> list[tuple[Any, "Forward | BaseException"]]:
         raise NotImplementedError
 
+    def notices(self) -> list["Forward"]:
+        """Messages for the router that are no request's answer (progress), taken after each ``work()``."""
+        return []
+
     def idle(self) -> None:
         """Called when nothing arrived for a while and nothing is held: housekeeping that may wait."""
 

@@ -224,6 +224,11 @@ class WorkerRuntime:
         if self.stage.has_work():
             for msg, outcome in self.stage.work():
                 self.finish(msg, outcome)
+            for notice in self.stage.notices():
+                try:
+                    self.send(notice)
+                except Exception:  # a notice is informative: losing one fails nothing
+                    log.debug("could not send a notice", exc_info=True)
 
     def stop(self) -> None:
         """Leave the loop after the current turn (signal handlers call this)."""

@@ -100,6 +100,7 @@ class ShmSender:
             raise ValueError(f"bad shared-memory prefix or destination: {prefix!r}, {dest!r}")
         self.prefix, self.dest, self.threshold, self.spares = prefix, dest, threshold, spares
         self._warned = False
+        self.sent = 0  # tensors that went through a segment (metrics)
 
     def put(self, t: torch.Tensor) -> str | None:
         """The name of a new segment holding ``t``'s bytes, or None: send ``t`` as a frame."""
@@ -110,6 +111,7 @@ class ShmSender:
         spare = self.spares.take(nbytes) if self.spares is not None else None
         if spare is not None and self._from_spare(spare, t, name):
             log.debug("%d bytes to %s through shared memory (prepared segment)", nbytes, self.dest)
+            self.sent += 1
             return name
         data = tensor_bytes(t)
         try:
@@ -128,6 +130,7 @@ class ShmSender:
         finally:
             os.close(fd)
         log.debug("%d bytes to %s through shared memory (new segment)", data.nbytes, self.dest)
+        self.sent += 1
         return name
 
     def _from_spare(self, spare: Spare, t: torch.Tensor, name: str) -> bool:
@@ -168,6 +171,7 @@ class ShmReceiver:
             raise ValueError(f"bad shared-memory prefix or process name: {prefix!r}, {me!r}")
         self.own = f"{prefix}{me}-"
         self.max_bytes = max_bytes
+        self.received = 0  # segments opened (metrics)
 
     def valid(self, name: object) -> bool:
         """A name of this engine addressed to this process; only such a name is ever opened or removed."""
@@ -197,6 +201,7 @@ class ShmReceiver:
             if not own_regular_file(st):
                 raise WireError(f"shared-memory segment {name!r} is not a file of this engine", request_id)
             os.unlink(segment_path(name))
+            self.received += 1
             if st.st_size != nbytes:
                 raise WireError(
                     f"shared-memory segment {name!r} has {st.st_size} bytes, the descriptor needs {nbytes}",
@@ -246,6 +251,11 @@ class ShmContext:
             self.receiver.sweep()
         if self.spares is not None:
             self.spares.sweep()
+
+    def counts(self) -> dict[str, int]:
+        """Tensors this process sent and received through shared memory."""
+        return {"sent": sum(s.sent for s in self._senders.values()),
+                "received": self.receiver.received if self.receiver is not None else 0}
 
     def sender(self, dest: str) -> ShmSender | None:
         if not self.enabled:

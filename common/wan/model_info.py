@@ -23,6 +23,9 @@ WAN_DEFAULTS = {
     "guidance_scale": 5.0,
 }
 MAX_SEQUENCE_LENGTH = 512
+# Wan2.1 / Wan2.2 text-to-video models make 16 frames per second (diffusers' examples export at 16); a model
+# directory's serving_defaults.json may say otherwise with "fps".
+WAN_FPS = 16
 
 
 def flow_shift_of(scheduler_config) -> float:
@@ -44,6 +47,7 @@ class ModelInfo:
     scheduler_config: dict
     num_train_timesteps: int
     flow_shift: float
+    fps: int = WAN_FPS  # frames per second of the videos it makes (MP4 output)
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelInfo":
@@ -76,6 +80,7 @@ class ModelInfo:
             scheduler_config=scfg,
             num_train_timesteps=int(scfg.get("num_train_timesteps", 1000)),
             flow_shift=flow_shift_of(scfg),
+            fps=int(defaults.pop("fps", WAN_FPS)),
         )
 
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:

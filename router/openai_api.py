@@ -1,0 +1,170 @@
+"""OpenAI-style endpoints over the engine: ``/v1/models``, ``/v1/images/generations`` and ``/v1/videos`` jobs.
+
+Shapes as OpenAI's API defines them, so that the official ``openai`` package
+works unchanged (``base_url=".../v1"``). An image is a one-frame generation
+returned as PNG; a video is a job whose content is an MP4. Wan's own fields
+(negative prompt, steps, guidance, seed, LoRA) come as extra body fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.protocol.messages import ROLES
+from common.wan.tiny_model import SPECS
+from router import media
+from router.bodies import BodyTooLarge, parse_body
+from router.errors import EngineError
+from router.jobs import JobTable, VideoJob, wait_for_room
+from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
+from router.openapi import errors, request_body
+from router.schemas import FieldError, GenerateBody
+
+POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
+ENCODE_DONE, DENOISE_SPAN = 5, 85  # progress: 5 once encoded, up to 90 over the denoising steps
+
+
+def served_model_id(path: Path) -> str:
+    """The model's name: a built-in's (``tiny``), else its directory's."""
+    spec = path.name.rsplit("-", 1)[0]
+    return spec if spec in SPECS and path.name != spec else path.name
+
+
+class OpenAIRoutes:
+    def __init__(self, routes):
+        self.routes, self.info, self.config = routes, routes.info, routes.config
+        self.dispatcher = routes.dispatcher
+        self.model_id = served_model_id(Path(self.info.path))
+        limits = self.config.limits
+        self.jobs = JobTable(limits.max_jobs, limits.job_ttl_s, self.progress_of)
+
+    def progress_of(self, request_id: str) -> int | None:
+        """0-100 from where the request is: encoded, denoising step k of K, denoised."""
+        p = self.dispatcher.pending.get(request_id)
+        if p is None:
+            return None
+        if p.done_stage >= ROLES.index("denoise"):
+            return ENCODE_DONE + DENOISE_SPAN
+        if p.steps:
+            return ENCODE_DONE + DENOISE_SPAN * p.step // p.steps
+        return ENCODE_DONE if p.done_stage >= 0 else 0
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
+
+    def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
+        wan = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
+                                              "guidance_scale_2", "seed", "lora_name", "lora_scale", "timeout_s")}
+        return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
+                            output_type=output_type, **wan)
+
+    # --- GET /v1/models ---------------------------------------------------------------
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": int(Path(self.info.path).stat().st_mtime),
+             "owned_by": "disagg-diffusion"}]})
+
+    # --- POST /v1/images/generations --------------------------------------------------
+    async def images(self, request: Request) -> JSONResponse:
+        body = ImagesBody.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
+        self._check_model(body.model)
+        width, height = parse_size(body.size, self.info.defaults)
+        gen = self._generate_body(body, width, height, 1, body.n, "png")
+        params = self.routes.params_for(gen)
+        self.dispatcher.admit(params.n)
+        outcome = await self.routes.submit(params, uuid.uuid4().hex, body.timeout_s)
+        pngs = await asyncio.to_thread(
+            lambda: [media.png_bytes(outcome.sample(i).tensors["output"]) for i in range(params.n)])
+        return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
+                             "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
+
+    # --- /v1/videos -----------------------------------------------------------------------
+    async def _video_fields(self, request: Request) -> dict:
+        """The body as fields: multipart form (the official client) or JSON."""
+        limit = self.config.limits.max_body_bytes
+        if "multipart/form-data" not in request.headers.get("content-type", ""):
+            return await parse_body(request, limit)
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit() or int(declared) > limit:
+            raise BodyTooLarge(limit)
+        form = await request.form(max_files=1, max_fields=64, max_part_size=limit)
+        if "input_reference" in form:
+            raise FieldError("input_reference", "reference images and videos are not supported (text to video)")
+        return {k: v for k, v in form.items() if isinstance(v, str)}
+
+    async def create_video(self, request: Request) -> JSONResponse:
+        body = VideoBody.model_validate(await self._video_fields(request))
+        self._check_model(body.model)
+        width, height = parse_size(body.size, self.info.defaults)
+        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
+        params = self.routes.params_for(self._generate_body(body, width, height, frames, 1, "frames"))
+        timeout_s = body.timeout_s or self.config.limits.request_timeout_s
+
+        async def run(job: VideoJob) -> bytes:
+            await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
+            job.status, job.request_id = "in_progress", uuid.uuid4().hex
+            outcome = await self.routes.submit(params, job.request_id, timeout_s)
+            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors["output"][0], self.info.fps)
+
+        job = self.jobs.create(body.prompt, self.model_id, f"{width}x{height}", seconds_of(frames, self.info.fps), run)
+        return self._job(job)
+
+    def _job(self, job: VideoJob) -> JSONResponse:
+        return JSONResponse(job.describe(self.progress_of), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+    async def retrieve_video(self, video_id: str) -> JSONResponse:
+        return self._job(self.jobs.get(video_id))
+
+    async def list_videos(self, request: Request) -> JSONResponse:
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise FieldError("order", f"must be asc or desc, got {order!r}")
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise FieldError("limit", f"must be an integer within 1..100, got {limit!r}")
+        page, more = self.jobs.listed(q.get("after"), int(limit), order)
+        data = [j.describe(self.progress_of) for j in page]
+        return JSONResponse({"object": "list", "data": data, "has_more": more,
+                             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+    async def delete_video(self, video_id: str) -> JSONResponse:
+        self.jobs.delete(video_id)
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+    async def video_content(self, video_id: str, request: Request) -> Response:
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise FieldError("variant", f"only video (the MP4) is kept, not {variant!r}")
+        job = self.jobs.get(video_id)
+        if job.content is None:
+            raise EngineError(409, "not_ready", f"video job {video_id} is {job.status}, it has no content"
+                              + (f": {job.error['message']}" if job.error else ""), "router", "")
+        return Response(job.content, media_type=media.MP4,
+                        headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+
+
+def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
+    app.add_api_route("/v1/models", api.models, methods=["GET"], summary="The served model (OpenAI-style)")
+    app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
+                      summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
+                      openapi_extra=request_body(ImagesBody), responses=errors(400, 401, 413, 429, 500, 503, 504))
+    app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
+                      summary="Create a video job (OpenAI-style; multipart form or JSON)",
+                      openapi_extra=request_body(VideoBody), responses=errors(400, 401, 413, 429))
+    app.add_api_route("/v1/videos", api.list_videos, methods=["GET"], summary="The video jobs held",
+                      responses=errors(400, 401))
+    app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"],
+                      summary="A video job: status and progress", responses=errors(401, 404))
+    app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"],
+                      summary="Delete a finished video job", responses=errors(401, 404, 409))
+    app.add_api_route("/v1/videos/{video_id}/content", api.video_content, methods=["GET"],
+                      summary="A completed job's MP4", responses=errors(400, 401, 404, 409))
