@@ -160,8 +160,9 @@ class Routes:
         t0 = time.perf_counter()
         outcome = await self.submit(params, rid, body.timeout_s)  # the n samples as one unit
         if body.output_type in MEDIA_TYPES:
+            bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
-                                           self.info.fps, time.perf_counter() - t0, request)
+                                           self.info.fps, time.perf_counter() - t0, request, bare)
         payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - t0,
                                   wants_msgpack(request))
         return encode_response(payload, request)

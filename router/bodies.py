@@ -114,12 +114,12 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
 
 
 def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: str, fps: int, total_s: float,
-                   request: Request) -> Response:
-    """Frames as files (``kind``: png or mp4). One sample: the file itself, its facts in headers; several:
-    the usual answer with each sample's ``output`` a ``{"media_type", "data"}`` (base64 in JSON).
-    CPU-bound (video encoding): call it off the event loop."""
+                   request: Request, bare: bool) -> Response:
+    """Frames as files (``kind``: png or mp4). ``bare`` (one sample, no rollout tensors): the file itself, its
+    facts in headers; else the usual answer with each sample's ``output`` a ``{"media_type", "data"}``
+    (base64 in JSON). CPU-bound (video encoding): call it off the event loop."""
     files = [media.encode(outcome.sample(i).tensors[OUTPUT.name], kind, fps) for i in range(n)]
-    if n == 1:
+    if bare:
         return Response(files[0], media_type=media.MEDIA_TYPES[kind], headers={
             "X-Request-Id": request_id, "X-Seed": str(seed),
             "X-Weight-Version": str(outcome.info.get("weight_version")), "X-Total-Seconds": f"{total_s:.3f}"})

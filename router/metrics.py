@@ -76,12 +76,15 @@ class EngineState:
         up = GaugeMetricFamily("disagg_worker_ready", "1 when a worker is ready", labels=["role", "index"])
         ipc = CounterMetricFamily("disagg_cuda_ipc_tensors", "tensors a worker sent or received as CUDA IPC "
                                   "handles", labels=["role", "index", "direction"])
+        shm_w = CounterMetricFamily("disagg_worker_shm_tensors", "tensors a worker sent or received through "
+                                    "shared memory", labels=["role", "index", "direction"])
         for w in self.workers():
             key = [w["role"], str(w["index"])]
             outstanding.add_metric(key, w["outstanding"])
             up.add_metric(key, 1.0 if w["state"] == "ready" else 0.0)
             for direction in ("sent", "received"):
                 ipc.add_metric([*key, direction], w["cuda_ipc"][direction])
+                shm_w.add_metric([*key, direction], w["shm"][direction])
         restarts = CounterMetricFamily("disagg_worker_restarts", "processes of a worker that died",
                                        labels=["role", "index"])
         for (role, index), count in self.restarts().items():
@@ -98,7 +101,7 @@ class EngineState:
                                   "shared memory", labels=["direction"])
         for direction, count in self.shm().items():
             shm.add_metric([direction], count)
-        yield from (outstanding, up, ipc, restarts, jobs, weights, adapters, shm)
+        yield from (outstanding, up, ipc, shm_w, restarts, jobs, weights, adapters, shm)
 
 
 class RequestMetrics(BaseHTTPMiddleware):

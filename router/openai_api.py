@@ -24,7 +24,7 @@ from router.bodies import BodyTooLarge, parse_body
 from router.errors import EngineError
 from router.jobs import JobTable, VideoJob, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
-from router.openapi import errors, request_body
+from router.openapi import LIST_QUERY, VIDEO_ID_PATH, errors, request_body
 from router.schemas import FieldError, GenerateBody
 
 POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
@@ -120,8 +120,9 @@ class OpenAIRoutes:
     def _job(self, job: VideoJob) -> JSONResponse:
         return JSONResponse(job.describe(self.progress_of), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
-    async def retrieve_video(self, video_id: str) -> JSONResponse:
-        return self._job(self.jobs.get(video_id))
+    # Path parameters are read by hand, like the bodies: a bad one is the router's 400, never FastAPI's 422.
+    async def retrieve_video(self, request: Request) -> JSONResponse:
+        return self._job(self.jobs.get(request.path_params["video_id"]))
 
     async def list_videos(self, request: Request) -> JSONResponse:
         q = request.query_params
@@ -136,11 +137,13 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": data, "has_more": more,
                              "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
-    async def delete_video(self, video_id: str) -> JSONResponse:
+    async def delete_video(self, request: Request) -> JSONResponse:
+        video_id = request.path_params["video_id"]
         self.jobs.delete(video_id)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
-    async def video_content(self, video_id: str, request: Request) -> Response:
+    async def video_content(self, request: Request) -> Response:
+        video_id = request.path_params["video_id"]
         variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise FieldError("variant", f"only video (the MP4) is kept, not {variant!r}")
@@ -161,10 +164,13 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
                       summary="Create a video job (OpenAI-style; multipart form or JSON)",
                       openapi_extra=request_body(VideoBody), responses=errors(400, 401, 413, 429))
     app.add_api_route("/v1/videos", api.list_videos, methods=["GET"], summary="The video jobs held",
-                      responses=errors(400, 401))
-    app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"],
+                      openapi_extra=LIST_QUERY, responses=errors(400, 401))
+    app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"], openapi_extra=VIDEO_ID_PATH,
                       summary="A video job: status and progress", responses=errors(401, 404))
-    app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"],
+    app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"], openapi_extra=VIDEO_ID_PATH,
                       summary="Delete a finished video job", responses=errors(401, 404, 409))
     app.add_api_route("/v1/videos/{video_id}/content", api.video_content, methods=["GET"],
+                      openapi_extra={"parameters": [*VIDEO_ID_PATH["parameters"], {
+                          "name": "variant", "in": "query", "required": False,
+                          "schema": {"type": "string", "enum": ["video"]}}]},
                       summary="A completed job's MP4", responses=errors(400, 401, 404, 409))

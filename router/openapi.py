@@ -46,6 +46,14 @@ MODULE_QUERY = {"parameters": [{
     "schema": {"type": "string", "enum": list(EXPERT_NAMES), "default": EXPERT_NAMES[0]},
 }]}
 
+VIDEO_ID_PATH = {"parameters": [{"name": "video_id", "in": "path", "required": True, "description": "the job's id",
+                                 "schema": {"type": "string"}}]}
+LIST_QUERY = {"parameters": [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    {"name": "order", "in": "query", "required": False, "schema": {"type": "string", "enum": ["asc", "desc"]}},
+]}
+
 
 def errors(*statuses: int) -> dict:
     """``responses`` entries for the errors an endpoint can answer, all in the one error shape."""

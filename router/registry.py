@@ -28,6 +28,7 @@ class WorkerState:
     outstanding: int = 0
     dead_pids: set[int] = field(default_factory=set)
     cuda_ipc: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
+    shm: dict[str, int] = field(default_factory=lambda: {"sent": 0, "received": 0})
     new_process: bool = False  # a process replaced the one before it and has not been synced yet
     syncing: bool = False  # the router is giving a new process what the old one held (LoRA adapters)
     # What a restarted denoise worker lacks that only the trainer's memory held (an expert's weights, "lora:"
@@ -78,6 +79,7 @@ class WorkerRegistry:
             w.new_process = True
         w.state, w.pid, w.last_seen = hb.state, hb.pid, self._clock()
         w.cuda_ipc = {"sent": hb.cuda_ipc_sent, "received": hb.cuda_ipc_received}
+        w.shm = {"sent": hb.shm_sent, "received": hb.shm_received}
         return replaced
 
     def lacks(self, role: str, index: int, items: set[str]) -> None:
@@ -156,4 +158,5 @@ class WorkerRegistry:
             "missing": sorted(w.missing),
             "seconds_since_heartbeat": None if w.last_seen is None else round(now - w.last_seen, 3),
             "cuda_ipc": dict(w.cuda_ipc),
+            "shm": dict(w.shm),
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -10,7 +12,7 @@ REQ = dict(prompt="a fox in the snow", num_inference_steps=3, guidance_scale=4.0
 
 @pytest.fixture(scope="module")
 def engine(engine_factory):
-    return engine_factory("tiny")
+    return engine_factory("tiny", extra=["--shm-threshold", "1024"])  # the tiny model's tensors use segments too
 
 
 def _scrape(engine) -> dict[tuple[str, tuple], float]:
@@ -56,3 +58,15 @@ def test_engine_state_is_read_at_each_scrape(engine):
     assert {k[1] for k in m if k[0] == "disagg_jobs"} == {(("status", s),) for s in
                                                            ("queued", "in_progress", "completed", "failed")}
     assert ("disagg_router_shm_tensors_total", (("direction", "received"),)) in m
+    # The encoder's prompt embeddings (64 KB on tiny) cross to the denoise worker in shared memory; the
+    # workers' counts come with their heartbeats (every 0.5 s).
+    deadline = time.monotonic() + 10
+
+    def moved_through_shm(m):
+        return (_value(m, "disagg_worker_shm_tensors_total", role="encoder", index="0", direction="sent") >= 1
+                and _value(m, "disagg_worker_shm_tensors_total", role="denoise", index="0", direction="received") >= 1)
+
+    while not moved_through_shm(m):
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "shm" in k[0]}
+        time.sleep(0.2)
+        m = _scrape(engine)

@@ -84,6 +84,8 @@ def test_generate_answers_files(engine):
     assert [s["output"]["media_type"] for s in two["samples"]] == ["video/mp4"] * 2
     first = torch.from_numpy(decode_mp4(files[0])).float() / 255
     assert _psnr(first @ LUMA, ref @ LUMA) >= 30 and files[1] != files[0]  # sample 0 is seed 2
+    roll = engine.http.post("/rollout/generate", json={**BASE, "seed": 2, "output_type": "mp4"}).json()["samples"][0]
+    assert roll["output"]["media_type"] == "video/mp4" and "log_probs" in roll  # a rollout keeps its log-probs
     bad = engine.http.post("/generate", json={**BASE, "output_type": "png"})  # 5 frames do not fit a PNG
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "output_type"
 

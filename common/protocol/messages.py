@@ -310,6 +310,9 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     # Tensors this worker sent and received as CUDA IPC handles since it started (common/transport/cuda_ipc.py).
     cuda_ipc_sent: int = 0
     cuda_ipc_received: int = 0
+    # Tensors it sent and received through shared-memory segments (common/transport/shm.py).
+    shm_sent: int = 0
+    shm_received: int = 0
 
 
 Message = Union[

@@ -99,6 +99,7 @@ class WorkerRuntime:
         sock = connect_push(self.ctx, self.config.router_endpoint, self.security, linger=0, sndhwm=4)
         try:
             while not self._stop.is_set():
+                shm = self.shm.counts()  # read from another thread: plain ints, a heartbeat may lag by one
                 hb = Heartbeat(
                     v=PROTOCOL_VERSION,
                     request_id="",
@@ -111,6 +112,7 @@ class WorkerRuntime:
                     state=self.state,
                     cuda_ipc_sent=self.cuda_ipc.sent,
                     cuda_ipc_received=self.cuda_ipc.received,
+                    shm_sent=shm["sent"], shm_received=shm["received"],
                 )
                 try:
                     sock.send_multipart(encode(hb), flags=zmq.NOBLOCK)

@@ -254,7 +254,8 @@ class ShmContext:
 
     def counts(self) -> dict[str, int]:
         """Tensors this process sent and received through shared memory."""
-        return {"sent": sum(s.sent for s in self._senders.values()),
+        senders = list(self._senders.values())  # one C-level copy: safe while another thread adds a sender
+        return {"sent": sum(s.sent for s in senders),
                 "received": self.receiver.received if self.receiver is not None else 0}
 
     def sender(self, dest: str) -> ShmSender | None:
