@@ -43,3 +43,11 @@ def enable_ulysses(model: torch.nn.Module, degree: int, mesh=None) -> None:
         raise ValueError(f"ulysses degree {degree} must divide the model's {heads} attention heads")
     allow_cpu_ranks()
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))
+
+
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` once its collective finished. diffusers gathers the output with functional collectives, so it is
+    an ``AsyncCollectiveTensor`` until used; a rank that discards it must still wait, or tearing the group
+    down aborts the process."""
+    wait = getattr(t, "wait", None)
+    return wait() if callable(wait) else t
