@@ -36,6 +36,7 @@ def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> N
             out = settled(model(**_inputs(model))[0])
         if rank == 0:
             torch.save(out, out_path)
+        dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
 
@@ -69,40 +70,55 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
             enable_ulysses(model, 2)
         except ValueError as e:
             open(why_path, "w").write(str(e))
+        dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
 
 
-def _leader_and_follower(rank: int, world: int, rendezvous: str, out_path: str) -> None:
-    from common.wan.context_parallel import enable_ulysses
-    from denoise_worker.parallel_forward import ParallelForward, follow
+def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_path: str) -> None:
+    from denoise_worker.parallel_forward import ParallelForward, ParallelLayout, follow
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
+        layout = ParallelLayout.create(cfg, world // cfg)
         model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny") / "transformer").eval()
-        enable_ulysses(model, world)
+        layout.prepare(model)
         experts = {"transformer": model}
         if rank:
-            assert follow(experts) == 2
-            return
-        run = ParallelForward(experts)
-        inputs = _inputs(model)
-        with torch.no_grad():
-            outs = [run("transformer", inputs["hidden_states"], inputs["timestep"] - k,
-                        inputs["encoder_hidden_states"]) for k in range(2)]
-        run.stop()
-        torch.save(torch.stack(outs), out_path)
+            follow(experts, layout)
+        else:
+            run = ParallelForward(experts, layout)
+            with torch.no_grad():
+                outs = [run("transformer", **_call(model, k)) for k in range(3)]
+            run.stop()
+            torch.save(outs, out_path)
+        dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
 
 
-def test_the_leader_hands_each_forward_to_its_follower(tmp_path):
-    """Only the leader has the inputs; the follower gets them over the group, and both run diffusers' Ulysses."""
+def _call(model, k: int) -> dict:
+    """Forward k: 4 rows, the first ``cond_rows`` conditional; k = 2 has no unconditional rows."""
+    g = torch.Generator().manual_seed(10 + k)
+    x = torch.randn(4, model.config.in_channels, 2, 8, 8, generator=g)
+    text = torch.randn(4, 512, model.config.text_dim, generator=g)
+    return dict(hidden_states=x, timestep=torch.tensor([900.0, 600.0, 900.0, 600.0]) - k,
+                encoder_hidden_states=text, cond_rows=[2, 2, 4][k])
+
+
+@pytest.mark.parametrize("world, cfg", [(2, 1), (2, 2), (4, 2)], ids=["ulysses2", "cfg2", "cfg2-ulysses2"])
+def test_the_leader_hands_each_forward_to_its_followers(world, cfg, tmp_path):
+    """Only the leader has the inputs; the followers get them over the group and run their share: the
+    sequence split by diffusers' Ulysses, the unconditional rows on the second CFG group, or both."""
     model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny") / "transformer").eval()
-    inputs = _inputs(model)
     with torch.no_grad():
-        ref = torch.stack([model(**{**inputs, "timestep": inputs["timestep"] - k})[0] for k in range(2)])
+        refs = []
+        for k in range(3):
+            call = _call(model, k)
+            call.pop("cond_rows")
+            refs.append(model(**call, return_dict=False)[0])
     out_path = str(tmp_path / "out.pt")
-    mp.start_processes(_leader_and_follower, args=(2, str(tmp_path / "rendezvous"), out_path), nprocs=2,
-                       start_method="spawn", join=True)
-    assert (torch.load(out_path) - ref).abs().max().item() <= TOL
+    mp.start_processes(_leader_and_follower, args=(world, str(tmp_path / "rendezvous"), cfg, out_path),
+                       nprocs=world, start_method="spawn", join=True)
+    for out, ref in zip(torch.load(out_path), refs):
+        assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL

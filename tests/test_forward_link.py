@@ -26,22 +26,27 @@ def _rank(rank: int, world: int, rendezvous: str, report: str) -> None:
             for step in range(3):
                 send_call("forward", _tensors(step), expert="transformer", step=step, scales=[1.0, 4.5])
             send_call("stop")
-            return
-        seen = []
-        while True:
-            call, tensors = receive_call()
-            if call.op == "stop":
-                break
-            want = _tensors(call.fields["step"])
-            assert list(tensors) == list(want) and call.fields["expert"] == "transformer"
-            assert call.fields["scales"] == [1.0, 4.5]
-            for name, t in want.items():
-                assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t), name
-            seen.append(call.fields["step"])
-        with open(f"{report}.{rank}", "w") as f:
-            f.write(",".join(map(str, seen)))
+        else:
+            _follow(rank, report)
+        dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
+
+
+def _follow(rank: int, report: str) -> None:
+    seen = []
+    while True:
+        call, tensors = receive_call()
+        if call.op == "stop":
+            break
+        want = _tensors(call.fields["step"])
+        assert list(tensors) == list(want) and call.fields["expert"] == "transformer"
+        assert call.fields["scales"] == [1.0, 4.5]
+        for name, t in want.items():
+            assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t), name
+        seen.append(call.fields["step"])
+    with open(f"{report}.{rank}", "w") as f:
+        f.write(",".join(map(str, seen)))
 
 
 def test_every_follower_gets_each_call_and_its_tensors_in_order(tmp_path):
