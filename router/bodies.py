@@ -32,11 +32,19 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+def check_declared_length(request: Request, limit: int, required: bool = False) -> None:
+    """Refuse a body whose Content-Length exceeds ``limit`` (or is malformed, or missing when ``required``)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        if required:
+            raise BodyTooLarge(limit)
+    elif not declared.isdigit() or int(declared) > limit:
+        raise BodyTooLarge(limit)
+
+
 async def read_limited(request: Request, limit: int) -> bytes:
     """The body, refused before parsing once it is known (or seen) to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise BodyTooLarge(limit)
+    check_declared_length(request, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

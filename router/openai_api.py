@@ -17,10 +17,10 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.protocol.messages import ROLES
+from common.protocol.messages import OUTPUT, ROLES
 from common.wan.tiny_model import SPECS
 from router import media
-from router.bodies import BodyTooLarge, parse_body
+from router.bodies import check_declared_length, parse_body
 from router.errors import EngineError
 from router.jobs import JobTable, VideoJob, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
@@ -82,7 +82,7 @@ class OpenAIRoutes:
         self.dispatcher.admit(params.n)
         outcome = await self.routes.submit(params, uuid.uuid4().hex, body.timeout_s)
         pngs = await asyncio.to_thread(
-            lambda: [media.png_bytes(outcome.sample(i).tensors["output"]) for i in range(params.n)])
+            lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
         return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
                              "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
 
@@ -92,9 +92,7 @@ class OpenAIRoutes:
         limit = self.config.limits.max_body_bytes
         if "multipart/form-data" not in request.headers.get("content-type", ""):
             return await parse_body(request, limit)
-        declared = request.headers.get("content-length")
-        if declared is None or not declared.isdigit() or int(declared) > limit:
-            raise BodyTooLarge(limit)
+        check_declared_length(request, limit, required=True)  # the form parser reads the body itself
         form = await request.form(max_files=1, max_fields=64, max_part_size=limit)
         if "input_reference" in form:
             raise FieldError("input_reference", "reference images and videos are not supported (text to video)")
@@ -112,7 +110,7 @@ class OpenAIRoutes:
             await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
             job.status, job.request_id = "in_progress", uuid.uuid4().hex
             outcome = await self.routes.submit(params, job.request_id, timeout_s)
-            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors["output"][0], self.info.fps)
+            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
 
         job = self.jobs.create(body.prompt, self.model_id, f"{width}x{height}", seconds_of(frames, self.info.fps), run)
         return self._job(job)

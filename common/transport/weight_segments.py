@@ -84,6 +84,11 @@ class WrittenBuckets:
         self._maps, self.names = [], []
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """Which file a name leads to, for telling a rewritten segment from a replaced one."""
+    return st.st_dev, st.st_ino, st.st_size
+
+
 class MappedBuckets:
     """A worker's side: the announced segments as read-only uint8 tensors, checked first.
 
@@ -126,7 +131,7 @@ class MappedBuckets:
                 raise WireError(f"weight bucket {i}: {name} is not a regular file of this user")
             if st.st_size != nbytes:
                 raise WireError(f"weight bucket {i}: {name} holds {st.st_size} bytes, announced {nbytes}")
-            identity = (st.st_dev, st.st_ino, st.st_size)
+            identity = _identity(st)
             old = self._maps.get(name)
             if old is not None and old[0] == identity:
                 return old
@@ -150,7 +155,7 @@ class MappedBuckets:
         for name, (identity, mm) in self._maps.items():
             try:
                 st = os.stat(segment_path(name), follow_symlinks=False)
-                same = (st.st_dev, st.st_ino, st.st_size) == identity
+                same = _identity(st) == identity
             except OSError:
                 same = False
             if not same:

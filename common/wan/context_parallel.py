@@ -22,12 +22,8 @@ import torch.distributed as dist
 
 def allow_cpu_ranks() -> None:
     """Let diffusers place context-parallel ranks on a CPU-only machine (see the module's docstring)."""
-    if torch.accelerator.device_count() == 0 and not getattr(torch.accelerator.device_count, "cpu_ranks", False):
-        def one() -> int:
-            return 1
-
-        one.cpu_ranks = True
-        torch.accelerator.device_count = one
+    if torch.accelerator.device_count() == 0:  # once patched it reports 1: calling again changes nothing
+        torch.accelerator.device_count = lambda: 1
 
 
 def enable_ulysses(model: torch.nn.Module, degree: int, mesh=None) -> None:
