@@ -31,7 +31,7 @@ from pathlib import Path
 
 import uvicorn
 
-from common.config.engine import DTYPE_CHOICES, EngineConfig, Limits
+from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.wan.tiny_model import CACHE_ENV as TINY_CACHE_ENV
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     config = _secured(engine_config(args, model, runtime, weight_roots), args)
     shm_prefix = engine_prefix(config.runtime_dir)
     remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
-    config_path = runtime / "engine.json"
+    config_path = runtime / CONFIG_NAME
     config.save(config_path)
     try:
         _serve(args, config, config_path, sockets, api_key, admin_key)

@@ -1,19 +1,26 @@
-"""One transformer forward run by a denoise worker's ranks together: the leader's call, the followers' loop.
+"""One transformer forward run by a multi-device denoise worker's ranks together: the leader's calls, the
+followers' loop.
 
 The ranks form a mesh of ``cfg`` x ``ulysses`` (:class:`ParallelLayout`). The
-leader (global rank 0) calls :meth:`ParallelForward.__call__` where it would
-call the model; the call and its inputs go to every follower
+leader (global rank 0) is the policy's ``ranks`` (:attr:`WanPolicy.ranks`):
+each forward's :class:`~common.wan.rows.Rows` go to every follower
 (:mod:`common.transport.forward_link`). With CFG parallel (``cfg=2``) the rows
 before ``cond_rows`` (the conditional passes) run on CFG group 0 and the rest
 (the unconditional ones) on group 1, whose first rank sends its output to the
 leader; within a group, diffusers' Ulysses (``ulysses`` ranks,
 :func:`common.wan.context_parallel.enable_ulysses` on the group's sub-mesh)
-splits the sequence and gathers the output. Followers run :func:`follow` until
-the leader's ``stop``.
+splits the sequence and gathers the output. Every rank runs its rows with
+:func:`common.wan.rows.forward_rows`, as a single device does.
+
+What the followers must hold besides the base weights travels on the same link:
+a LoRA adapter before the first forward that uses it (and the keys of those the
+leader dropped, with the next forward), and an expert's weights after each
+weight update.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +28,11 @@ import torch.distributed as dist
 
 from common.transport.forward_link import receive_call, send_call
 from common.wan.context_parallel import enable_ulysses, settled
+from common.wan.lora import LoraAdapter, LoraModule
+from common.wan.policy import WanPolicy
+from common.wan.rows import Rows
 
-FORWARD, STOP = "forward", "stop"
+FORWARD, ADAPTER, WEIGHTS, STOP = "forward", "adapter", "weights", "stop"
 
 
 @dataclass
@@ -52,55 +62,110 @@ class ParallelLayout:
         """The rank that hands its CFG group's output to the leader (group 1's first rank)."""
         return self.cfg_rank == 1 and self.mesh.get_local_rank("ulysses") == 0
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, policy: WanPolicy) -> None:
         """Sequence parallelism over this rank's CFG group, when it has several ranks."""
         if self.ulysses > 1:
-            enable_ulysses(model, self.ulysses, mesh=self.mesh["ring", "ulysses"])
-
-
-def _rows(inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
-    return {k: v[start:stop] for k, v in inputs.items()}
+            for model in policy.experts.values():
+                enable_ulysses(model, self.ulysses, mesh=self.mesh["ring", "ulysses"])
 
 
 class ParallelForward:
     """The leader's side: each call runs on every rank of the layout."""
 
-    def __init__(self, experts: dict[str, torch.nn.Module], layout: ParallelLayout):
-        self.experts, self.layout = experts, layout
+    def __init__(self, policy: WanPolicy, layout: ParallelLayout):
+        self.policy, self.layout = policy, layout
+        self.cfg = layout.cfg
+        self._keys: weakref.WeakKeyDictionary[LoraAdapter, int] = weakref.WeakKeyDictionary()
+        self._next_key = 0
+        self._dropped: list[int] = []  # adapters gone here, to be dropped by the followers with the next call
 
-    def __call__(self, expert: str, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor, cond_rows: int | None = None) -> torch.Tensor:
-        """The model's output for every row. ``cond_rows``: with CFG parallel, the rows before it run on group 0
-        and the rest on group 1 (None: all on group 0)."""
-        inputs = {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": encoder_hidden_states}
-        n = hidden_states.shape[0]
-        split = n if self.layout.cfg == 1 or cond_rows is None else cond_rows
-        send_call(FORWARD, inputs, expert=expert, split=split)
-        model = self.experts[expert]
-        mine = settled(model(**_rows(inputs, 0, split), return_dict=False)[0])
-        if split == n:
+    def __call__(self, expert: str, rows: Rows) -> torch.Tensor:
+        """The model's output for every row of ``rows``."""
+        loras = [None if lo is None else [self._key(lo[0]), lo[1]] for lo in rows.loras]
+        split = rows.n if self.cfg == 1 else rows.cond_rows
+        inputs = {"hidden_states": rows.hidden_states, "timestep": rows.timestep, "texts": rows.texts}
+        dropped = self._dropped[:]
+        self._dropped.clear()  # (not a new list: the finalizers append to this one)
+        send_call(FORWARD, inputs, expert=expert, text_of=rows.text_of, loras=loras, split=split, dropped=dropped)
+        mine = settled(self.policy.local(expert, rows, 0, split))
+        if split == rows.n:
             return mine
-        theirs = torch.empty((n - split, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+        theirs = torch.empty((rows.n - split, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
         dist.recv(theirs, src=self.layout.mesh.mesh[1, 0, 0].item())
         return torch.cat([mine, theirs])
+
+    def _key(self, adapter: LoraAdapter) -> int:
+        """The followers' key for ``adapter``, sending it to them the first time."""
+        key = self._keys.get(adapter)
+        if key is None:
+            key, self._next_key = self._next_key, self._next_key + 1
+            names, tensors = [], {}
+            for expert, modules in adapter.experts.items():
+                for path, m in modules.items():
+                    i = len(names)
+                    names.append([expert, path, m.scaling, m.dense is not None])
+                    tensors.update({f"{i}.a": m.a, f"{i}.b": m.b, **({f"{i}.dense": m.dense} if m.dense is not None
+                                                                    else {})})
+            send_call(ADAPTER, tensors, key=key, name=adapter.name, version=adapter.version, sha256=adapter.sha256,
+                      modules=names)
+            self._keys[adapter] = key
+            weakref.finalize(adapter, self._dropped.append, key)
+        return key
+
+    def share_weights(self, expert: str) -> None:
+        """After a weight update on the leader: the same weights on every follower."""
+        send_call(WEIGHTS, expert=expert)
+        for t in self.policy.experts[expert].state_dict().values():
+            dist.broadcast(t, src=0)
 
     def stop(self) -> None:
         send_call(STOP)
 
 
-@torch.no_grad()
-def follow(experts: dict[str, torch.nn.Module], layout: ParallelLayout, device: torch.device | str = "cpu") -> int:
-    """A follower's loop: run its share of each forward the leader sends until it says stop; how many it ran."""
-    ran = 0
-    while True:
-        call, inputs = receive_call(device)
-        if call.op == STOP:
-            return ran
-        split, n = call.fields["split"], inputs["hidden_states"].shape[0]
-        start, stop = (0, split) if layout.cfg_rank == 0 else (split, n)
+class Follower:
+    """A follower's side: runs its share of each call until the leader says stop."""
+
+    def __init__(self, policy: WanPolicy, layout: ParallelLayout, device: torch.device):
+        self.policy, self.layout, self.device = policy, layout, device
+        self.adapters: dict[int, LoraAdapter] = {}
+        self.forwards = 0
+
+    @torch.no_grad()
+    def run(self) -> int:
+        """The loop; returns how many forwards this rank took part in."""
+        while True:
+            call, tensors = receive_call(self.device)
+            if call.op == STOP:
+                return self.forwards
+            if call.op == FORWARD:
+                self._forward(call.fields, tensors)
+            elif call.op == ADAPTER:
+                self._adapter(call.fields, tensors)
+            elif call.op == WEIGHTS:
+                for t in self.policy.experts[call.fields["expert"]].state_dict().values():
+                    dist.broadcast(t, src=0)
+            else:
+                raise RuntimeError(f"unknown call {call.op!r} from the leader")
+
+    def _forward(self, f: dict, tensors: dict[str, torch.Tensor]) -> None:
+        for key in f["dropped"]:
+            self.adapters.pop(key, None)
+        loras = [None if lo is None else (self.adapters[lo[0]], lo[1]) for lo in f["loras"]]
+        rows = Rows(tensors["hidden_states"], tensors["timestep"], tensors["texts"], f["text_of"], loras,
+                    f["split"])
+        start, stop = (0, f["split"]) if self.layout.cfg_rank == 0 else (f["split"], rows.n)
         if start == stop:
-            continue  # nothing for this CFG group (no unconditional rows)
-        out = settled(experts[call.fields["expert"]](**_rows(inputs, start, stop), return_dict=False)[0])
-        if layout.sends_for_group:
+            return  # nothing for this CFG group (no unconditional rows)
+        out = settled(self.policy.local(f["expert"], rows, start, stop))
+        if self.layout.sends_for_group:
             dist.send(out.contiguous(), dst=0)
-        ran += 1
+        self.forwards += 1
+
+    def _adapter(self, f: dict, tensors: dict[str, torch.Tensor]) -> None:
+        experts: dict[str, dict[str, LoraModule]] = {}
+        for i, (expert, path, scaling, dense) in enumerate(f["modules"]):
+            experts.setdefault(expert, {})[path] = LoraModule(tensors[f"{i}.a"], tensors[f"{i}.b"], scaling,
+                                                              tensors[f"{i}.dense"] if dense else None)
+        adapter = LoraAdapter(f["name"], f["version"], experts, f["sha256"])
+        self.policy.cover(adapter)
+        self.adapters[f["key"]] = adapter

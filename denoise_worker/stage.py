@@ -30,6 +30,8 @@ from common.wan.weights import WeightsError, load_into, read_weights, state_dict
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.joint_step import advance_all
 from denoise_worker.packing import forward_parts
+from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
+from denoise_worker.ranks import FollowerProcesses, join_group
 from denoise_worker.task import DenoiseTask
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
@@ -59,7 +61,16 @@ class DenoiseStage(Stage):
 
     def load(self) -> None:
         self.info = ModelInfo.read(self.config.model)
+        self.followers = None
+        if self.spec.ranks > 1:  # a multi-device worker: the followers load while the leader does
+            self.followers = FollowerProcesses(self.config, self.spec)
+            self.followers.start()
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
+        if self.followers is not None:
+            join_group(self.config, self.spec, 0)
+            layout = ParallelLayout.create(2 if self.spec.cfg_parallel else 1, self.spec.ulysses, self.device.type)
+            layout.prepare(self.policy)
+            self.policy.ranks = ParallelForward(self.policy, layout)
         self.adapters = AdapterTable(self.config, self.policy)
         self.texts = TextTable(self.device, self.policy.dtype)
         self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
@@ -74,6 +85,10 @@ class DenoiseStage(Stage):
 
     def idle(self) -> None:
         self.sync.idle()
+
+    def close(self) -> None:
+        if self.followers is not None:
+            self.followers.stop(self.policy.ranks.stop)
 
     def notices(self) -> list[Forward]:
         out, self._notices = self._notices, []
@@ -151,6 +166,8 @@ class DenoiseStage(Stage):
         try:
             velocities = self.batched_velocity([a.task for a in batch])
         except Exception as e:  # a failed forward fails the requests that were in it, nothing else
+            if self.followers is not None:  # ... except on several ranks, whose collectives it left undone
+                self.followers.abandon(f"a forward failed: {type(e).__name__}: {e}")
             return done + [self._leave(a, e) for a in batch]
         samples = sum(a.task.n for a in batch)
         now = time.perf_counter()
@@ -217,6 +234,8 @@ class DenoiseStage(Stage):
             self._load_weights(module, msg.path)
         else:
             self.sync.load(module, msg)
+        if self.policy.ranks is not None:  # the followers' copies follow the leader's
+            self.policy.ranks.share_weights(msg.module)
         self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
         return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
                 "sha256": state_dict_checksum(module) if msg.checksum else None}

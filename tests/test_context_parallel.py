@@ -76,20 +76,21 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
 
 
 def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_path: str) -> None:
-    from denoise_worker.parallel_forward import ParallelForward, ParallelLayout, follow
+    from common.wan.model_info import ModelInfo
+    from common.wan.policy import WanPolicy
+    from denoise_worker.parallel_forward import Follower, ParallelForward, ParallelLayout
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         layout = ParallelLayout.create(cfg, world // cfg)
-        model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny") / "transformer").eval()
-        layout.prepare(model)
-        experts = {"transformer": model}
+        policy = WanPolicy.load(ModelInfo.read(ensure_tiny_model("tiny")), torch.float32, "cpu")
+        layout.prepare(policy)
         if rank:
-            follow(experts, layout)
+            Follower(policy, layout, torch.device("cpu")).run()
         else:
-            run = ParallelForward(experts, layout)
+            run = ParallelForward(policy, layout)
             with torch.no_grad():
-                outs = [run("transformer", **_call(model, k)) for k in range(3)]
+                outs = [run("transformer", _rows(policy.experts["transformer"], k)) for k in range(3)]
             run.stop()
             torch.save(outs, out_path)
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
@@ -104,6 +105,14 @@ def _call(model, k: int) -> dict:
     text = torch.randn(4, 512, model.config.text_dim, generator=g)
     return dict(hidden_states=x, timestep=torch.tensor([900.0, 600.0, 900.0, 600.0]) - k,
                 encoder_hidden_states=text, cond_rows=[2, 2, 4][k])
+
+
+def _rows(model, k: int):
+    from common.wan.rows import Rows
+
+    c = _call(model, k)
+    texts = list(c["encoder_hidden_states"].split(1))
+    return Rows.of(c["hidden_states"], c["timestep"], texts, [None] * 4, c["cond_rows"])
 
 
 @pytest.mark.parametrize("world, cfg", [(2, 1), (2, 2), (4, 2)], ids=["ulysses2", "cfg2", "cfg2-ulysses2"])

@@ -359,3 +359,59 @@ def test_tcp_config_round_trip_keeps_public_keys_only(tmp_path):
     loaded = EngineConfig.load(tmp_path / "engine.json")
     assert loaded == config and loaded.router_endpoint == "tcp://127.0.0.1:40003"
     assert EngineConfig(model="m", workers=[], router_endpoint="", runtime_dir="").transport == "ipc"
+
+
+def test_compact_multi_device_denoise_workers_take_their_share_of_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(topology, "_visible_devices", lambda: [f"cuda:{i}" for i in range(8)])
+    workers = parse_topology("encoder=1,denoise=2:ulysses=2:cfg,decode=1", tmp_path)
+    denoise = [w for w in workers if w.role == "denoise"]
+    assert [w.devices for w in denoise] == [["cuda:1", "cuda:2", "cuda:3", "cuda:4"],
+                                            ["cuda:5", "cuda:6", "cuda:7", "cuda:0"]]
+    assert all(w.device == w.devices[0] and w.ulysses == 2 and w.cfg_parallel and w.ranks == 4 for w in denoise)
+    assert [w.devices for w in workers if w.role != "denoise"] == [[], []]
+
+
+def test_compact_multi_device_on_cpu(tmp_path, no_gpu):
+    (w,) = [w for w in parse_topology("encoder=1,denoise=1:cfg,decode=1", tmp_path) if w.role == "denoise"]
+    assert (w.devices, w.ulysses, w.cfg_parallel, w.ranks) == (["cpu", "cpu"], 1, True, 2)
+
+
+def test_file_multi_device_worker_round_trips(tmp_path):
+    path = tmp_path / "t.json"
+    devices = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    path.write_text(json.dumps({"workers": [{"role": "encoder"}, {"role": "decode"}, {
+        "role": "denoise", "devices": devices, "ulysses": 2, "cfg_parallel": True}]}))
+    (w,) = [w for w in parse_topology(str(path), tmp_path) if w.role == "denoise"]
+    assert (w.device, w.devices, w.ulysses, w.cfg_parallel) == ("cuda:0", devices, 2, True)
+    config = EngineConfig(model="m", workers=[w], router_endpoint="ipc:///x", runtime_dir=str(tmp_path))
+    config.save(tmp_path / "c.json")
+    assert EngineConfig.load(tmp_path / "c.json").workers[0] == w
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ({"role": "denoise", "devices": ["cpu", "cpu", "cpu"], "ulysses": 2}, "3 devices for ulysses 2 x cfg 1"),
+    ({"role": "denoise", "ulysses": 2, "device": "cuda:0"}, "name them for GPUs"),
+    ({"role": "denoise", "devices": ["cuda:0", "cuda:0"], "cfg_parallel": True}, "appears twice"),
+    ({"role": "denoise", "devices": ["cpu", "cuda:1"], "cfg_parallel": True}, "all cpu or all cuda"),
+    ({"role": "denoise", "devices": ["cuda:1", "cuda:2"], "device": "cuda:2", "cfg_parallel": True}, "devices[0]"),
+    ({"role": "denoise", "ulysses": 0}, "ulysses must be an integer"),
+    ({"role": "denoise", "ulysses": True}, "ulysses must be an integer"),
+    ({"role": "denoise", "cfg_parallel": "yes"}, "cfg_parallel must be true or false"),
+    ({"role": "encoder", "ulysses": 2}, "only a denoise worker may own several devices"),
+])
+def test_bad_multi_device_workers(tmp_path, entry, needle):
+    path = tmp_path / "t.json"
+    others = [{"role": r} for r in ("encoder", "denoise", "decode") if r != entry["role"]]
+    path.write_text(json.dumps({"workers": [entry, *others]}))
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        parse_topology(str(path), tmp_path)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("encoder=1:cfg,denoise=1,decode=1", "only denoise workers take options"),
+    ("encoder=1,denoise=1:ulysses=x,decode=1", "unknown option 'ulysses=x'"),
+    ("encoder=1,denoise=1:ring=2,decode=1", "unknown option 'ring=2'"),
+])
+def test_bad_compact_options(tmp_path, spec, needle, no_gpu):
+    with pytest.raises(ValueError, match=needle):
+        parse_topology(spec, tmp_path)

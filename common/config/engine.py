@@ -15,6 +15,7 @@ import torch
 
 from common.protocol.messages import ROLES
 
+CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
 DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,6 +26,15 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str = ""
     threads: int = 0  # 0: share the machine's cores evenly between co-located workers
     host: str = "127.0.0.1"  # the address a tcp endpoint binds to and others connect to (ipc: unused)
+    # A multi-device denoise worker (denoise_worker/ranks.py): the device of every rank, the leader's
+    # (``device``) first; its Ulysses degree; CFG parallel. len(devices) == ulysses * (2 if cfg_parallel else 1).
+    devices: list[str] = []
+    ulysses: int = 1
+    cfg_parallel: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return max(1, len(self.devices))
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,4 +136,5 @@ def default_threads(config: "EngineConfig", spec: WorkerSpec) -> int:
     cores = os.cpu_count() or 1
     if spec.role != "denoise":
         return 1
-    return max(1, cores // max(1, len(config.of_role("denoise"))))
+    ranks = sum(w.ranks for w in config.of_role("denoise"))  # on the CPU, a worker's ranks share its cores
+    return max(1, cores // max(1, ranks))

@@ -3,9 +3,14 @@
 Two forms:
 
 * compact: ``encoder=1,denoise=2,decode=1``; devices round-robin over the
-  visible GPUs, CPU when there are none;
+  visible GPUs, CPU when there are none. A denoise worker over several devices:
+  ``denoise=1:ulysses=2:cfg`` (options after colons: ``ulysses=N``, ``cfg``);
+  each such worker takes ``ulysses * (2 with cfg)`` devices of the round;
 * a YAML or JSON file: ``{"workers": [{"role": "denoise", "device": "cuda:1",
   "threads": 4, "host": "10.0.0.2"}, ...]}`` (or a bare list of such entries).
+  A multi-device denoise worker: ``{"role": "denoise", "devices": ["cuda:0",
+  "cuda:1", "cuda:2", "cuda:3"], "ulysses": 2, "cfg_parallel": true}`` (on the
+  CPU, ``devices`` may be left out: every rank is ``cpu``).
 
 Endpoints depend on the transport: ``ipc://<runtime>/<role>-<index>.sock``
 (the default; one host), or ``tcp://<host>:<free port>`` where ``host`` is the
@@ -27,7 +32,7 @@ import torch
 from common.config.engine import WorkerSpec, validate_workers
 from common.protocol.messages import ROLES
 
-_COMPACT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
+_COMPACT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*((?::[\w=]+)*)\s*$")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 TRANSPORTS = ("ipc", "tcp")
@@ -39,8 +44,24 @@ def _visible_devices() -> list[str]:
     return [f"cuda:{i}" for i in range(n)] or ["cpu"]
 
 
+def _compact_options(role: str, text: str) -> dict:
+    """``:ulysses=2:cfg`` -> the entry keys of a multi-device denoise worker."""
+    out: dict = {}
+    for opt in filter(None, text.split(":")):
+        if role != "denoise":
+            raise ValueError(f"{role}: only denoise workers take options (got {opt!r})")
+        if opt == "cfg":
+            out["cfg_parallel"] = True
+        elif opt.startswith("ulysses=") and opt[len("ulysses="):].isdigit():
+            out["ulysses"] = int(opt[len("ulysses="):])
+        else:
+            raise ValueError(f"denoise: unknown option {opt!r} (ulysses=N or cfg)")
+    return out
+
+
 def _parse_compact(spec: str) -> list[dict]:
     counts: dict[str, int] = {}
+    options: dict[str, dict] = {}
     for part in spec.split(","):
         m = _COMPACT.match(part)
         if not m:
@@ -53,13 +74,45 @@ def _parse_compact(spec: str) -> list[dict]:
         if count < 1 or count > 64:
             raise ValueError(f"{role}={count}: count must be within 1..64")
         counts[role] = count
+        options[role] = _compact_options(role, m.group(3))
     devices = _visible_devices()
     entries, k = [], 0
     for role in ROLES:
+        opts = options.get(role, {})
+        ranks = opts.get("ulysses", 1) * (2 if opts.get("cfg_parallel") else 1)
         for _ in range(counts.get(role, 0)):
-            entries.append({"role": role, "device": devices[k % len(devices)]})
-            k += 1
+            mine = [devices[(k + r) % len(devices)] for r in range(ranks)]
+            entries.append({"role": role, "device": mine[0], **opts, **({"devices": mine} if ranks > 1 else {})})
+            k += ranks
     return entries
+
+
+def _ranks(i: int, e: dict, device: str) -> dict:
+    """A multi-device denoise worker's keys, checked: ``devices`` (the leader's first), ``ulysses``, ``cfg_parallel``."""
+    ulysses, cfg = e.get("ulysses", 1), e.get("cfg_parallel", False)
+    if not isinstance(ulysses, int) or isinstance(ulysses, bool) or not 1 <= ulysses <= 64:
+        raise ValueError(f"worker #{i}: ulysses must be an integer within 1..64")
+    if not isinstance(cfg, bool):
+        raise ValueError(f"worker #{i}: cfg_parallel must be true or false")
+    world = ulysses * (2 if cfg else 1)
+    if "devices" not in e and world == 1:
+        return {}
+    if e["role"] != "denoise":
+        raise ValueError(f"worker #{i}: only a denoise worker may own several devices")
+    devices = e.get("devices", [device] * world if device == "cpu" else None)
+    if not isinstance(devices, list) or not all(isinstance(d, str) and _DEVICE.match(d) for d in devices):
+        raise ValueError(f"worker #{i}: devices must be a list of cpu, cuda or cuda:N (name them for GPUs)")
+    if len(devices) != world:
+        raise ValueError(f"worker #{i}: {len(devices)} devices for ulysses {ulysses} x cfg {2 if cfg else 1} "
+                         f"= {world} ranks")
+    if len({d.split(":")[0] for d in devices}) != 1 or any(d == "cuda" for d in devices) and world > 1:
+        raise ValueError(f"worker #{i}: devices must be all cpu or all cuda:N")
+    cuda = [d for d in devices if d != "cpu"]
+    if len(set(cuda)) != len(cuda):
+        raise ValueError(f"worker #{i}: a GPU appears twice in devices")
+    if "device" in e and e["device"] != devices[0]:
+        raise ValueError(f"worker #{i}: device {e['device']!r} is not devices[0] ({devices[0]!r})")
+    return {"devices": devices, "ulysses": ulysses, "cfg_parallel": cfg}
 
 
 def _parse_file(path: Path) -> list[dict]:
@@ -168,7 +221,7 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or e.get("role") not in ROLES:
             raise ValueError(f"worker #{i}: needs a role among {ROLES}")
-        unknown = set(e) - {"role", "device", "threads", "host"}
+        unknown = set(e) - {"role", "device", "threads", "host", "devices", "ulysses", "cfg_parallel"}
         if unknown:
             raise ValueError(f"worker #{i}: unknown keys {sorted(unknown)}")
         try:
@@ -177,9 +230,11 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
             raise ValueError(f"worker #{i}: {err}") from None
         if transport == "ipc" and not _is_loopback(host):
             raise ValueError(f"worker #{i}: host {host!r} needs --transport tcp (ipc sockets are local files)")
-        device = str(e.get("device", "cpu"))
+        devices = e.get("devices")
+        device = str(e.get("device", devices[0] if isinstance(devices, list) and devices else "cpu"))
         if not _DEVICE.match(device):
             raise ValueError(f"worker #{i}: bad device {device!r} (cpu, cuda or cuda:N)")
+        ranks = _ranks(i, e, device)
         threads = e.get("threads", 0)
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(f"worker #{i}: threads must be a non-negative integer")
@@ -192,7 +247,7 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
             addr = _ipv4(host)
             endpoint = f"tcp://{addr}:{pick_port(addr)}"
         workers.append(WorkerSpec(role=role, index=idx, device=device, endpoint=endpoint, threads=threads,
-                                  host=host))
+                                  host=host, **ranks))
     validate_workers(workers)
     endpoints = [w.endpoint for w in workers]
     if len(set(endpoints)) != len(endpoints):

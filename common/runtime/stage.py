@@ -68,6 +68,9 @@ class Stage:
     def idle(self) -> None:
         """Called when nothing arrived for a while and nothing is held: housekeeping that may wait."""
 
+    def close(self) -> None:
+        """When the worker stops (after its loop): release what ``load`` started."""
+
     def applies_between_steps(self, msg: ControlRequest) -> bool:
         """Whether ``msg`` may apply while requests are in flight; else it waits until none is."""
         return False

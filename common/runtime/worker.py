@@ -252,6 +252,7 @@ class WorkerRuntime:
                 self.step(pull, poller)
         finally:
             self._stop.set()
+            self.stage.close()
             hb.join(timeout=2)
             pull.close()
             for s in self._push.values():

@@ -26,9 +26,10 @@ from diffusers import WanTransformer3DModel
 from common.protocol.messages import ExpertName, SdeType
 from common.wan.lora import LoraAdapter, LoraHooks
 from common.wan.model_info import ModelInfo
+from common.wan.rows import Rows, forward_rows
 from common.wan.sde import Generators, SdeStep, sde_step
 from common.wan import shared_text
-from common.wan.shared_text import SharedText, TextPlan
+from common.wan.shared_text import SharedText
 
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
@@ -69,6 +70,9 @@ class WanPolicy:
         # Read once: a diffusers model's ``dtype`` walks its parameters on every call.
         self.dtypes = {name: model.dtype for name, model in experts.items()}
         self.shared_text: dict[str, SharedText] = {}  # installed by the first batched forward of an expert
+        # A multi-device worker's ranks (denoise_worker/parallel_forward.py): called as ranks(expert, rows),
+        # with ``cfg`` (2: CFG parallel). None: every forward runs on this process.
+        self.ranks = None
 
     def _shared_text(self, name: str) -> SharedText:
         if name not in self.shared_text:
@@ -118,13 +122,36 @@ class WanPolicy:
         model = self.experts[name]
         h = x.latents.to(self.dtypes[name])
         t = x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep
-        with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
-            v = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.cond, x.n), return_dict=False)[0]
-            if x.uncond is not None:
-                v_u = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.uncond, x.n),
-                            return_dict=False)[0]
-                v = v_u + self.guidance_scale(name, x) * (v - v_u)
-        return v
+        if self.ranks is not None:
+            v, v_u = self._passes_on_ranks(name, x, h, t)
+        else:
+            with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
+                v = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.cond, x.n),
+                          return_dict=False)[0]
+                v_u = None if x.uncond is None else model(
+                    hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.uncond, x.n),
+                    return_dict=False)[0]
+        return v if v_u is None else v_u + self.guidance_scale(name, x) * (v - v_u)
+
+    def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):
+        """:meth:`velocity`'s two passes on a multi-device worker's ranks: at once with CFG parallel (each on
+        its group), else one after the other."""
+        cond = Rows.of(h, t, [x.cond] * x.n, [x.lora] * x.n)
+        if x.uncond is None:
+            return self.ranks(name, cond), None
+        if self.ranks.cfg == 2:
+            both = self.ranks(name, Rows.of(torch.cat([h, h]), torch.cat([t, t]), [x.cond] * x.n + [x.uncond] * x.n,
+                                            [x.lora] * (2 * x.n), cond_rows=x.n))
+            return both[: x.n], both[x.n :]
+        return self.ranks(name, cond), self.ranks(name, Rows.of(h, t, [x.uncond] * x.n, [x.lora] * x.n))
+
+    def run(self, name: str, rows: Rows) -> torch.Tensor:
+        """The expert's output for every row: on this process, or on the worker's ranks."""
+        return self.local(name, rows) if self.ranks is None else self.ranks(name, rows)
+
+    def local(self, name: str, rows: Rows, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The expert's output for rows ``start:stop`` on this process (a rank runs its share with it)."""
+        return forward_rows(self.experts[name], self.lora_hooks[name], self._shared_text(name), rows, start, stop)
 
     def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
         """Guided model outputs (one [n, ...] per input) for inputs at (possibly) different timesteps,
@@ -139,19 +166,14 @@ class WanPolicy:
         if len(inputs) == 1 and inputs[0].n == 1:
             return [self.velocity(inputs[0])]
         name = self.expert_for(inputs[0].timestep)
-        model = self.experts[name]
-        blocks = _blocks_by_adapter(inputs)
+        # CFG parallel splits the forward at cond_rows: every conditional row first.
+        blocks = _blocks_by_adapter(inputs, guidance_last=self.ranks is not None and self.ranks.cfg == 2)
         h = torch.cat([inputs[i].latents for i, _ in blocks]).to(self.dtypes[name])
         ts = torch.cat([inputs[i].timestep.float().expand(inputs[i].n) for i, _ in blocks])
         texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
         loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
-        plan = TextPlan.of([(id(t), None if lo is None else (id(lo[0]), lo[1])) for t, lo in zip(texts, loras)],
-                           h.device)
-        # With a plan the model sees each distinct text (and adapter) once: see common/wan/shared_text.py.
-        text = torch.cat(texts if plan is None else [texts[r] for r in plan.first])
-        text_loras = None if plan is None else [loras[r] for r in plan.first]
-        with self.lora_hooks[name].rows(loras, text_loras), self._shared_text(name).active(plan):
-            out = model(hidden_states=h, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+        cond_rows = sum(inputs[i].n for i, uncond in blocks if not uncond)
+        out = self.run(name, Rows.of(h, ts, texts, loras, cond_rows))
         at, start = {}, 0
         for block in blocks:
             at[block] = out[start : start + inputs[block[0]].n]
@@ -171,9 +193,10 @@ def _text_rows(embeds: torch.Tensor, n: int) -> torch.Tensor:
     return embeds if embeds.shape[0] == n else embeds.expand(n, -1, -1)
 
 
-def _blocks_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
+def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) -> list[tuple[int, bool]]:
     """(input, unconditional?) per block of rows of a batched forward: each input's rows together, the
-    inputs of one adapter together, in order of first appearance."""
+    inputs of one adapter together, in order of first appearance. ``guidance_last``: every conditional
+    block before every unconditional one (the split of CFG parallel)."""
     def adapter(x: ModelInput) -> int:
         return id(x.lora[0]) if x.lora is not None else 0
 
@@ -181,6 +204,8 @@ def _blocks_by_adapter(inputs: list[ModelInput]) -> list[tuple[int, bool]]:
     for i, x in enumerate(inputs):
         first.setdefault(adapter(x), i)
     order = sorted(range(len(inputs)), key=lambda i: first[adapter(inputs[i])])
+    if guidance_last:
+        return [(i, False) for i in order] + [(i, True) for i in order if inputs[i].uncond is not None]
     return [(i, uncond) for i in order for uncond in ((False, True) if inputs[i].uncond is not None else (False,))]
 
 

@@ -1,0 +1,74 @@
+"""The rows of one transformer forward, and the forward of some of them on this process.
+
+:class:`Rows` is everything a rank needs to run any share of a batched forward:
+the latents and timesteps of every row, the distinct texts and which one each
+row has, each row's LoRA adapter, and where the conditional rows end (CFG
+parallel runs the rows before ``cond_rows`` on one group of ranks and the rest
+on another). :func:`forward_rows` runs a slice of them: the shared-text plan
+(:mod:`common.wan.shared_text`) and the LoRA rows (:mod:`common.wan.lora`) are
+built for that slice, so a single device and every rank of a multi-device
+worker compute a row the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.wan.lora import LoraAdapter, LoraHooks
+from common.wan.shared_text import SharedText, TextPlan
+
+LoraChoice = tuple[LoraAdapter, float] | None  # (adapter, scale) of a row; None: the base model
+
+
+@dataclass(frozen=True)
+class Rows:
+    hidden_states: torch.Tensor  # [B, C, F', H', W'] in the model's dtype
+    timestep: torch.Tensor  # [B]
+    texts: torch.Tensor  # [U, L, D]: the distinct texts
+    text_of: list[int]  # [B]: which of ``texts`` each row has
+    loras: list[LoraChoice]  # [B]
+    cond_rows: int  # rows [0, cond_rows) are conditional passes, the rest unconditional ones
+
+    @property
+    def n(self) -> int:
+        return self.hidden_states.shape[0]
+
+    @classmethod
+    def of(cls, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[torch.Tensor],
+           loras: list[LoraChoice], cond_rows: int | None = None) -> "Rows":
+        """Rows from one [1, L, D] text tensor per row; the same tensor object on two rows is one text."""
+        index: dict[int, int] = {}
+        distinct: list[torch.Tensor] = []
+        text_of = []
+        for t in texts:
+            if id(t) not in index:
+                index[id(t)] = len(distinct)
+                distinct.append(t)
+            text_of.append(index[id(t)])
+        return cls(hidden_states, timestep, torch.cat(distinct), text_of, loras,
+                   hidden_states.shape[0] if cond_rows is None else cond_rows)
+
+
+def forward_rows(model: torch.nn.Module, hooks: LoraHooks, shared: SharedText, rows: Rows,
+                 start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The model's output for rows ``start:stop`` of ``rows`` (all by default)."""
+    stop = rows.n if stop is None else stop
+    text_of, loras = rows.text_of[start:stop], rows.loras[start:stop]
+    keys = [(t, None if lo is None else (id(lo[0]), lo[1])) for t, lo in zip(text_of, loras)]
+    plan = TextPlan.of(keys, rows.hidden_states.device)
+    # With a plan the model sees each distinct text (and adapter) once: see common/wan/shared_text.py.
+    firsts = range(len(keys)) if plan is None else plan.first
+    text = _pick(rows.texts, [text_of[r] for r in firsts])
+    text_loras = None if plan is None else [loras[r] for r in plan.first]
+    with hooks.rows(loras, text_loras), shared.active(plan):
+        return model(hidden_states=rows.hidden_states[start:stop], timestep=rows.timestep[start:stop],
+                     encoder_hidden_states=text, return_dict=False)[0]
+
+
+def _pick(texts: torch.Tensor, which: list[int]) -> torch.Tensor:
+    """``texts[which]``, a view when ``which`` is one text for every row (a single request's pass)."""
+    if len(set(which)) == 1:
+        return texts[which[0] : which[0] + 1].expand(len(which), -1, -1)
+    return texts[torch.tensor(which, device=texts.device)]
