@@ -149,6 +149,9 @@ class WorkerRegistry:
             "role": w.spec.role,
             "index": w.spec.index,
             "device": w.spec.device,
+            "devices": w.spec.devices or [w.spec.device],  # a multi-device denoise worker: every rank's
+            "ulysses": w.spec.ulysses,
+            "cfg_parallel": w.spec.cfg_parallel,
             "pid": w.pid,
             "endpoint": w.spec.endpoint,
             "socket_type": "PULL",

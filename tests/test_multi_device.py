@@ -254,3 +254,9 @@ def test_a_follower_that_dies_takes_its_worker_down_and_up_whole(refs, tmp_path_
         engine.stop()
     assert not any(pid_alive(p) for p in [new_leader, *new_followers])  # nothing left behind
     assert not _processes_of(engine)
+
+
+def test_health_shows_every_rank(multi):
+    (w,) = [w for w in multi.health()["workers"] if w["role"] == "denoise"]
+    ranks = w["ulysses"] * (2 if w["cfg_parallel"] else 1)
+    assert ranks > 1 and w["devices"] == ["cpu"] * ranks and w["state"] == "ready"
