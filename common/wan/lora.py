@@ -14,12 +14,14 @@ started with, so a request in flight finishes on its version.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from common.wan.opaque import opaque_update
 from common.wan.lora_format import ExpertLora, LoraError, lora_sha256
 
 
@@ -160,6 +162,8 @@ class LoraHooks:
         self.expert, self.model = expert, model
         self.hooked: set[str] = set()
         self.active: dict[int, LoraRows] = {}  # by batch size: the forward's rows, and its distinct text rows
+        # What the hooks test: a compiled graph guards on what it reads, and a dict's keys would be batch sizes.
+        self.applying = False
         self._last: dict[tuple, LoraRows] = {}  # consecutive forwards often have the same rows
 
     def cover(self, adapter: LoraAdapter) -> None:
@@ -170,13 +174,19 @@ class LoraHooks:
                 self.hooked.add(path)
 
     def _hook(self, path: str):
+        # Under torch.compile the deltas are one opaque op (common/wan/opaque.py): traced, each mix of
+        # adapters would be a recompile. The idle check stays in the graph.
+        add = opaque_update(functools.partial(self._add_deltas, path))
+
         def hook(module, args, out):
-            if not self.active:
+            if not self.applying:
                 return None
-            x = args[0]
-            rows = self.active.get(x.shape[0]) or next(iter(self.active.values()))  # a mismatch raises there
-            return rows.add_deltas(self.expert, path, x, out)
+            return add(args[0], out)
         return hook
+
+    def _add_deltas(self, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows = self.active.get(x.shape[0]) or next(iter(self.active.values()))  # a mismatch raises there
+        return rows.add_deltas(self.expert, path, x, out)
 
     def _rows(self, rows: list) -> LoraRows:
         key = tuple(rows)  # adapters hash by identity: a new version is a new key
@@ -197,7 +207,8 @@ class LoraHooks:
         self.active = {len(rows): self._rows(rows)}
         if text_rows is not None:
             self.active[len(text_rows)] = self._rows(text_rows)
+        self.applying = True
         try:
             yield
         finally:
-            self.active = {}
+            self.active, self.applying = {}, False

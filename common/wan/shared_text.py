@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from common.wan.opaque import opaque_like
+
 
 @dataclass(frozen=True)
 class TextPlan:
@@ -75,6 +77,9 @@ class SharedTextAttention:
 
     def __init__(self, shared: SharedText, original):
         self.shared, self.original = shared, original
+        # Under torch.compile the attention per text is one opaque op (common/wan/opaque.py): traced, each
+        # plan's rows would be guards, a recompile per plan. The projections around it stay in the graph.
+        self._attend = opaque_like(self._attend_per_text)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         plan = self.shared.plan
@@ -88,12 +93,16 @@ class SharedTextAttention:
             key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))  # [U, Lk, H, d]
         value = value.unflatten(2, (attn.heads, -1))
+        out = self._attend(query, key, value).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _attend_per_text(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Each text's rows: their queries side by side against that text's keys and values."""
         out = torch.empty_like(query)
         backend = getattr(self.original, "_attention_backend", None)
-        for u, rows in enumerate(plan.rows_of):
+        for u, rows in enumerate(self.shared.plan.rows_of):
             q = query[rows]
             o = dispatch_attention_fn(q.reshape(1, -1, *q.shape[2:]), key[u : u + 1], value[u : u + 1],
                                       attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
             out[rows] = o.reshape(q.shape)
-        out = out.flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+        return out

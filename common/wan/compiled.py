@@ -1,0 +1,136 @@
+"""The Wan experts through ``torch.compile``: compiled in place, warmed up at a latent shape.
+
+:func:`compile_experts` compiles each expert with ``nn.Module.compile``, so every call site
+(``model(hidden_states=..., ...)``) and every hook keeps working. Only the batch dimension is dynamic: a
+latent shape compiles twice (batch 1, which torch always specialises, and any larger batch), whatever the
+batch sizes continuous batching makes, and another latent shape gets graphs of its own (graphs generic in
+every dimension took several times longer to compile on the tiny model).
+
+What a forward reads from Python per request (each row's LoRA adapter, the shared-text plan) is an
+opaque op in the graph (:mod:`common.wan.opaque`), so a new mix of adapters or texts compiles nothing;
+whether a plan or an adapter is active is traced, a guard and a graph each. LoRA hooks added after the
+compile are guarded on too: an adapter that hooks new modules makes the graphs it meets compile once more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from common.wan.policy import WanPolicy
+
+# Graphs of one forward (dynamo counts per code object, every shape together): up to 8 per latent shape, as
+# (batch 1 or larger) x (a shared-text plan or not) x (adapters applying or not); past it dynamo runs that
+# code eagerly (and says so).
+RECOMPILE_LIMIT = 64
+
+
+class CompileError(RuntimeError):
+    """torch.compile cannot be used here, or failed on the experts; they are left eager."""
+
+
+def compile_experts(experts: dict[str, torch.nn.Module], mode: str | None = None, options: dict | None = None,
+                    backend: str | Callable = "inductor", log_recompiles: bool = True) -> None:
+    """Compile every expert in place (``mode``, ``options``, ``backend``: ``torch.compile``'s). Compilation
+    happens at the first forward of each shape: call :func:`warm_up` so that no request pays it.
+    ``log_recompiles``: torch logs each recompile and its reason (``Recompiling function ...``)."""
+    if not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported():
+        raise CompileError(f"torch.compile is not supported by this torch ({torch.__version__}) or Python")
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    # By default dynamo does not guard on module hooks: a LoRA hook added after a compile would be skipped.
+    config.skip_nnmodule_hook_guards = False
+    if log_recompiles:
+        torch._logging.set_logs(recompiles=True)
+    try:
+        for model in experts.values():
+            model.register_forward_pre_hook(_prepare_inputs, with_kwargs=True)
+            model.compile(mode=mode, options=options, backend=backend, dynamic=False)
+    except Exception as e:
+        uncompile(experts)
+        raise CompileError(f"torch.compile refused the experts: {type(e).__name__}: {e}") from e
+
+
+@torch.compiler.disable  # runs before the compiled forward, on the tensors it is given
+def _prepare_inputs(module, args, kwargs):
+    """The batch dimension dynamic (every other one static), and dense strides: dynamo guards on strides,
+    so an expanded text or timestep (a view, stride 0) would be a graph of its own; ``contiguous()`` is not
+    enough, it keeps a size-1 dimension's stride."""
+    def dense(v):
+        if v.stride() != _dense_strides(v.shape):
+            v = v.clone(memory_format=torch.contiguous_format)
+        torch._dynamo.maybe_mark_dynamic(v, 0)
+        return v
+    return args, {k: dense(v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in kwargs.items()}
+
+
+def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def uncompile(experts: dict[str, torch.nn.Module]) -> None:
+    """Back to eager forwards (undoes ``nn.Module.compile``, which sets ``_compiled_call_impl``)."""
+    for model in experts.values():
+        model._compiled_call_impl = None
+
+
+def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tuple[int, ...] | None = None,
+            batch: int = 2) -> dict[str, float]:
+    """Compile each expert for ``latent_shape`` ([C, F', H', W']; by default a policy's default request's)
+    by running it: seconds per expert.
+
+    With a policy, its own forwards: ``velocity`` (one sample, guidance) and, when ``batch`` > 1,
+    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan); with bare experts, one
+    forward of a sample and one of ``batch``. On failure the experts are made eager again and
+    :class:`CompileError` says why.
+    """
+    from common.wan.model_info import MAX_SEQUENCE_LENGTH
+    from common.wan.policy import ModelInput, WanPolicy
+
+    policy = target if isinstance(target, WanPolicy) else None
+    experts = policy.experts if policy is not None else target
+    if latent_shape is None:
+        if policy is None:
+            raise ValueError("warm_up of bare experts needs latent_shape")
+        d = policy.info.defaults
+        latent_shape = policy.info.latent_shape(d["height"], d["width"], d["num_frames"])[1:]
+    seconds = {}
+    for name, model in experts.items():
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        t = torch.tensor(999.0 if name == "transformer" else 0.0, device=device)
+        if policy is not None and policy.expert_for(t) != name:
+            raise ValueError(f"no timestep of this policy takes {name}")
+        g = torch.Generator(device).manual_seed(0)
+        texts = [torch.randn(1, MAX_SEQUENCE_LENGTH, model.config.text_dim, generator=g,
+                             device=device, dtype=dtype) for _ in range(2)]
+
+        def latents(n):
+            return torch.randn(n, *latent_shape, generator=g, device=device, dtype=dtype)
+
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if policy is not None:
+                    policy._shared_text(name)  # its processors now, or their later install would recompile
+                    policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0))
+                    if batch > 1:
+                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0)])
+                else:
+                    for n in (1, batch) if batch > 1 else (1,):
+                        model(hidden_states=latents(n), timestep=t.expand(n),
+                              encoder_hidden_states=torch.cat(texts[:1] * n), return_dict=False)
+        except Exception as e:
+            uncompile(experts)
+            raise CompileError(f"torch.compile failed on {name} at latents {list(latent_shape)}: "
+                               f"{type(e).__name__}: {e}") from e
+        seconds[name] = time.perf_counter() - start
+    return seconds
