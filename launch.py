@@ -110,6 +110,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-spare-bytes", type=int, default=DEFAULT_SPARE_BYTES, metavar="BYTES",
                    help="per process: most bytes of shared-memory segments prepared ahead of time for tensor "
                         f"sizes sent repeatedly (default {DEFAULT_SPARE_BYTES}; 0: none)")
+    p.add_argument("--compile", action="store_true",
+                   help="denoise workers run each expert through torch.compile, warmed up at the model's default "
+                        "request shape before they report ready")
     p.add_argument("--no-cuda-ipc", action="store_true",
                    help="stage CUDA tensors between GPU workers through host memory instead of CUDA IPC")
 
@@ -217,6 +220,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         cuda_ipc=args.transport == "ipc" and not args.no_cuda_ipc,
         weight_roots=weight_roots,
         weight_sync_from_memory=args.weight_sync_from_memory,
+        compile=args.compile,
         limits=Limits(
             max_height=args.max_height,
             max_width=args.max_width,

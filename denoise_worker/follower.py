@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.config.engine import EngineConfig, default_threads, torch_dtype_for
+from common.wan.compiled import compile_experts
 from common.wan.model_info import ModelInfo
 from common.wan.policy import WanPolicy
 from denoise_worker.parallel_forward import Follower, ParallelLayout
@@ -45,6 +46,9 @@ def main() -> None:
     try:
         layout = ParallelLayout.create(2 if spec.cfg_parallel else 1, spec.ulysses, device.type)
         layout.prepare(policy)
+        if config.compile:  # compiled by the leader's warm-up forwards, which reach every rank
+            policy.share_text()
+            compile_experts(policy.experts)
         log.info("rank %d of %d ready on %s", args.rank, spec.ranks, device)
         forwards = Follower(policy, layout, device).run()
         log.info("rank %d stops after %d forwards", args.rank, forwards)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from common.protocol.messages import (
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import receiver_for
 from common.wan import schedulers
+from common.wan.compiled import compile_experts, warm_up
 from common.wan.model_info import ModelInfo
 from common.wan.policy import WanPolicy, uses_guidance
 from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
@@ -37,6 +39,8 @@ from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
 from denoise_worker.weight_sync import WeightSync
 
+
+log = logging.getLogger("disagg.denoise")
 
 PROGRESS_INTERVAL_S = 0.5  # how often a request's step count goes to the router (none for shorter requests)
 # Control operations that take weights from the trainer's memory (off unless --weight-sync-from-memory).
@@ -71,6 +75,8 @@ class DenoiseStage(Stage):
             layout = ParallelLayout.create(2 if self.spec.cfg_parallel else 1, self.spec.ulysses, self.device.type)
             layout.prepare(self.policy)
             self.policy.ranks = ParallelForward(self.policy, layout)
+        if self.config.compile:
+            self._compile()
         self.adapters = AdapterTable(self.config, self.policy)
         self.texts = TextTable(self.device, self.policy.dtype)
         self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
@@ -82,6 +88,14 @@ class DenoiseStage(Stage):
         self.active: list[_Active] = []
         self._seq = itertools.count()
         self._notices: list[Forward] = []
+
+    def _compile(self) -> None:
+        """Every expert through torch.compile, compiled now at the default request's shape (the followers'
+        too: the warm-up's forwards reach them)."""
+        self.policy.share_text()
+        compile_experts(self.policy.experts)
+        seconds = warm_up(self.policy)
+        log.info("compiled %s", ", ".join(f"{name} in {s:.1f}s" for name, s in seconds.items()))
 
     def idle(self) -> None:
         self.sync.idle()
@@ -140,7 +154,7 @@ class DenoiseStage(Stage):
         outs: list[list[torch.Tensor]] = [[] for _ in tasks]
         for part in forward_parts([t.model_input() for t in tasks], self.max_batch):
             inputs = [x for _, x in part]
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the count
                 size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
                              self.max_threads)
             for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):

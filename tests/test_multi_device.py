@@ -260,3 +260,47 @@ def test_health_shows_every_rank(multi):
     (w,) = [w for w in multi.health()["workers"] if w["role"] == "denoise"]
     ranks = w["ulysses"] * (2 if w["cfg_parallel"] else 1)
     assert ranks > 1 and w["devices"] == ["cpu"] * ranks and w["state"] == "ready"
+
+
+COMPILE_TOL = 1e-4  # torch.compile's fused kernels round apart from eager (float32): latents and log-probs
+FRAMES_COMPILE_TOL = 1e-3  # frames: the (eager) VAE decodes those latents, and magnifies their differences ~10x
+
+
+def _recompiles_after_ready(engine: Engine) -> list[str]:
+    text = engine.log_text()
+    ready = text.index("denoise-0 INFO ready on")
+    return [line for line in text[ready:].splitlines() if "Recompiling function" in line]
+
+
+@pytest.mark.parametrize("layout", ["one", "cfg2"])
+def test_compiled_workers_equal_eager_and_compile_once_per_shape(layout, refs, adapter, tmp_path_factory, lora_root):
+    """``--compile``: warmed up at the default shape before ready; then groups of other sizes, requests at
+    different steps and an adapter's rows run without compiling again (a LoRA's first use aside)."""
+    topology = "encoder=1,denoise=1,decode=1" if layout == "one" else _topology(layout)
+    engine = Engine(tmp_path_factory.mktemp("engine"), "tiny", topology,
+                    ["--max-batch-size", "8", "--weight-root", str(lora_root), "--compile"])
+    try:
+        assert "compiled transformer in" in engine.log_text()
+        with EngineClient(engine.url) as c:
+            for n, path, over in [(1, *CASES["serving-latent"]), (3, *CASES["rollout-group"]),
+                                  (2, *CASES["serving-frames"]), (1, *CASES["no-cfg"])]:
+                body = {**BASE, **over, "n": n}
+                got, want = _samples(c, path, body), _samples(refs("tiny"), path, body)
+                tol = FRAMES_COMPILE_TOL if body["output_type"] == "frames" else COMPILE_TOL
+                assert max(_diff(g, w) for g, w in zip(got, want)) <= tol
+            assert not _recompiles_after_ready(engine)
+            c.load_lora_adapter("cmp", str(adapter.path))
+            body = {**BASE, "lora_name": "cmp", "n": 2}
+            refs("tiny").load_lora_adapter("cmp", str(adapter.path))
+            try:
+                seen = []
+                for seed in (1, 2):  # the second time compiles nothing
+                    got = _samples(c, "/generate", {**body, "seed": seed})
+                    want = _samples(refs("tiny"), "/generate", {**body, "seed": seed})
+                    assert max(_diff(g, w) for g, w in zip(got, want)) <= COMPILE_TOL
+                    seen.append(len(_recompiles_after_ready(engine)))
+            finally:
+                refs("tiny").unload_lora_adapter("cmp")
+            assert seen[1] == seen[0]
+    finally:
+        engine.stop()

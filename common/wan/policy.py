@@ -74,6 +74,11 @@ class WanPolicy:
         # with ``cfg`` (2: CFG parallel). None: every forward runs on this process.
         self.ranks = None
 
+    def share_text(self) -> None:
+        """Install the shared-text processors of every expert now (before torch.compile traces them)."""
+        for name in self.experts:
+            self._shared_text(name)
+
     def _shared_text(self, name: str) -> SharedText:
         if name not in self.shared_text:
             self.shared_text[name] = shared_text.install(self.experts[name])
@@ -121,7 +126,9 @@ class WanPolicy:
         name = self.expert_for(x.timestep)
         model = self.experts[name]
         h = x.latents.to(self.dtypes[name])
-        t = x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep
+        # float32 and contiguous, as in batched_velocity: the same values (timesteps are at most 1000, and the
+        # model's time embedding takes floats), and one tensor layout for compiled forwards to guard on.
+        t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float().contiguous()
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
         else:
