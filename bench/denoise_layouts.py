@@ -14,7 +14,8 @@ Rows (each an engine started by this script, ``--dtype`` as the preset says, ``-
 - ``compile``: the same with ``--compile`` (each expert through torch.compile, warmed up at start; the
   compile time shows in the engine's start time, reported apart).
 - ``ulysses2``, ``cfg2``, ``cfg2-ulysses2``: multi-device workers (``denoise=1:ulysses=2`` and so on); on
-  the CPU their ranks share the machine's cores, so the point there is that they work, not speed.
+  the CPU their ranks share the machine's cores (so the point there is that they work, not speed);
+  ``cfg2-compile``: CFG parallel with ``--compile``.
 
 Every engine is started first (one at a time, so that their loads do not compete), then each of
 ``--repeats`` rounds sends the preset's request (latent output, CFG) once to each row in turn, so that the
@@ -49,7 +50,7 @@ PRESETS = {
 }
 LAYOUTS = {"one": ("denoise=1", []), "compile": ("denoise=1", ["--compile"]),
            "ulysses2": ("denoise=1:ulysses=2", []), "cfg2": ("denoise=1:cfg", []),
-           "cfg2-ulysses2": ("denoise=1:ulysses=2:cfg", [])}
+           "cfg2-ulysses2": ("denoise=1:ulysses=2:cfg", []), "cfg2-compile": ("denoise=1:cfg", ["--compile"])}
 ROWS = ["diffusers", *LAYOUTS]
 
 

@@ -1,4 +1,6 @@
-"""A follower rank of a multi-device denoise worker: ``python -m denoise_worker.follower --config F --index N --rank R``.
+"""A follower rank of a multi-device denoise worker.
+
+``python -m denoise_worker.follower --config F --index N --rank R``.
 
 Started by its leader (:mod:`denoise_worker.ranks`), never by hand. It loads
 the same experts on its own device, joins the worker's group, takes its part of
@@ -44,7 +46,7 @@ def main() -> None:
     policy = WanPolicy.load(ModelInfo.read(config.model), torch_dtype_for(device.type, config.dtype), device)
     join_group(config, spec, args.rank)
     try:
-        layout = ParallelLayout.create(2 if spec.cfg_parallel else 1, spec.ulysses, device.type)
+        layout = ParallelLayout.of(spec, device.type)
         layout.prepare(policy)
         if config.compile:  # compiled by the leader's warm-up forwards, which reach every rank
             policy.share_text()

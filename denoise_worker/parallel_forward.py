@@ -1,14 +1,14 @@
 """One transformer forward run by a multi-device denoise worker's ranks together: the leader's calls, the
 followers' loop.
 
-The ranks form a mesh of ``cfg`` x ``ulysses`` (:class:`ParallelLayout`). The
+The ranks form a mesh of ``cfg`` x ``ring`` x ``ulysses`` (:class:`ParallelLayout`). The
 leader (global rank 0) is the policy's ``ranks`` (:attr:`WanPolicy.ranks`):
 each forward's :class:`~common.wan.rows.Rows` go to every follower
 (:mod:`common.transport.forward_link`). With CFG parallel (``cfg=2``) the rows
 before ``cond_rows`` (the conditional passes) run on CFG group 0 and the rest
 (the unconditional ones) on group 1, whose first rank sends its output to the
-leader; within a group, diffusers' Ulysses (``ulysses`` ranks,
-:func:`common.wan.context_parallel.enable_ulysses` on the group's sub-mesh)
+leader; within a group, diffusers' context parallelism (``ring x ulysses`` ranks,
+:func:`common.wan.context_parallel.enable_context_parallel` on the group's sub-mesh)
 splits the sequence and gathers the output. Every rank runs its rows with
 :func:`common.wan.rows.forward_rows`, as a single device does.
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common.transport.forward_link import receive_call, send_call
-from common.wan.context_parallel import enable_ulysses, settled
+from common.wan.context_parallel import enable_context_parallel, settled
 from common.wan.lora import LoraAdapter, LoraModule
 from common.wan.policy import WanPolicy
 from common.wan.rows import Rows
@@ -42,16 +42,23 @@ class ParallelLayout:
     cfg: int
     ulysses: int
     mesh: object  # DeviceMesh ("cfg", "ring", "ulysses")
+    ring: int = 1
 
     @classmethod
-    def create(cls, cfg: int, ulysses: int, device_type: str = "cpu") -> "ParallelLayout":
+    def create(cls, cfg: int, ulysses: int, device_type: str = "cpu", ring: int = 1) -> "ParallelLayout":
         from torch.distributed.device_mesh import init_device_mesh
 
-        if cfg not in (1, 2) or ulysses < 1 or dist.get_world_size() != cfg * ulysses:
-            raise ValueError(f"a layout of cfg {cfg} x ulysses {ulysses} needs {cfg * ulysses} ranks, "
+        world = cfg * ring * ulysses
+        if cfg not in (1, 2) or ulysses < 1 or ring < 1 or dist.get_world_size() != world:
+            raise ValueError(f"a layout of cfg {cfg} x ring {ring} x ulysses {ulysses} needs {world} ranks, "
                              f"the group has {dist.get_world_size()}")
-        mesh = init_device_mesh(device_type, (cfg, 1, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
-        return cls(cfg, ulysses, mesh)
+        mesh = init_device_mesh(device_type, (cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+        return cls(cfg, ulysses, mesh, ring)
+
+    @classmethod
+    def of(cls, spec, device_type: str) -> "ParallelLayout":
+        """The layout a multi-device worker's spec describes (common.config.engine.WorkerSpec)."""
+        return cls.create(2 if spec.cfg_parallel else 1, spec.ulysses, device_type, spec.ring)
 
     @property
     def cfg_rank(self) -> int:
@@ -60,13 +67,13 @@ class ParallelLayout:
     @property
     def sends_for_group(self) -> bool:
         """The rank that hands its CFG group's output to the leader (group 1's first rank)."""
-        return self.cfg_rank == 1 and self.mesh.get_local_rank("ulysses") == 0
+        return self.cfg_rank == 1 and self.mesh.get_local_rank("ring") == 0 and self.mesh.get_local_rank("ulysses") == 0
 
     def prepare(self, policy: WanPolicy) -> None:
         """Sequence parallelism over this rank's CFG group, when it has several ranks."""
-        if self.ulysses > 1:
+        if self.ulysses * self.ring > 1:
             for model in policy.experts.values():
-                enable_ulysses(model, self.ulysses, mesh=self.mesh["ring", "ulysses"])
+                enable_context_parallel(model, self.ulysses, self.ring, mesh=self.mesh["ring", "ulysses"])
 
 
 class ParallelForward:

@@ -72,7 +72,7 @@ class DenoiseStage(Stage):
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)
         if self.followers is not None:
             join_group(self.config, self.spec, 0)
-            layout = ParallelLayout.create(2 if self.spec.cfg_parallel else 1, self.spec.ulysses, self.device.type)
+            layout = ParallelLayout.of(self.spec, self.device.type)
             layout.prepare(self.policy)
             self.policy.ranks = ParallelForward(self.policy, layout)
         if self.config.compile:

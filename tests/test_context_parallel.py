@@ -26,12 +26,12 @@ def _inputs(model: WanTransformer3DModel):
 
 
 def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> None:
-    from common.wan.context_parallel import enable_ulysses, settled
+    from common.wan.context_parallel import enable_context_parallel, settled
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         model = WanTransformer3DModel.from_pretrained(ensure_tiny_model(name) / "transformer").eval()
-        enable_ulysses(model, world)
+        enable_context_parallel(model, world)
         with torch.no_grad():
             out = settled(model(**_inputs(model))[0])
         if rank == 0:
@@ -61,13 +61,13 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused(tmp_path):
 
 
 def _refused(rank: int, rendezvous: str, why_path: str) -> None:
-    from common.wan.context_parallel import enable_ulysses
+    from common.wan.context_parallel import enable_context_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     try:
         model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny-alt") / "transformer")
         try:
-            enable_ulysses(model, 2)
+            enable_context_parallel(model, 2)
         except ValueError as e:
             open(why_path, "w").write(str(e))
         dist.barrier()  # no rank tears the group down while another still has collectives in flight

@@ -45,7 +45,7 @@ def _topology(layout: str) -> str:
 
 def _start(tmp_path_factory, model: str, topology: str, lora_root: Path) -> Engine:
     return Engine(tmp_path_factory.mktemp("engine"), model, topology,
-                  ["--max-batch-size", "8", "--weight-root", str(lora_root)])
+                  ["--max-batch-size", "8", "--weight-root", str(lora_root), "--weight-sync-from-memory"])
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +304,25 @@ def test_compiled_workers_equal_eager_and_compile_once_per_shape(layout, refs, a
             assert seen[1] == seen[0]
     finally:
         engine.stop()
+
+
+def test_weights_and_adapters_from_memory_reach_every_rank(multi, refs, tiny_dir):
+    """Weight sync from the trainer's memory (shared-memory buckets) and an adapter pushed the same way."""
+    model = lf._load_transformer(tiny_dir, "transformer")
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    state, config = lf.lora_state_dict(tiny_dir, rank=4, alpha=8, target_modules=lf.ATTN, seed=8)
+    body = {**BASE, "n": 2, "lora_name": "mem"}
+    try:
+        for c in (multi, refs("tiny")):
+            c.update_weights_from_tensors(model.state_dict())
+            c.update_weights_from_tensors(state, lora={"lora_name": "mem", "rank": 4, "alpha": 8})
+        _assert_same(_samples(multi, "/rollout/generate", body), _samples(refs("tiny"), "/rollout/generate", body))
+        _assert_same(_samples(multi, "/generate", BASE), _samples(refs("tiny"), "/generate", BASE))
+    finally:
+        for c in (multi, refs("tiny")):
+            c.update_weights_from_tensors(original)
+            c.unload_lora_adapter("mem")

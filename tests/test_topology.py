@@ -389,7 +389,9 @@ def test_file_multi_device_worker_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("entry, needle", [
-    ({"role": "denoise", "devices": ["cpu", "cpu", "cpu"], "ulysses": 2}, "3 devices for ulysses 2 x cfg 1"),
+    ({"role": "denoise", "devices": ["cpu", "cpu", "cpu"], "ulysses": 2}, "3 devices for ulysses 2 x ring 1 x cfg 1"),
+    ({"role": "denoise", "ring": 2}, "ring attention needs GPUs"),
+    ({"role": "denoise", "ring": 0, "devices": ["cuda:0"]}, "ring must be an integer"),
     ({"role": "denoise", "ulysses": 2, "device": "cuda:0"}, "name them for GPUs"),
     ({"role": "denoise", "devices": ["cuda:0", "cuda:0"], "cfg_parallel": True}, "appears twice"),
     ({"role": "denoise", "devices": ["cpu", "cuda:1"], "cfg_parallel": True}, "all cpu or all cuda"),
@@ -410,7 +412,8 @@ def test_bad_multi_device_workers(tmp_path, entry, needle):
 @pytest.mark.parametrize("spec, needle", [
     ("encoder=1:cfg,denoise=1,decode=1", "only denoise workers take options"),
     ("encoder=1,denoise=1:ulysses=x,decode=1", "unknown option 'ulysses=x'"),
-    ("encoder=1,denoise=1:ring=2,decode=1", "unknown option 'ring=2'"),
+    ("encoder=1,denoise=1:rings=2,decode=1", "unknown option 'rings=2'"),
+    ("encoder=1,denoise=1:ring=2,decode=1", "ring attention needs GPUs"),
 ])
 def test_bad_compact_options(tmp_path, spec, needle, no_gpu):
     with pytest.raises(ValueError, match=needle):

@@ -27,9 +27,11 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     threads: int = 0  # 0: share the machine's cores evenly between co-located workers
     host: str = "127.0.0.1"  # the address a tcp endpoint binds to and others connect to (ipc: unused)
     # A multi-device denoise worker (denoise_worker/ranks.py): the device of every rank, the leader's
-    # (``device``) first; its Ulysses degree; CFG parallel. len(devices) == ulysses * (2 if cfg_parallel else 1).
+    # (``device``) first; its Ulysses and ring degrees; CFG parallel.
+    # len(devices) == ulysses * ring * (2 if cfg_parallel else 1).
     devices: list[str] = []
     ulysses: int = 1
+    ring: int = 1
     cfg_parallel: bool = False
 
     @property

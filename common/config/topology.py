@@ -4,8 +4,8 @@ Two forms:
 
 * compact: ``encoder=1,denoise=2,decode=1``; devices round-robin over the
   visible GPUs, CPU when there are none. A denoise worker over several devices:
-  ``denoise=1:ulysses=2:cfg`` (options after colons: ``ulysses=N``, ``cfg``);
-  each such worker takes ``ulysses * (2 with cfg)`` devices of the round;
+  ``denoise=1:ulysses=2:cfg`` (options after colons: ``ulysses=N``, ``ring=N``,
+  ``cfg``); each such worker takes ``ulysses * ring * (2 with cfg)`` devices of the round;
 * a YAML or JSON file: ``{"workers": [{"role": "denoise", "device": "cuda:1",
   "threads": 4, "host": "10.0.0.2"}, ...]}`` (or a bare list of such entries).
   A multi-device denoise worker: ``{"role": "denoise", "devices": ["cuda:0",
@@ -52,10 +52,11 @@ def _compact_options(role: str, text: str) -> dict:
             raise ValueError(f"{role}: only denoise workers take options (got {opt!r})")
         if opt == "cfg":
             out["cfg_parallel"] = True
-        elif opt.startswith("ulysses=") and opt[len("ulysses="):].isdigit():
-            out["ulysses"] = int(opt[len("ulysses="):])
+        elif re.fullmatch(r"(ulysses|ring)=\d+", opt):
+            key, value = opt.split("=")
+            out[key] = int(value)
         else:
-            raise ValueError(f"denoise: unknown option {opt!r} (ulysses=N or cfg)")
+            raise ValueError(f"denoise: unknown option {opt!r} (ulysses=N, ring=N or cfg)")
     return out
 
 
@@ -79,7 +80,7 @@ def _parse_compact(spec: str) -> list[dict]:
     entries, k = [], 0
     for role in ROLES:
         opts = options.get(role, {})
-        ranks = opts.get("ulysses", 1) * (2 if opts.get("cfg_parallel") else 1)
+        ranks = opts.get("ulysses", 1) * opts.get("ring", 1) * (2 if opts.get("cfg_parallel") else 1)
         for _ in range(counts.get(role, 0)):
             mine = [devices[(k + r) % len(devices)] for r in range(ranks)]
             entries.append({"role": role, "device": mine[0], **opts, **({"devices": mine} if ranks > 1 else {})})
@@ -88,13 +89,15 @@ def _parse_compact(spec: str) -> list[dict]:
 
 
 def _ranks(i: int, e: dict, device: str) -> dict:
-    """A multi-device denoise worker's keys, checked: ``devices`` (the leader's first), ``ulysses``, ``cfg_parallel``."""
-    ulysses, cfg = e.get("ulysses", 1), e.get("cfg_parallel", False)
-    if not isinstance(ulysses, int) or isinstance(ulysses, bool) or not 1 <= ulysses <= 64:
-        raise ValueError(f"worker #{i}: ulysses must be an integer within 1..64")
+    """A multi-device denoise worker's keys, checked: ``devices`` (the leader's first), ``ulysses``, ``ring``,
+    ``cfg_parallel``."""
+    ulysses, ring, cfg = e.get("ulysses", 1), e.get("ring", 1), e.get("cfg_parallel", False)
+    for key, value in (("ulysses", ulysses), ("ring", ring)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+            raise ValueError(f"worker #{i}: {key} must be an integer within 1..64")
     if not isinstance(cfg, bool):
         raise ValueError(f"worker #{i}: cfg_parallel must be true or false")
-    world = ulysses * (2 if cfg else 1)
+    world = ulysses * ring * (2 if cfg else 1)
     if "devices" not in e and world == 1:
         return {}
     if e["role"] != "denoise":
@@ -103,8 +106,11 @@ def _ranks(i: int, e: dict, device: str) -> dict:
     if not isinstance(devices, list) or not all(isinstance(d, str) and _DEVICE.match(d) for d in devices):
         raise ValueError(f"worker #{i}: devices must be a list of cpu, cuda or cuda:N (name them for GPUs)")
     if len(devices) != world:
-        raise ValueError(f"worker #{i}: {len(devices)} devices for ulysses {ulysses} x cfg {2 if cfg else 1} "
-                         f"= {world} ranks")
+        raise ValueError(f"worker #{i}: {len(devices)} devices for ulysses {ulysses} x ring {ring} x cfg "
+                         f"{2 if cfg else 1} = {world} ranks")
+    if ring > 1 and devices[0] == "cpu":
+        raise ValueError(f"worker #{i}: ring attention needs GPUs (cuDNN attention returns the log-sum-exp it "
+                         "merges by); on CPUs use ulysses")
     if len({d.split(":")[0] for d in devices}) != 1 or any(d == "cuda" for d in devices) and world > 1:
         raise ValueError(f"worker #{i}: devices must be all cpu or all cuda:N")
     cuda = [d for d in devices if d != "cpu"]
@@ -112,7 +118,7 @@ def _ranks(i: int, e: dict, device: str) -> dict:
         raise ValueError(f"worker #{i}: a GPU appears twice in devices")
     if "device" in e and e["device"] != devices[0]:
         raise ValueError(f"worker #{i}: device {e['device']!r} is not devices[0] ({devices[0]!r})")
-    return {"devices": devices, "ulysses": ulysses, "cfg_parallel": cfg}
+    return {"devices": devices, "ulysses": ulysses, "ring": ring, "cfg_parallel": cfg}
 
 
 def _parse_file(path: Path) -> list[dict]:
@@ -221,7 +227,7 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or e.get("role") not in ROLES:
             raise ValueError(f"worker #{i}: needs a role among {ROLES}")
-        unknown = set(e) - {"role", "device", "threads", "host", "devices", "ulysses", "cfg_parallel"}
+        unknown = set(e) - {"role", "device", "threads", "host", "devices", "ulysses", "ring", "cfg_parallel"}
         if unknown:
             raise ValueError(f"worker #{i}: unknown keys {sorted(unknown)}")
         try:
