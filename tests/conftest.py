@@ -16,6 +16,16 @@ from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Heavy tests (several multi-rank engines, minutes each) run in CI (CI=true) or with DISAGG_HEAVY=1."""
+    if os.environ.get("CI") == "true" or os.environ.get("DISAGG_HEAVY") == "1":
+        return
+    skip = pytest.mark.skip(reason="heavy: runs in CI, or here with DISAGG_HEAVY=1")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process runs; a zombie (exited, not yet reaped) counts as gone."""
     try:

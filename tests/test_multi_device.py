@@ -63,7 +63,9 @@ def refs(tmp_path_factory, lora_root):
         e.stop()
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+# One layout in the default suite (both mechanisms at once); the two single ones are heavy.
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=[pytest.mark.heavy] if k != "cfg2-ulysses2" else [])
+                                        for k in LAYOUTS])
 def multi(request, tmp_path_factory, lora_root):
     engine = _start(tmp_path_factory, "tiny", _topology(request.param), lora_root)
     with EngineClient(engine.url) as c:
@@ -171,6 +173,7 @@ OTHER_MODELS = {  # model: (layout, request overrides)
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("model", list(OTHER_MODELS))
 def test_other_models_equal_one_device(model, refs, tmp_path_factory, lora_root):
     layout, over = OTHER_MODELS[model]
@@ -272,7 +275,7 @@ def _recompiles_after_ready(engine: Engine) -> list[str]:
     return [line for line in text[ready:].splitlines() if "Recompiling function" in line]
 
 
-@pytest.mark.parametrize("layout", ["one", "cfg2"])
+@pytest.mark.parametrize("layout", ["one", pytest.param("cfg2", marks=pytest.mark.heavy)])
 def test_compiled_workers_equal_eager_and_compile_once_per_shape(layout, refs, adapter, tmp_path_factory, lora_root):
     """``--compile``: warmed up at the default shape before ready; then groups of other sizes, requests at
     different steps and an adapter's rows run without compiling again (a LoRA's first use aside)."""
