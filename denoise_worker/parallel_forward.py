@@ -82,6 +82,7 @@ class ParallelForward:
     def __init__(self, policy: WanPolicy, layout: ParallelLayout):
         self.policy, self.layout = policy, layout
         self.cfg = layout.cfg
+        self.device = next(iter(policy.experts.values())).device  # every call's header goes there (NCCL: a GPU)
         self._keys: weakref.WeakKeyDictionary[LoraAdapter, int] = weakref.WeakKeyDictionary()
         self._next_key = 0
         self._dropped: list[int] = []  # adapters gone here, to be dropped by the followers with the next call
@@ -93,7 +94,8 @@ class ParallelForward:
         inputs = {"hidden_states": rows.hidden_states, "timestep": rows.timestep, "texts": rows.texts}
         dropped = self._dropped[:]
         self._dropped.clear()  # (not a new list: the finalizers append to this one)
-        send_call(FORWARD, inputs, expert=expert, text_of=rows.text_of, loras=loras, split=split, dropped=dropped)
+        send_call(FORWARD, inputs, device=self.device, expert=expert, text_of=rows.text_of, loras=loras, split=split,
+                  dropped=dropped)
         mine = settled(self.policy.local(expert, rows, 0, split))
         if split == rows.n:
             return mine
@@ -113,20 +115,20 @@ class ParallelForward:
                     names.append([expert, path, m.scaling, m.dense is not None])
                     tensors.update({f"{i}.a": m.a, f"{i}.b": m.b, **({f"{i}.dense": m.dense} if m.dense is not None
                                                                     else {})})
-            send_call(ADAPTER, tensors, key=key, name=adapter.name, version=adapter.version, sha256=adapter.sha256,
-                      modules=names)
+            send_call(ADAPTER, tensors, device=self.device, key=key, name=adapter.name, version=adapter.version,
+                      sha256=adapter.sha256, modules=names)
             self._keys[adapter] = key
             weakref.finalize(adapter, self._dropped.append, key)
         return key
 
     def share_weights(self, expert: str) -> None:
         """After a weight update on the leader: the same weights on every follower."""
-        send_call(WEIGHTS, expert=expert)
+        send_call(WEIGHTS, device=self.device, expert=expert)
         for t in self.policy.experts[expert].state_dict().values():
             dist.broadcast(t, src=0)
 
     def stop(self) -> None:
-        send_call(STOP)
+        send_call(STOP, device=self.device)
 
 
 class Follower:

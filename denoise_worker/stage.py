@@ -67,6 +67,8 @@ class DenoiseStage(Stage):
         self.info = ModelInfo.read(self.config.model)
         self.followers = None
         if self.spec.ranks > 1:  # a multi-device worker: the followers load while the leader does
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL's communicator works on the current device
             self.followers = FollowerProcesses(self.config, self.spec)
             self.followers.start()
         self.policy = WanPolicy.load(self.info, self.dtype, self.device)

@@ -38,8 +38,10 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Call)
 
 
-def send_call(call_op: str, tensors: dict[str, torch.Tensor] | None = None, group=None, **fields) -> None:
-    """On the leader: broadcast one call and its tensors to every follower of ``group``."""
+def send_call(call_op: str, tensors: dict[str, torch.Tensor] | None = None, group=None,
+              device: torch.device | str | None = None, **fields) -> None:
+    """On the leader: broadcast one call and its tensors to every follower of ``group``. ``device``: where the
+    header goes (the group's device: NCCL takes GPU tensors only); by default the first tensor's, else the CPU."""
     tensors = tensors or {}
     metas = []
     for name, t in tensors.items():
@@ -47,7 +49,8 @@ def send_call(call_op: str, tensors: dict[str, torch.Tensor] | None = None, grou
             raise ValueError(f"{name}: dtype {t.dtype} cannot travel")
         metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape)))
     header = _ENCODER.encode(Call(op=call_op, tensors=metas, fields=fields))
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    if device is None:
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     dist.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=device), src=0, group=group)
     dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), src=0, group=group)
     for t in tensors.values():
