@@ -101,14 +101,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     p = PRESETS[args.preset]
-    engines, started_s, calls = {}, {}, {}
+    engines, started_s, calls, failed = {}, {}, {}, {}
     try:
         for row in (r for r in args.rows if r != "diffusers"):
             topology, extra = LAYOUTS[row]
             t = time.perf_counter()
-            engines[row] = EngineProcess(p["model"], f"encoder=1,{topology},decode=1",
-                                         ["--dtype", p["dtype"], "--max-batch-size", "8", *extra],
-                                         ready_timeout_s=3600)
+            try:
+                engines[row] = EngineProcess(p["model"], f"encoder=1,{topology},decode=1",
+                                             ["--dtype", p["dtype"], "--max-batch-size", "8", *extra],
+                                             ready_timeout_s=3600)
+            except (RuntimeError, TimeoutError) as e:  # one layout that cannot start here spoils no other row
+                failed[row] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"{row}: the engine did not start: {failed[row]}", file=sys.stderr)
+                continue
             started_s[row] = time.perf_counter() - t
             calls[row] = lambda req, url=engines[row].url: engine_call(url, req)
             print(f"started {row} in {started_s[row]:.1f}s", file=sys.stderr)
@@ -140,7 +145,9 @@ def main(argv=None) -> dict:
         vs = "" if r["vs_diffusers"] is None else f"{r['vs_diffusers']:.2f}"
         start = "" if r["start_s"] is None else f"{r['start_s']:.1f}"
         print(f"{r['row']:<15}{r['median_s']:>11.3f}{vs:>13}{start:>10}{r['max_abs_diff']:>11.1e}")
-    result = {"preset": args.preset, "config": p, "repeats": args.repeats, "rows": rows}
+    for row, why in failed.items():
+        print(f"{row:<15}did not start: {why}")
+    result = {"preset": args.preset, "config": p, "repeats": args.repeats, "rows": rows, "failed": failed}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
