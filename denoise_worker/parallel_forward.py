@@ -124,11 +124,17 @@ class ParallelForward:
     def share_weights(self, expert: str) -> None:
         """After a weight update on the leader: the same weights on every follower."""
         send_call(WEIGHTS, device=self.device, expert=expert)
-        for t in self.policy.experts[expert].state_dict().values():
-            dist.broadcast(t, src=0)
+        _broadcast_weights(self.policy.experts[expert])
 
     def stop(self) -> None:
         send_call(STOP, device=self.device)
+
+
+def _broadcast_weights(module: torch.nn.Module) -> None:
+    """Every tensor of ``module``'s state dict from the leader into every rank's, in place (the same order on
+    every rank: the same model class and config)."""
+    for t in module.state_dict().values():
+        dist.broadcast(t, src=0)
 
 
 class Follower:
@@ -151,8 +157,7 @@ class Follower:
             elif call.op == ADAPTER:
                 self._adapter(call.fields, tensors)
             elif call.op == WEIGHTS:
-                for t in self.policy.experts[call.fields["expert"]].state_dict().values():
-                    dist.broadcast(t, src=0)
+                _broadcast_weights(self.policy.experts[call.fields["expert"]])
             else:
                 raise RuntimeError(f"unknown call {call.op!r} from the leader")
 

@@ -27,10 +27,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from common.config.engine import CONFIG_NAME, EngineConfig, WorkerSpec
+from common.runtime.supervisor import ROOT, child_env
 
 log = logging.getLogger("disagg.ranks")
 
-ROOT = Path(__file__).resolve().parents[1]
 # A follower waits for the leader's next call for as long as the engine is idle: no practical limit.
 # (A follower that dies is noticed by the watch thread, not by a timeout.)
 GROUP_TIMEOUT = datetime.timedelta(days=7)
@@ -62,16 +62,13 @@ class FollowerProcesses:
 
     def start(self) -> None:
         Path(rendezvous(self.config, self.spec)).unlink(missing_ok=True)  # a file store must start empty
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = child_env()
         config_path = str(Path(self.config.runtime_dir) / CONFIG_NAME)
         for rank in range(1, self.spec.ranks):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "denoise_worker.follower", "--config", config_path,
                  "--index", str(self.spec.index), "--rank", str(rank)], cwd=ROOT, env=env))
         threading.Thread(target=self._watch, name="followers", daemon=True).start()
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_S):

@@ -94,7 +94,6 @@ class DenoiseStage(Stage):
     def _compile(self) -> None:
         """Every expert through torch.compile, compiled now at the default request's shape (the followers'
         too: the warm-up's forwards reach them)."""
-        self.policy.share_text()
         compile_experts(self.policy.experts)
         seconds = warm_up(self.policy)
         log.info("compiled %s", ", ".join(f"{name} in {s:.1f}s" for name, s in seconds.items()))

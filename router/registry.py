@@ -151,6 +151,7 @@ class WorkerRegistry:
             "device": w.spec.device,
             "devices": w.spec.devices or [w.spec.device],  # a multi-device denoise worker: every rank's
             "ulysses": w.spec.ulysses,
+            "ring": w.spec.ring,
             "cfg_parallel": w.spec.cfg_parallel,
             "pid": w.pid,
             "endpoint": w.spec.endpoint,

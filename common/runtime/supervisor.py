@@ -23,6 +23,11 @@ from common.config.engine import EngineConfig, WorkerSpec
 log = logging.getLogger("disagg.supervisor")
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict[str, str]:
+    """The environment a worker process starts with: this one, with the repository first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 POLL_S = 0.1
 QUICK_DEATH_S = 10.0  # a worker that dies this soon after starting is restarted with backoff
 MAX_BACKOFF_S = 30.0
@@ -45,9 +50,8 @@ class Supervisor:
         return [sys.executable, "-m", f"{w.role}_worker", "--config", str(self.config_path), "--index", str(w.index)]
 
     def _spawn(self, w: WorkerSpec) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         key = (w.role, w.index)
-        self.procs[key] = subprocess.Popen(self.command(w), cwd=ROOT, env=env)
+        self.procs[key] = subprocess.Popen(self.command(w), cwd=ROOT, env=child_env())
         self.started_at[key] = time.monotonic()
 
     def start(self) -> None:

@@ -120,7 +120,7 @@ def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tupl
         try:
             with torch.no_grad():
                 if policy is not None:
-                    policy._shared_text(name)  # its processors now, or their later install would recompile
+                    policy.share_text()  # its processors now, or their later install would recompile
                     policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0))
                     if batch > 1:
                         policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0)])

@@ -126,9 +126,9 @@ class WanPolicy:
         name = self.expert_for(x.timestep)
         model = self.experts[name]
         h = x.latents.to(self.dtypes[name])
-        # float32 and contiguous, as in batched_velocity: the same values (timesteps are at most 1000, and the
-        # model's time embedding takes floats), and one tensor layout for compiled forwards to guard on.
-        t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float().contiguous()
+        # float32, as in batched_velocity: the same values (timesteps are at most 1000, and the model's time
+        # embedding takes floats), and one dtype for compiled forwards to guard on.
+        t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float()
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
         else:
