@@ -1,10 +1,13 @@
 """Bring a whole disaggregated topology up: workers as child processes plus the router.
 
     python launch.py [--model DIR|tiny|tiny-alt|tiny-moe] [--topology SPEC] [--host H] [--port P] [--dtype D]
+                     [--ray [ADDRESS]]
 
 Each worker is its own OS process with an ``ipc://`` input socket in a private
 runtime directory; the router (HTTP front door) runs in this process. Ctrl-C
-or SIGTERM stops everything; a child that dies is reported.
+or SIGTERM stops everything; a child that dies is reported. With ``--ray`` the
+workers run on the nodes of a Ray cluster instead (common/placement/), linked by
+tcp + CURVE; the router stays here.
 
 The HTTP port is bound first, so a taken one ends the launcher at once in one
 line; then it says which model it loads and how many workers it starts, and
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import logging
 import os
@@ -56,6 +60,9 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--runtime-dir", default=None, help="where ipc sockets and the config go (default: a fresh temp dir)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the workers on a Ray cluster: 'auto' (the cluster this node belongs to), HOST:PORT, "
+                        "or no value (a local Ray); implies --transport tcp")
 
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
@@ -122,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags):
         add_flags(p)
     args = p.parse_args(argv)
+    if args.ray is not None:
+        args.transport = "tcp"  # the workers' nodes are other machines
     if args.shm_threshold is not None and args.shm_threshold < 0:
         p.error("--shm-threshold must be >= 0")
     if args.shm_spare_bytes < 0:
@@ -190,8 +199,9 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
             log.error("workers not ready within %.0fs; stopping", timeout_s)
             server.should_exit = True
         return
-    rows = [("ROLE", "IDX", "DEVICE", "PID", "ENDPOINT", "STATE")]
-    rows += [(w["role"], str(w["index"]), w["device"], str(w["pid"]), w["endpoint"], w["state"]) for w in body["workers"]]
+    rows = [("ROLE", "IDX", "DEVICE", "PID", "ENDPOINT", "NODE", "STATE")]
+    rows += [(w["role"], str(w["index"]), w["device"], str(w["pid"]), w["endpoint"], w["node"][:12] or "-", w["state"])
+             for w in body["workers"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)) for r in rows)
     print(f"\n{table}\n\ndisagg-diffusion serving {body['model']} at {url}\n", flush=True)
@@ -205,7 +215,8 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             log.warning("--shm-threshold is ignored with --transport %s (shared memory is same-host only)",
                         args.transport)
         shm_threshold = 0
-    pick_port = port_picker()
+    # With --ray the nodes pick the ports (common/placement/); until then each endpoint gets a distinct stand-in.
+    pick_port = port_picker() if args.ray is None else (lambda host, n=itertools.count(1): next(n))
     return EngineConfig(
         model=str(model),
         workers=parse_topology(args.topology, runtime, args.transport, pick_port),
@@ -281,12 +292,41 @@ def _secured(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def _check_placement_keys(config: EngineConfig, ray: bool) -> None:
+    for w in config.workers:
+        if ray and w.host != "127.0.0.1":
+            sys.exit(f"launch.py: error: {w.role} worker {w.index}: with --ray, Ray places the workers; pin one "
+                     "to nodes with 'resources', not 'host'")
+        if not ray and w.resources:
+            sys.exit(f"launch.py: error: {w.role} worker {w.index}: 'resources' are Ray's; they need --ray")
+
+
+def _place_workers(args: argparse.Namespace, config: EngineConfig) -> tuple[EngineConfig, "RayWorkers | None"]:
+    """``config`` secured, and with ``--ray`` placed on the cluster's nodes (then also its Ray workers)."""
+    _check_placement_keys(config, args.ray is not None)
+    if args.ray is None:
+        return _secured(config, args), None
+    from common.placement.ray_workers import RayWorkers
+
+    if args.no_curve:
+        log.warning("--no-curve with --ray: the links between nodes are neither authenticated nor encrypted")
+    ray_workers = RayWorkers(args.ray, args.model, args.ready_timeout)
+    try:
+        return ray_workers.place(config, curve=not args.no_curve), ray_workers
+    except RuntimeError as e:
+        ray_workers.close()
+        sys.exit(f"launch.py: error: {e}")
+
+
 def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, sockets: list[socket.socket],
-           api_key: str | None, admin_key: str | None) -> None:
+           api_key: str | None, admin_key: str | None, ray_workers: "RayWorkers | None") -> None:
     """Start the workers and serve HTTP until a signal (or a failed start) stops the server."""
     dispatcher = Dispatcher(config)
     app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key)
-    supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit)
+    supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit,
+                            spawn=ray_workers.spawn if ray_workers else None)
+    if ray_workers is not None:
+        ray_workers.on_moved = dispatcher.notify_moved  # a worker replaced on another node: tell the others
     server = EngineServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                        timeout_graceful_shutdown=args.grace_period),
@@ -307,6 +347,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, so
         server.run(sockets=sockets)
     finally:
         supervisor.stop()
+        if ray_workers is not None:
+            ray_workers.close()
 
 
 def _clean_up(config: EngineConfig, shm_prefix: str, own_runtime: bool) -> None:
@@ -325,13 +367,13 @@ def main(argv=None) -> int:
     model = _load_model(args.model)
     runtime = _private_runtime_dir(args.runtime_dir)
     _warn_about_keys(args, api_key)
-    config = _secured(engine_config(args, model, runtime, weight_roots), args)
+    config, ray_workers = _place_workers(args, engine_config(args, model, runtime, weight_roots))
     shm_prefix = engine_prefix(config.runtime_dir)
     remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
     config_path = runtime / CONFIG_NAME
     config.save(config_path)
     try:
-        _serve(args, config, config_path, sockets, api_key, admin_key)
+        _serve(args, config, config_path, sockets, api_key, admin_key, ray_workers)
     finally:
         _clean_up(config, shm_prefix, own_runtime=args.runtime_dir is None)
         log.info("stopped: all workers exited")

@@ -27,7 +27,7 @@ from common.config.engine import EngineConfig, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
 from common.protocol.messages import (
     PROTOCOL_VERSION, ROLES, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams, Heartbeat,
-    Progress, Result, Route, StepProgress,
+    PeerMoved, Progress, Result, Route, StepProgress,
 )
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
@@ -97,6 +97,27 @@ class Dispatcher:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.worker_lost, role, index, f"exited with code {returncode}")
 
+    def notify_moved(self, w: WorkerSpec) -> None:
+        """Thread-safe: ``w`` was replaced on another node (``launch.py --ray``); its spec already says where."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._tasks.append(asyncio.create_task(self._moved(w))))
+
+    async def _moved(self, w: WorkerSpec) -> None:
+        name = process_name(w.role, w.index)
+        public_key = self.config.curve_public.get(name, "")
+        self.security.move(name, w.endpoint, public_key)
+        for sock in (self._control.pop((w.role, w.index), None),
+                     self._encoders.pop(w.index, None) if w.role == "encoder" else None):
+            if sock is not None:
+                sock.close(linger=0)
+        if w.role == "encoder":
+            self._encoders[w.index] = connect_push(self._ctx, w.endpoint, self.security, linger=0)
+        moved = PeerMoved(v=PROTOCOL_VERSION, request_id="", role=w.role, index=w.index, endpoint=w.endpoint,
+                          public_key=public_key, node=w.node)
+        for peer in self.config.workers:  # a peer that is down gets it when it is back (the socket queues)
+            if peer is not w:
+                await self._send_control(peer, moved, None)
+
     async def _watch_heartbeats(self) -> None:
         """A worker that stops heartbeating (hung or gone) is treated as lost."""
         while True:
@@ -141,7 +162,7 @@ class Dispatcher:
         return await fan_out(workers, op, fields, self.pending, self._send_control,
                              timeout_s or self.config.limits.request_timeout_s, tensors)
 
-    async def _send_control(self, w: WorkerSpec, msg: ControlRequest, tensors: dict | None) -> None:
+    async def _send_control(self, w: WorkerSpec, msg: ControlRequest | PeerMoved, tensors: dict | None) -> None:
         key = (w.role, w.index)
         sock = self._control.get(key)
         if sock is None:

@@ -155,6 +155,7 @@ class WorkerRegistry:
             "cfg_parallel": w.spec.cfg_parallel,
             "pid": w.pid,
             "endpoint": w.spec.endpoint,
+            "node": w.spec.node,  # the Ray node id (launch.py --ray); empty on one host
             "socket_type": "PULL",
             "state": w.reported_state(now, self.timeout_s),
             "outstanding": w.outstanding,

@@ -15,6 +15,7 @@ LAYERS = {
     "transport": {"protocol", "config", "transport"},
     "wan": {"protocol", "wan"},
     "runtime": {"protocol", "config", "transport", "wan", "runtime"},
+    "placement": {"protocol", "config", "transport", "wan", "runtime", "placement"},  # launch.py --ray
 }
 # Top-level packages and what (besides common) each may import.
 PACKAGES = {

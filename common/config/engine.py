@@ -33,6 +33,10 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     ulysses: int = 1
     ring: int = 1
     cfg_parallel: bool = False
+    # Ray (launch.py --ray, common/ray/): custom resources that pin the worker's bundle to nodes, and the
+    # id of the Ray node it runs on (empty without Ray).
+    resources: dict[str, float] = {}
+    node: str = ""
 
     @property
     def ranks(self) -> int:

@@ -10,7 +10,8 @@ Two forms:
   "threads": 4, "host": "10.0.0.2"}, ...]}`` (or a bare list of such entries).
   A multi-device denoise worker: ``{"role": "denoise", "devices": ["cuda:0",
   "cuda:1", "cuda:2", "cuda:3"], "ulysses": 2, "cfg_parallel": true}`` (on the
-  CPU, ``devices`` may be left out: every rank is ``cpu``).
+  CPU, ``devices`` may be left out: every rank is ``cpu``). With ``launch.py --ray``, an entry may
+  name custom Ray resources that pin it to nodes: ``"resources": {"node_a": 1}``.
 
 Endpoints depend on the transport: ``ipc://<runtime>/<role>-<index>.sock``
 (the default; one host), or ``tcp://<host>:<free port>`` where ``host`` is the
@@ -121,6 +122,21 @@ def _ranks(i: int, e: dict, device: str) -> dict:
     return {"devices": devices, "ulysses": ulysses, "ring": ring, "cfg_parallel": cfg}
 
 
+def _resources(i: int, resources: object) -> dict[str, float]:
+    """Custom Ray resources that pin a worker to nodes (``{"node_a": 1}``); Ray's own CPU/GPU come from the
+    worker's threads and devices."""
+    if not isinstance(resources, dict):
+        raise ValueError(f"worker #{i}: resources must be a mapping of resource name to amount")
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][\w.:-]{0,127}", name):
+            raise ValueError(f"worker #{i}: bad resource name {name!r}")
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"worker #{i}: resource {name!r} comes from threads and devices; name custom ones only")
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not 0 < amount <= 1e6:
+            raise ValueError(f"worker #{i}: resource {name!r} needs a positive amount")
+    return {name: float(amount) for name, amount in resources.items()}
+
+
 def _parse_file(path: Path) -> list[dict]:
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
@@ -227,7 +243,8 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or e.get("role") not in ROLES:
             raise ValueError(f"worker #{i}: needs a role among {ROLES}")
-        unknown = set(e) - {"role", "device", "threads", "host", "devices", "ulysses", "ring", "cfg_parallel"}
+        unknown = set(e) - {"role", "device", "threads", "host", "devices", "ulysses", "ring", "cfg_parallel",
+                            "resources"}
         if unknown:
             raise ValueError(f"worker #{i}: unknown keys {sorted(unknown)}")
         try:
@@ -244,6 +261,7 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
         threads = e.get("threads", 0)
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(f"worker #{i}: threads must be a non-negative integer")
+        resources = _resources(i, e.get("resources", {}))
         role = e["role"]
         idx = next_index[role]
         next_index[role] += 1
@@ -253,7 +271,7 @@ def parse_topology(spec: str, runtime_dir: str | Path, transport: str = "ipc",
             addr = _ipv4(host)
             endpoint = f"tcp://{addr}:{pick_port(addr)}"
         workers.append(WorkerSpec(role=role, index=idx, device=device, endpoint=endpoint, threads=threads,
-                                  host=host, **ranks))
+                                  host=host, resources=resources, **ranks))
     validate_workers(workers)
     endpoints = [w.endpoint for w in workers]
     if len(set(endpoints)) != len(endpoints):

@@ -315,6 +315,18 @@ class Heartbeat(_Header, tag="heartbeat", kw_only=True):
     shm_received: int = 0
 
 
+class PeerMoved(_Header, tag="peer_moved", kw_only=True):
+    """Router -> worker: a worker now runs elsewhere (``launch.py --ray`` replaced it on another node after
+    its node died). Send to it at ``endpoint``; admit its connections by ``public_key`` (z85; empty without
+    CURVE) instead of its old one."""
+
+    role: Literal["encoder", "denoise", "decode"]
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    endpoint: Annotated[str, msgspec.Meta(pattern=r"^tcp://[0-9.]+:[0-9]{1,5}$")]
+    public_key: Annotated[str, msgspec.Meta(pattern=r"^([0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$")]
+    node: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
 Message = Union[
     EncodeRequest,
     DenoiseRequest,
@@ -326,5 +338,6 @@ Message = Union[
     ControlReply,
     Progress,
     StepProgress,
+    PeerMoved,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

@@ -4,6 +4,10 @@ A restarted worker binds the same endpoint, so its peers' sockets reconnect
 by themselves. ``on_exit`` is told at once (from the watch thread) so the
 router can fail the requests that died with the process instead of waiting
 for a timeout.
+
+Processes are local children by default; ``spawn`` starts them elsewhere
+(``launch.py --ray``: on Ray nodes) and returns anything with the part of
+:class:`subprocess.Popen` used here (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from common.config.engine import EngineConfig, WorkerSpec
 
@@ -28,6 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def child_env() -> dict[str, str]:
     """The environment a worker process starts with: this one, with the repository first on PYTHONPATH."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def worker_command(config_path: str | Path, w: WorkerSpec) -> list[str]:
+    return [sys.executable, "-m", f"{w.role}_worker", "--config", str(config_path), "--index", str(w.index)]
+
+
+def start_local(config_path: str | Path, w: WorkerSpec) -> subprocess.Popen:
+    return subprocess.Popen(worker_command(config_path, w), cwd=ROOT, env=child_env())
+
+
 POLL_S = 0.1
 QUICK_DEATH_S = 10.0  # a worker that dies this soon after starting is restarted with backoff
 MAX_BACKOFF_S = 30.0
@@ -35,23 +49,22 @@ MAX_BACKOFF_S = 30.0
 
 class Supervisor:
     def __init__(self, config: EngineConfig, config_path: Path, restart: bool = True,
-                 on_exit: Callable[[str, int, int | None], None] | None = None):
+                 on_exit: Callable[[str, int, int | None], None] | None = None,
+                 spawn: Callable[[WorkerSpec], Any] | None = None):
         self.config, self.config_path = config, config_path
         self.restart = restart
         self.on_exit = on_exit
-        self.procs: dict[tuple[str, int], subprocess.Popen] = {}
+        self.spawn = spawn or (lambda w: start_local(config_path, w))
+        self.procs: dict[tuple[str, int], Any] = {}
         self.started_at: dict[tuple[str, int], float] = {}
         self.restarts: dict[tuple[str, int], int] = {}
         self._backoff: dict[tuple[str, int], float] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()
 
-    def command(self, w: WorkerSpec) -> list[str]:
-        return [sys.executable, "-m", f"{w.role}_worker", "--config", str(self.config_path), "--index", str(w.index)]
-
     def _spawn(self, w: WorkerSpec) -> None:
         key = (w.role, w.index)
-        self.procs[key] = subprocess.Popen(self.command(w), cwd=ROOT, env=child_env())
+        self.procs[key] = self.spawn(w)
         self.started_at[key] = time.monotonic()
 
     def start(self) -> None:
@@ -82,8 +95,14 @@ class Supervisor:
                         due[key] = time.monotonic() + backoff
                     if key in due and time.monotonic() >= due[key] and not self.stopping.is_set():
                         del due[key]
+                        try:
+                            self._spawn(w)
+                        except Exception as e:  # e.g. no Ray node has the worker's resources yet: try again
+                            log.error("could not restart %s worker %d: %s", *key, e)
+                            self._backoff[key] = min(MAX_BACKOFF_S, self._backoff.get(key, 0.5) * 2)
+                            due[key] = time.monotonic() + self._backoff[key]
+                            continue
                         self.restarts[key] = self.restarts.get(key, 0) + 1
-                        self._spawn(w)
                         log.warning("restarted %s worker %d as pid %d", *key, self.procs[key].pid)
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -31,6 +31,7 @@ from common.protocol.messages import (
     ControlRequest,
     ErrorReply,
     Heartbeat,
+    PeerMoved,
     Progress,
 )
 from common.runtime.stage import Forward, Stage
@@ -135,6 +136,9 @@ class WorkerRuntime:
                 self.reply_error(e.request_id, e, status=400)
             return
         expected = REQUEST_KINDS[self.stage.role]
+        if isinstance(msg, PeerMoved):
+            self.move_peer(msg)
+            return
         if isinstance(msg, ControlRequest):
             if self.stage.applies_between_steps(msg):
                 self.handle_control(msg, tensors)  # here, between two steps of the stage's work
@@ -177,6 +181,20 @@ class WorkerRuntime:
         except Exception as e:
             log.exception("request %s failed in %s: could not send it on", msg.request_id, self.stage.role)
             self.reply_error(msg.request_id, e)
+
+    def move_peer(self, msg: PeerMoved) -> None:
+        """Another worker was replaced elsewhere: send to it there (a fresh socket), admit its new key."""
+        try:
+            peer = self.config.worker(msg.role, msg.index)
+        except KeyError:
+            log.warning("dropped peer_moved for %s worker %d: not in this topology", msg.role, msg.index)
+            return
+        old = self._push.pop(peer.endpoint, None)
+        if old is not None:
+            old.close(linger=0)  # what it still queued was for the dead process
+        peer.endpoint, peer.host, peer.node = msg.endpoint, msg.endpoint[6:].rsplit(":", 1)[0], msg.node
+        self.security.move(process_name(msg.role, msg.index), msg.endpoint, msg.public_key)
+        log.info("%s worker %d moved to %s", msg.role, msg.index, msg.endpoint)
 
     def handle_control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> None:
         try:

@@ -85,24 +85,35 @@ def provision_curve(config: EngineConfig) -> EngineConfig:
     files 0600); only their paths enter the config. Keys from an earlier run
     in the same runtime directory are discarded.
     """
-    if not zmq.has("curve"):
-        raise SecurityError("this libzmq has no CURVE support; use --no-curve on loopback only, or --transport ipc")
     if config.transport != "tcp":
         raise SecurityError(f"CURVE is for tcp topologies, not {config.transport!r}")
-    directory = key_dir(config)
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(mode=0o700, parents=True)
-    os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+    directory = fresh_key_dir(key_dir(config))
     names = [ROUTER, *(process_name(w.role, w.index) for w in config.workers)]
     public: dict[str, str] = {}
     files: dict[str, str] = {}
     for name in names:
-        pub, sec = zmq.curve_keypair()
-        path = directory / f"{name}{SECRET_SUFFIX}"
-        _write_secret_file(path, pub, sec)
-        public[name] = pub.decode("ascii")
-        files[name] = str(path)
+        public[name], files[name] = new_key_pair(directory, name)
     return msgspec.structs.replace(config, curve_public=public, curve_secret_files=files)
+
+
+def fresh_key_dir(directory: Path) -> Path:
+    """An empty 0700 directory for secret key files (keys of an earlier run there are discarded)."""
+    if not zmq.has("curve"):
+        raise SecurityError("this libzmq has no CURVE support; use --no-curve on loopback only, or --transport ipc")
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700, parents=True)
+    os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+    return directory
+
+
+def new_key_pair(directory: Path, name: str) -> tuple[str, str]:
+    """A fresh key pair for process ``name``: the secret goes into a 0600 file in ``directory``; returns
+    (z85 public key, the file's path). Where the process runs elsewhere (``launch.py --ray``), its own
+    node calls this, so the secret never leaves that node."""
+    pub, sec = zmq.curve_keypair()
+    path = directory / f"{name}{SECRET_SUFFIX}"
+    _write_secret_file(path, pub, sec)
+    return pub.decode("ascii"), str(path)
 
 
 def remove_secrets(config: EngineConfig) -> None:
@@ -173,6 +184,7 @@ class Security:
         self.keypair = keypair  # (public, secret); None without CURVE
         self._auth: list[ThreadAuthenticator] = []
         self._auth_ctx: set[int] = set()
+        self._allow: list[_AllowList] = []
 
     @classmethod
     def load(cls, config: EngineConfig, name: str) -> "Security":
@@ -211,10 +223,21 @@ class Security:
             return
         auth = _Authenticator(ctx, log=logging.getLogger("disagg.security.zap"))
         auth.start()
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowList(set(self.public.values()),
-                                                                                        self.name))
+        allow = _AllowList(set(self.public.values()), self.name)
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=allow)
+        self._allow.append(allow)
         self._auth.append(auth)
         self._auth_ctx.add(id(ctx))
+
+    def move(self, name: str, endpoint: str, public_key: str) -> None:
+        """Process ``name`` now binds ``endpoint`` with ``public_key`` (a worker replaced on another node):
+        connect to it there, and admit that key instead of its old one."""
+        self.endpoints = {e: n for e, n in self.endpoints.items() if n != name}
+        self.endpoints[endpoint] = name
+        if self.curve:
+            self.public[name] = public_key.encode("ascii")
+            for allow in self._allow:
+                allow.keys = frozenset(self.public.values())  # one assignment: the ZAP thread sees old or new
 
     def close(self) -> None:
         """Stop the ZAP handler(s); call before terminating the context."""
