@@ -14,7 +14,7 @@ custom resource) is started once; its start time is reported apart. Then, per mo
 
 "ready" is from starting ``launch.py`` to ``/health`` answering 200 (the built-in model is generated before).
 Each of ``--repeats`` rounds sends the model's default request (frames out, so the decoded video crosses a
-link too) once to each engine in turn; medians are reported, and every output is checked against ``ipc``'s
+link too) once to each engine in turn, each round starting with the next engine; medians are reported, and every output is checked against ``ipc``'s
 (max abs difference; 0.0 expected).
 """
 
@@ -74,7 +74,8 @@ def measure(model: str, address: str, repeats: int, tmp: Path) -> list[dict]:
     try:
         for seed in range(repeats):
             outputs = {}
-            for kind, client in clients.items():
+            order = list(clients)[seed % len(clients):] + list(clients)[:seed % len(clients)]  # no row always first
+            for kind, client in ((k, clients[k]) for k in order):
                 t0 = time.perf_counter()
                 outputs[kind] = client.generate("a red fox runs through the snow at dawn", seed=seed)
                 times[kind].append(time.perf_counter() - t0)

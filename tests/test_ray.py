@@ -42,7 +42,8 @@ PLACES = [("encoder", "node_a"), ("denoise", "node_b"), ("denoise", "node_c"), (
 ONE_AT_A_TIME = ["--max-batch-size", "1"]
 REQUESTS = [
     ("/generate", dict(prompt="a heron in the reeds", seed=11, num_inference_steps=4, output_type="frames")),
-    ("/generate", dict(prompt="a fox at dusk", seed=12, num_inference_steps=3, guidance_scale=1.0)),
+    ("/generate", dict(prompt="a fox at dusk", seed=12, num_inference_steps=3, guidance_scale=1.0,
+                       output_type="latent")),
     ("/rollout/generate", dict(prompt="a boat", seed=13, n=2, num_inference_steps=4, return_trajectory=True,
                                noise_level=0.7)),
 ]

@@ -386,3 +386,42 @@ def test_asyncio_pull_survives_new_curve_peers(tmp_path):
             ctx.term()
 
     assert asyncio.run(main()) == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+
+
+def test_a_moved_peer_is_admitted_by_its_new_key_only(tmp_path):
+    """``Security.move`` (a worker replaced on another node, ``launch.py --ray``): the server admits the new
+    key and no longer the old one; the client side connects to the new endpoint with the new server key."""
+    from common.config.topology import port_picker
+    from common.transport.security import fresh_key_dir, new_key_pair
+
+    pick = port_picker()
+    config = provision_curve(_tcp_config(tmp_path, [pick("127.0.0.1"), pick("127.0.0.1")]))
+    server, old = Security.load(config, "router"), Security.load(config, "encoder-0")
+    moved_endpoint = f"tcp://127.0.0.1:{pick('127.0.0.1')}"
+    new_public, new_file = new_key_pair(fresh_key_dir(tmp_path / "elsewhere"), "encoder-0")
+    moved = msgspec.structs.replace(config, curve_public={**config.curve_public, "encoder-0": new_public},
+                                    curve_secret_files={**config.curve_secret_files, "encoder-0": new_file})
+    old_endpoint = config.workers[0].endpoint
+    moved = msgspec.structs.replace(moved, workers=[msgspec.structs.replace(config.workers[0], endpoint=moved_endpoint)])
+    new = Security.load(moved, "encoder-0")
+    ctx = zmq.Context()
+    pull = bind_pull(ctx, config.router_endpoint, server)
+    socks = []
+
+    def received(sender: Security, payload: bytes) -> bool:
+        socks.append(connect_push(ctx, config.router_endpoint, sender))
+        socks[-1].send(payload)
+        return bool(pull.poll(1500)) and pull.recv() == payload
+
+    try:
+        assert received(old, b"before") and not received(new, b"new key, not yet admitted")
+        server.move("encoder-0", moved_endpoint, new_public)
+        assert received(new, b"after") and not received(old, b"old key, no longer admitted")
+        assert server.server_key(moved_endpoint) == new_public.encode()
+        with pytest.raises(SecurityError, match="not an endpoint"):
+            server.server_key(old_endpoint)
+    finally:
+        for s in (pull, *socks):
+            s.close(linger=0)
+        server.close()
+        ctx.term()

@@ -10,6 +10,7 @@ import re
 import time
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -20,6 +21,7 @@ from common.protocol.messages import (
     DenoiseRequest,
     EncodeRequest,
     GenerationParams,
+    PeerMoved,
     Result,
     Route,
 )
@@ -141,6 +143,16 @@ def _result_to_worker(role, rid):
     return _frames(Result(v=PROTOCOL_VERSION, request_id=rid, stage="decode"), _declared(Result))
 
 
+def _peer_moved(role, rid, **fields):
+    moved = PeerMoved(v=PROTOCOL_VERSION, request_id=rid, role="decode", index=0,
+                      endpoint="tcp://127.0.0.1:9", public_key="")
+    return _frames(msgspec.structs.replace(moved, **fields))
+
+
+def _peer_moved_bad_endpoint(role, rid):
+    return [msgpack.packb({**_header(_peer_moved(role, rid)), "endpoint": "ipc:///tmp/elsewhere.sock"})]
+
+
 CASES = {
     # name: (builder, header readable, log line the worker writes)
     "garbage": (_garbage, False, "dropped bad message"),
@@ -152,7 +164,11 @@ CASES = {
     "huge-empty-tensor": (_huge_empty_tensor, True, "dropped bad message"),
     "wrong-message-kind": (_wrong_message_kind, True, "dropped {kind} message"),
     "result-to-worker": (_result_to_worker, True, "dropped Result message"),
+    # Workers move only on tcp engines (launch.py --ray); this one is ipc, and an endpoint must be tcp.
+    "peer-moved-on-ipc": (_peer_moved, False, "dropped PeerMoved message"),
+    "peer-moved-bad-endpoint": (_peer_moved_bad_endpoint, True, "dropped bad message"),
 }
+WELL_FORMED = ("wrong-message-kind", "result-to-worker", "peer-moved-on-ipc")  # the worker refuses them
 
 
 def _log(engine) -> str:
@@ -181,7 +197,7 @@ def _assert_all_alive(engine, workers):
 def test_cases_are_rejected_by_the_codec():
     """The same frames fail decoding with a WireError (naming the request when the header is readable)."""
     for name, (build, readable, _) in CASES.items():
-        if name in ("wrong-message-kind", "result-to-worker"):
+        if name in WELL_FORMED:
             decode(build("denoise", "r"))  # well-formed: the worker, not the codec, refuses these
             continue
         with pytest.raises(WireError) as exc:

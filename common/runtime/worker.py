@@ -184,10 +184,13 @@ class WorkerRuntime:
 
     def move_peer(self, msg: PeerMoved) -> None:
         """Another worker was replaced elsewhere: send to it there (a fresh socket), admit its new key."""
+        if self.config.transport != "tcp":
+            log.warning("dropped PeerMoved message: workers move only in tcp topologies (launch.py --ray)")
+            return
         try:
             peer = self.config.worker(msg.role, msg.index)
         except KeyError:
-            log.warning("dropped peer_moved for %s worker %d: not in this topology", msg.role, msg.index)
+            log.warning("dropped PeerMoved message: no %s worker %d in this topology", msg.role, msg.index)
             return
         old = self._push.pop(peer.endpoint, None)
         if old is not None:
