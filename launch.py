@@ -93,6 +93,10 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a finished /v1/videos job (and its MP4) is kept")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                   help="runs a request gets when workers die holding it (1: it fails with the worker)")
+    p.add_argument("--worker-wait", type=float, default=d.worker_wait_s,
+                   help="seconds a request waits for a ready worker of a role that has none (restarting)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
     p.add_argument("--max-pending", type=int, default=d.max_pending, help="samples in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
@@ -133,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.transport = "tcp"  # the workers' nodes are other machines
     if args.shm_threshold is not None and args.shm_threshold < 0:
         p.error("--shm-threshold must be >= 0")
+    if args.max_attempts < 1:
+        p.error("--max-attempts must be >= 1")
+    if args.worker_wait < 0:
+        p.error("--worker-wait must be >= 0")
     if args.shm_spare_bytes < 0:
         p.error("--shm-spare-bytes must be >= 0")
     return args
@@ -243,6 +251,8 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             max_prompt_chars=args.max_prompt_chars,
             request_timeout_s=args.request_timeout,
             max_pending=args.max_pending,
+            max_attempts=args.max_attempts,
+            worker_wait_s=args.worker_wait,
             max_body_bytes=args.max_body_bytes,
             max_message_bytes=args.max_message_bytes,
             max_loras=args.max_loras,
@@ -322,6 +332,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, so
            api_key: str | None, admin_key: str | None, ray_workers: "RayWorkers | None") -> None:
     """Start the workers and serve HTTP until a signal (or a failed start) stops the server."""
     dispatcher = Dispatcher(config)
+    dispatcher.workers_restart = not args.no_restart
     app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key)
     supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit,
                             spawn=ray_workers.spawn if ray_workers else None)

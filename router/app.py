@@ -21,6 +21,7 @@ from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
 from router.dispatcher import Dispatcher
+from router.drain import ReadBodyFirst
 from router.lora import LoraControl
 from router.media import MEDIA_TYPES
 from router.metrics import EngineState, Metrics, RequestMetrics
@@ -29,7 +30,8 @@ from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
-    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module, to_params,
+    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module,
+    checked_weight_path, to_params,
 )
 from router.weight_sync import MemorySync
 
@@ -76,7 +78,8 @@ class Routes:
             return error_response(403, "forbidden", WEIGHTS_DISABLED)
         body = await self._body(request, UpdateWeightsBody)
         module = checked_module(body.module, self.info.has_transformer_2)
-        return JSONResponse(await self.weights.update(module, body.path, checksum=body.checksum))
+        path = checked_weight_path("path", body.path, self.config.weight_roots)
+        return JSONResponse(await self.weights.update(module, path, checksum=body.checksum))
 
     async def weights_checksum(self, request: Request) -> JSONResponse:
         # Read by hand like the bodies: a bad value is the router's own 400 (documented in MODULE_QUERY).
@@ -91,6 +94,7 @@ class Routes:
         body = LoadLoraBody.model_validate(data)
         if not self.config.weight_roots:
             return error_response(403, "forbidden", WEIGHTS_DISABLED)
+        checked_weight_path("lora_path", body.lora_path, self.config.weight_roots)
         return JSONResponse(await self.loras.load_path(body))
 
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
@@ -136,10 +140,14 @@ class Routes:
     async def submit(self, params, rid: str, timeout_s: float | None):
         """Run one admitted request; its answer (and its metrics)."""
         t0 = time.perf_counter()
-        outcome = await self.dispatcher.submit(params, rid, timeout_s)
+        outcome = await self.dispatcher.submit(params, rid, timeout_s, versions=lambda: self._versions(params))
         self.metrics.generated(outcome.timings, outcome.info, params.n, params.num_inference_steps,
                                time.perf_counter() - t0)
         return outcome
+
+    def _versions(self, params) -> tuple:
+        """What a rollout's answer belongs to: the weight version, and its adapter's version."""
+        return self.weights.version, self.loras.table.get(params.lora_name, {}).get("lora_version")
 
     def params_for(self, body: GenerateBody):
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
@@ -180,7 +188,7 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
                       summary="Generate with SDE log-probs (and trajectories) for RL",
                       openapi_extra=request_body(RolloutBody), response_description=SAMPLES,
-                      responses=errors(400, 401, 413, 429, 500, 503, 504))
+                      responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
     app.add_api_route("/update_weights_from_disk", routes.update_weights_from_disk, methods=["POST"],
                       summary="Load new weights into every denoise worker",
                       openapi_extra=request_body(UpdateWeightsBody),
@@ -249,6 +257,7 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
     app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher))
     app.add_middleware(RequestMetrics, metrics=routes.metrics)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
+    app.add_middleware(ReadBodyFirst)  # outermost: every early answer (413, 401, 404, ...) reads the body first
     install_error_handlers(app)
     add_routes(app, routes)
     api = OpenAIRoutes(routes)

@@ -118,6 +118,7 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
         "samples": [sample_body(seed + i, outcome.sample(i), binary, files[i] if files else None) for i in range(n)],
         "timings": timings,
         "weight_version": outcome.info.get("weight_version"),
+        "attempts": outcome.info.get("attempts", 1),  # runs it took: more than 1 when a worker died holding it
     }
 
 
@@ -130,7 +131,8 @@ def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: s
     if bare:
         return Response(files[0], media_type=media.MEDIA_TYPES[kind], headers={
             "X-Request-Id": request_id, "X-Seed": str(seed),
-            "X-Weight-Version": str(outcome.info.get("weight_version")), "X-Total-Seconds": f"{total_s:.3f}"})
+            "X-Weight-Version": str(outcome.info.get("weight_version")), "X-Total-Seconds": f"{total_s:.3f}",
+            "X-Attempts": str(outcome.info.get("attempts", 1))})
     binary = wants_msgpack(request)
     data = [{"media_type": media.MEDIA_TYPES[kind], "data": f if binary else base64.b64encode(f).decode("ascii")}
             for f in files]

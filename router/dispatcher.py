@@ -32,6 +32,7 @@ from common.protocol.messages import (
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
 from router.admission import Admission, shutting_down
+from router.attempts import Versions, attempt_id, with_attempts
 from router.control import Reply, fan_out
 from router.errors import EngineError
 from router.join import Outcome, Pending, PendingTable
@@ -59,6 +60,7 @@ class Dispatcher:
         # Called for a process that replaced a worker, once it is ready, before requests are routed to it:
         # it gets what its predecessor held (the LoRA adapters; see router/lora.py).
         self.on_worker_back: Callable[[WorkerSpec], Awaitable[None]] | None = None
+        self.workers_restart = True  # the supervisor restarts dead workers (launch.py without --no-restart)
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -131,28 +133,50 @@ class Dispatcher:
         self.admission.check(self.pending.samples, count)
 
     async def submit(self, params: GenerationParams, request_id: str | None = None,
-                     timeout_s: float | None = None) -> Outcome:
-        """One request, its ``params.n`` samples as one unit through the stages; its answer."""
+                     timeout_s: float | None = None, versions: Versions | None = None) -> Outcome:
+        """One request, its ``params.n`` samples as one unit through the stages; its answer. A worker that dies
+        holding it makes it run again (router/attempts.py): ``outcome.info["attempts"]`` says how many runs."""
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s or self.config.limits.request_timeout_s
-        chosen = self.registry.reserve(ROLES, params.n)
+        params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
+        outcome, attempts = await with_attempts(lambda attempt: self._attempt(params, rid, attempt, timeout_s),
+                                                rid, self.config.limits.max_attempts, versions,
+                                                rollout=params.rollout is not None)
+        outcome.info["attempts"] = attempts
+        return outcome
+
+    async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float) -> Outcome:
+        rid = attempt_id(request_id, attempt)
+        chosen = await self._reserve(params)
         route = Route(**{role: w.spec.index for role, w in chosen.items()})
         future = asyncio.get_running_loop().create_future()
         pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent",
                                                 samples=params.n))
         try:
-            params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
             await self._encoders[route.encoder].send_multipart(encode(msg), copy=False)
-            return await asyncio.wait_for(future, timeout=timeout_s)
+            return await asyncio.wait_for(future, timeout=max(0.0, params.deadline - time.time()))
         except asyncio.TimeoutError:
             raise EngineError(
                 504, "timeout", f"no answer within {timeout_s}s (request was in {pending.where()})",
-                pending.where(), rid,
+                pending.where(), request_id,
             ) from None
         finally:
             self.pending.discard(rid)
             self.registry.release(chosen, params.n)
+
+    async def _reserve(self, params: GenerationParams):
+        """A ready instance of each role. While a role has none but one of its workers is on its way back
+        (restarting, loading, syncing), wait for it up to ``--worker-wait`` seconds within the request's
+        deadline; else 503 ``unavailable`` at once."""
+        give_up = min(params.deadline, time.time() + self.config.limits.worker_wait_s)
+        while True:
+            try:
+                return self.registry.reserve(ROLES, params.n)
+            except EngineError as e:
+                if time.time() >= give_up or not (self.workers_restart and self.registry.coming_back(e.stage)):
+                    raise
+                await asyncio.sleep(0.05)
 
     async def control(self, role: str, op: str, tensors: dict | None = None, only: WorkerSpec | None = None,
                       timeout_s: float | None = None, **fields) -> list[Reply]:

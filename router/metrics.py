@@ -38,6 +38,8 @@ class Metrics:
         self.denoise_steps = Counter("disagg_denoise_steps", "denoising steps taken, one per sample per step",
                                      registry=r)
         self.samples = Counter("disagg_samples", "samples generated", registry=r)
+        self.reruns = Counter("disagg_request_reruns", "generations run again because a worker died holding "
+                              "them (answered; attempts beyond the first)", registry=r)
 
     def generated(self, timings: dict, info: dict, samples: int, steps: int, total_s: float) -> None:
         """One generation answered: its stage times, batch size and steps."""
@@ -49,6 +51,7 @@ class Metrics:
             self.batch_size.observe(float(info["batch"]))
         self.denoise_steps.inc(steps * samples)
         self.samples.inc(samples)
+        self.reruns.inc(info.get("attempts", 1) - 1)
 
     def watch(self, state) -> None:
         """Report ``state`` (an :class:`EngineState`) at every scrape."""

@@ -60,6 +60,16 @@ class OpenAIRoutes:
         if model is not None and model != self.model_id:
             raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
 
+    def _params(self, gen: GenerateBody, from_seconds: bool = False):
+        """The request's parameters; a bound that ``size`` (or ``seconds``) broke names that OpenAI field."""
+        renames = {"width": "size", "height": "size", **({"num_frames": "seconds"} if from_seconds else {})}
+        try:
+            return self.routes.params_for(gen)
+        except FieldError as e:
+            if e.field in renames:
+                raise FieldError(renames[e.field], str(e)) from None
+            raise
+
     def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
         wan = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
                                               "guidance_scale_2", "seed", "lora_name", "lora_scale", "timeout_s")}
@@ -77,8 +87,7 @@ class OpenAIRoutes:
         body = ImagesBody.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
         self._check_model(body.model)
         width, height = parse_size(body.size, self.info.defaults)
-        gen = self._generate_body(body, width, height, 1, body.n, "png")
-        params = self.routes.params_for(gen)
+        params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
         self.dispatcher.admit(params.n)
         outcome = await self.routes.submit(params, uuid.uuid4().hex, body.timeout_s)
         pngs = await asyncio.to_thread(
@@ -103,7 +112,8 @@ class OpenAIRoutes:
         self._check_model(body.model)
         width, height = parse_size(body.size, self.info.defaults)
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
-        params = self.routes.params_for(self._generate_body(body, width, height, frames, 1, "frames"))
+        params = self._params(self._generate_body(body, width, height, frames, 1, "frames"),
+                              from_seconds=body.num_frames is None and body.seconds is not None)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
         async def run(job: VideoJob) -> bytes:

@@ -65,10 +65,11 @@ ERROR_DESCRIPTIONS = {
     401: "unauthorized: missing or wrong API key",
     403: "forbidden: needs the admin key, or weight updates are disabled",
     404: "not_found: no such video job (unknown, deleted or expired)",
-    409: "job_running / not_ready: the video job has not finished",
+    409: "job_running / not_ready: the video job has not finished; weights_changed: a rollout run again after "
+         "a worker died would have run on other weights or another adapter version",
     413: "body_too_large: the body exceeds --max-body-bytes",
     429: "overloaded: too many requests in flight (Retry-After); too_many_jobs: --max-jobs video jobs held",
     500: "a worker failed the request (error.stage names it), or workers now disagree",
-    503: "shutting_down, unavailable (no ready worker) or worker_lost",
+    503: "shutting_down, unavailable (no ready worker) or worker_lost (after --max-attempts runs)",
     504: "timeout: no answer in time",
 }

@@ -115,6 +115,12 @@ class WorkerRegistry:
         return [key for key, w in self.workers.items()
                 if w.state not in ("dead", "starting") and not w.alive(now, self.timeout_s)]
 
+    def coming_back(self, role: str) -> bool:
+        """Whether a worker of ``role`` that is not ready now will be without anyone's help: it is restarting,
+        loading or being synced (not stale: that one waits for the trainer)."""
+        return any(r == role and not w.missing and (w.state in ("dead", "starting", "loading") or w.syncing)
+                   for (r, _), w in self.workers.items())
+
     def pick(self, role: str) -> WorkerState:
         """Least outstanding work among ready instances; ties broken round-robin."""
         now = self._clock()

@@ -8,7 +8,8 @@ limits that depend on the engine's flags and on the model are checked in
 from __future__ import annotations
 
 import math
-from typing import Literal
+import os
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -131,7 +132,7 @@ class WeightTensorBody(BaseModel):
 
     name: str = Field(min_length=1, max_length=512)
     dtype: str = Field(min_length=1, max_length=16, description="a wire dtype name, e.g. bfloat16")
-    shape: list[int] = Field(max_length=8)
+    shape: list[Annotated[int, Field(ge=0, le=1 << 40)]] = Field(max_length=8)
     bucket: int = Field(ge=0)
     offset: int = Field(ge=0, le=1 << 48)
 
@@ -199,6 +200,20 @@ class InitWeightsGroupBody(BaseModel):
     master_port: int = Field(ge=1, le=65535)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(default=600.0, gt=0, le=86400, description="for joining and for each broadcast")
+
+
+def checked_weight_path(field: str, path: str, roots: list[str]) -> str:
+    """A weight path the workers may read: no NUL byte, absolute, and below a weight root once normalised.
+    Lexical only (the router may not share the workers' file system); each worker resolves symlinks and
+    checks again on its own machine."""
+    if "\x00" in path:
+        raise FieldError(field, "must not contain a NUL byte")
+    if not os.path.isabs(path):
+        raise FieldError(field, f"must be an absolute path, got {path!r}")
+    norm = os.path.normpath(path)
+    if not any(norm == r or norm.startswith(r.rstrip("/") + "/") for r in map(os.path.normpath, roots)):
+        raise FieldError(field, f"{path} is outside the allowed weight directories: {', '.join(roots)}")
+    return path
 
 
 def checked_module(module: str, has_transformer_2: bool) -> str:

@@ -14,6 +14,7 @@ import msgspec
 
 from common.config.engine import EngineConfig
 from common.protocol.messages import WeightBucket, WeightTensor
+from common.wan.weight_buckets import LayoutError, check_layout
 from common.transport.cuda_ipc import takes_cuda_ipc
 from common.transport.shm import engine_prefix
 from common.transport.weight_segments import weight_prefix
@@ -94,8 +95,19 @@ class MemorySync:
 
 
 def _layout(body: UpdateWeightsFromTensorsBody) -> dict:
-    return {"checksum": body.checksum, "weight_tensors": [msgspec.convert(t.model_dump(), WeightTensor) for t in body.tensors],
-            "weight_buckets": [_bucket(b) for b in body.buckets]}
+    """The update's description, checked here (names, dtypes, each tensor inside its bucket) so that a bad one
+    is a 400 naming the field before any worker opens a bucket."""
+    tensors = []
+    for i, t in enumerate(body.tensors):
+        try:
+            tensors.append(msgspec.convert(t.model_dump(), WeightTensor))
+        except msgspec.ValidationError as e:
+            raise FieldError(f"tensors.{i}", str(e)) from None
+    try:
+        check_layout(tensors, [b.nbytes for b in body.buckets])
+    except LayoutError as e:
+        raise FieldError(f"tensors.{e.index}.{e.key}", str(e)) from None
+    return {"checksum": body.checksum, "weight_tensors": tensors, "weight_buckets": [_bucket(b) for b in body.buckets]}
 
 
 def _bucket(b) -> WeightBucket:

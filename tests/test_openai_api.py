@@ -149,7 +149,7 @@ def test_jobs_are_listed_bounded_and_refused_clearly(client, engine):
 
 @pytest.mark.parametrize("fields, field", [
     ({"size": "40x32"}, "size"),  # not a multiple of 16
-    ({"size": "4096x4096"}, "height"),  # beyond --max-height
+    ({"size": "4096x4096"}, "size"),  # beyond --max-height: the field the client sent
     ({"size": "big"}, "size"),
     ({"seconds": "abc"}, "seconds"),
     ({"seconds": "0.3"}, "seconds"),  # 5.8 frames

@@ -46,7 +46,8 @@ def _wait_healthy(engine, timeout=60):
 
 @pytest.fixture(scope="module")
 def two_denoise(engine_factory):
-    return engine_factory("tiny", "encoder=1,denoise=2,decode=1")
+    # One attempt: a lost worker's requests fail (tests/test_redispatch.py runs them again).
+    return engine_factory("tiny", "encoder=1,denoise=2,decode=1", ["--max-attempts", "1"])
 
 
 def test_killed_worker_fails_its_requests_at_once_and_comes_back(two_denoise):

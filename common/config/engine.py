@@ -65,6 +65,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     # MP4 stays downloadable.
     max_jobs: int = 64
     job_ttl_s: float = 3600.0
+    # A request held by a worker that died runs again, up to this many runs in all (router/attempts.py);
+    # while a role has no ready worker, a request waits this long (within its deadline) for one.
+    max_attempts: int = 3
+    worker_wait_s: float = 60.0
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):

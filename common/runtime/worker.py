@@ -42,6 +42,10 @@ from common.transport.shm import ShmContext
 log = logging.getLogger("disagg.worker")
 
 POLL_MS = 100
+# Fault injection for tests and bench/chaos.py: "<role>:<text>" makes that role's workers exit at once on a
+# request whose prompt contains the text, as a worker that a particular input crashes would (a poison request).
+FAULT_ENV = "DISAGG_FAULT_EXIT_ON_PROMPT"
+FAULT_EXIT_CODE = 86
 MAX_DRAIN = 256
 
 
@@ -60,6 +64,8 @@ class WorkerRuntime:
         self._held: collections.deque = collections.deque()
         self._push: dict[str, zmq.Socket] = {}
         self._parent = os.getppid()
+        role, _, text = os.environ.get(FAULT_ENV, "").partition(":")
+        self._exit_on = text if role == self.spec.role and text else None
 
     # --- sockets -----------------------------------------------------------
     def _push_socket(self, endpoint: str) -> zmq.Socket:
@@ -157,6 +163,9 @@ class WorkerRuntime:
         self.admit(msg, tensors)
 
     def admit(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        if self._exit_on and self._exit_on in msg.params.prompt:
+            log.error("exiting on request %s: its prompt contains $%s's text", msg.request_id, FAULT_ENV)
+            os._exit(FAULT_EXIT_CODE)
         try:
             check_deadline(msg.params)
             self.stage.accept(msg, tensors)

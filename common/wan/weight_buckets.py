@@ -21,7 +21,11 @@ ALIGN = 64  # every tensor starts on a 64-byte boundary: any dtype can view it, 
 
 
 class LayoutError(ValueError):
-    """The buckets and their description do not fit together."""
+    """The buckets and their description do not fit together: entry ``index``'s ``key`` is wrong."""
+
+    def __init__(self, message: str, index: int = 0, key: str = "name"):
+        super().__init__(message)
+        self.index, self.key = index, key
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -65,23 +69,37 @@ def pack_into(buffers: list[torch.Tensor], entries: list[WeightTensor], tensors:
             buffers[e.bucket][e.offset : e.offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
 
 
-def unpack(buffers: list[torch.Tensor], entries: list[WeightTensor]) -> dict[str, torch.Tensor]:
-    """Named views over the uint8 ``buffers``, after checking that every entry lies inside its bucket."""
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        if e.name in out:
-            raise LayoutError(f"{e.name}: named twice")
-        if not 0 <= e.bucket < len(buffers):
-            raise LayoutError(f"{e.name}: bucket {e.bucket} of {len(buffers)}")
+def check_layout(entries: list[WeightTensor], bucket_bytes: list[int]) -> None:
+    """Every entry named once, of a wire dtype, inside its bucket at an aligned offset (the router checks this
+    against the buckets' declared sizes before any worker opens one, the worker against what it opened)."""
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        if e.name in seen:
+            raise LayoutError(f"{e.name}: named twice", i, "name")
+        seen.add(e.name)
+        if not 0 <= e.bucket < len(bucket_bytes):
+            raise LayoutError(f"{e.name}: bucket {e.bucket} of {len(bucket_bytes)}", i, "bucket")
         dtype = DTYPES.get(e.dtype)
         if dtype is None:
-            raise LayoutError(f"{e.name}: unknown dtype {e.dtype!r}")
-        n = dtype.itemsize
-        for d in e.shape:
-            n *= d
-        buf = buffers[e.bucket]
-        if e.offset % ALIGN or e.offset + n > buf.numel():
+            raise LayoutError(f"{e.name}: unknown dtype {e.dtype!r}", i, "dtype")
+        n = _entry_bytes(e, dtype)
+        if e.offset % ALIGN or e.offset + n > bucket_bytes[e.bucket]:
             raise LayoutError(f"{e.name}: {n} bytes at offset {e.offset} do not fit bucket {e.bucket} "
-                              f"({buf.numel()} bytes, {ALIGN}-byte aligned offsets)")
-        out[e.name] = buf[e.offset : e.offset + n].view(dtype).view(e.shape)
+                              f"({bucket_bytes[e.bucket]} bytes, {ALIGN}-byte aligned offsets)", i, "offset")
+
+
+def _entry_bytes(e: WeightTensor, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in e.shape:
+        n *= d
+    return n
+
+
+def unpack(buffers: list[torch.Tensor], entries: list[WeightTensor]) -> dict[str, torch.Tensor]:
+    """Named views over the uint8 ``buffers``, after checking that every entry lies inside its bucket."""
+    check_layout(entries, [b.numel() for b in buffers])
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        dtype = DTYPES[e.dtype]
+        out[e.name] = buffers[e.bucket][e.offset : e.offset + _entry_bytes(e, dtype)].view(dtype).view(e.shape)
     return out
