@@ -152,6 +152,7 @@ def test_a_rollout_whose_weights_changed_between_attempts_is_refused(engine, wei
     _wait_healthy(engine)
 
 
+@pytest.mark.heavy  # an engine of its own whose workers die and restart three times: CI runs it
 def test_a_poison_request_fails_after_its_attempts_and_the_engine_serves_on(tmp_path):
     e = EngineProcess("tiny", "encoder=1,denoise=2,decode=1", workdir=tmp_path,
                       env={FAULT_ENV: "denoise:poison pill"})
