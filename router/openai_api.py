@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from common.protocol.messages import OUTPUT, ROLES
 from common.wan.tiny_model import SPECS
 from router import media
+from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body
 from router.errors import EngineError
 from router.jobs import JobTable, VideoJob, wait_for_room
@@ -46,8 +47,9 @@ class OpenAIRoutes:
         self.jobs = JobTable(limits.max_jobs, limits.job_ttl_s, self.progress_of)
 
     def progress_of(self, request_id: str) -> int | None:
-        """0-100 from where the request is: encoded, denoising step k of K, denoised."""
-        p = self.dispatcher.pending.get(request_id)
+        """0-100 from where the request is: encoded, denoising step k of K, denoised (its latest run's)."""
+        runs = range(self.config.limits.max_attempts, 0, -1)
+        p = next(filter(None, (self.dispatcher.pending.get(attempt_id(request_id, k)) for k in runs)), None)
         if p is None:
             return None
         if p.done_stage >= ROLES.index("denoise"):

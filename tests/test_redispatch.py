@@ -1,9 +1,10 @@
 """Nothing lost when a worker dies: the requests it held run again and are answered as if nothing happened.
 
 A request in flight on a denoise worker, on the only encoder and on the only decode worker is SIGKILLed with
-its worker; it is answered 200 with what the same request gave on the undisturbed engine (max abs diff 0.0:
-latents, frames, rollout log-probs and trajectories), and the answer says it took 2 attempts. With one
-instance of the role, the re-run waits for the restarted worker. A rollout whose weights changed between
+its worker; it is answered 200 with what the same request gives on an undisturbed engine (max abs diff 0.0:
+latents, frames, rollout log-probs and trajectories, against an engine of the same topology that is never
+touched), and the answer says it took 2 attempts. With one instance of the role, the re-run waits for the
+restarted worker. A rollout whose weights changed between
 attempts is refused (409 ``weights_changed``); serving runs again on the new weights. A request that kills
 its worker on every attempt (a poison request, by the fault-injection variable) fails after its attempts and
 the engine goes on serving.
@@ -42,6 +43,14 @@ def engine(tmp_path_factory, weights_root):
     e = EngineProcess("tiny", "encoder=1,denoise=2,decode=1", extra=["--weight-root", str(weights_root)],
                       workdir=tmp_path_factory.mktemp("engine"))
     yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> EngineClient:
+    """An engine of the same topology whose workers are never touched: the answers to compare with."""
+    e = EngineProcess("tiny", "encoder=1,denoise=2,decode=1", workdir=tmp_path_factory.mktemp("undisturbed"))
+    yield EngineClient(e.url)
     e.stop()
 
 
@@ -89,8 +98,8 @@ def _busiest_denoise(engine) -> dict:
     ("/rollout/generate", dict(prompt="a boat at dawn", seed=4, n=2, return_trajectory=True, noise_level=0.7,
                                **LONG)),
 ], ids=["serving", "rollout"])
-def test_a_request_on_a_killed_denoise_worker_is_answered_as_if_undisturbed(engine, path, body):
-    want = EngineClient(engine.url)._post(path, body)
+def test_a_request_on_a_killed_denoise_worker_is_answered_as_if_undisturbed(engine, undisturbed, path, body):
+    want = undisturbed._post(path, body)
     assert want["attempts"] == 1
     fut = _in_background(lambda: EngineClient(engine.url)._post(path, body))
     victim = _busiest_denoise(engine)
@@ -120,8 +129,9 @@ def _held_in(engine, role: str, call) -> tuple[dict, int]:
     ("encoder", dict(prompt="a fox in the snow", seed=5, output_type="latent", **SHORT)),
     ("decode", dict(prompt="a lighthouse", seed=6, output_type="frames", **SHORT)),
 ])
-def test_the_only_encoder_or_decode_worker_killed_the_request_waits_for_its_restart(engine, role, body):
-    want = EngineClient(engine.url).generate(**body)
+def test_the_only_encoder_or_decode_worker_killed_the_request_waits_for_its_restart(engine, undisturbed, role,
+                                                                                     body):
+    want = undisturbed.generate(**body)
     got, killed = _held_in(engine, role, lambda: EngineClient(engine.url).generate(**body))
     assert got["attempts"] == 2 and _workers(engine)[(role, 0)]["pid"] != killed
     _same(got, want)
