@@ -45,9 +45,9 @@ async def with_attempts(run: Callable[[int], Awaitable[T]], request_id: str, max
             return await run(attempt), attempt
         except EngineError as e:
             if e.type != RETRIED or attempt >= max_attempts:
-                if attempt > 1:
+                if attempt > 1:  # the client's id, not the run's wire id
                     e.message = f"{e.message} (attempt {attempt} of {max_attempts})"
-                    e.headers = {**e.headers, "X-Attempts": str(attempt)}
+                    e.headers, e.request_id = {**e.headers, "X-Attempts": str(attempt)}, request_id
                 raise
             if rollout and versions is not None and (now := versions()) != started:
                 raise EngineError(409, "weights_changed",

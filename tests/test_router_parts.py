@@ -496,3 +496,60 @@ def test_the_pieces_need_no_zeromq():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'zmq'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- re-runs (router/attempts.py) ----------------------------------------------------------------------------
+
+
+def _runs(outcomes: list):
+    """A run function that fails or answers as ``outcomes`` says, one per attempt; and the wire ids it saw."""
+    from router.attempts import attempt_id
+
+    seen = []
+
+    async def run(attempt: int):
+        seen.append(attempt_id("req", attempt))
+        out = outcomes[attempt - 1]
+        if isinstance(out, EngineError):
+            raise out
+        return out
+
+    return run, seen
+
+
+def _lost(rid: str = "req") -> EngineError:
+    return EngineError(503, "worker_lost", "denoise worker 0 exited with code -9", "denoise", rid)
+
+
+def test_a_lost_request_runs_again_until_it_is_answered_or_its_attempts_are_used():
+    from router.attempts import with_attempts
+
+    run, seen = _runs([_lost(), _lost("req.2"), "answer"])
+    assert asyncio.run(with_attempts(run, "req", 3)) == ("answer", 3)
+    assert seen == ["req", "req.2", "req.3"]  # each run its own wire id
+    run, _ = _runs([_lost(), _lost("req.2"), _lost("req.3")])
+    with pytest.raises(EngineError) as e:
+        asyncio.run(with_attempts(run, "req", 3))
+    assert (e.value.type, e.value.request_id, e.value.headers["X-Attempts"]) == ("worker_lost", "req", "3")
+    assert e.value.message.endswith("(attempt 3 of 3)")
+    run, seen = _runs([_lost(), "answer"])
+    with pytest.raises(EngineError):
+        asyncio.run(with_attempts(run, "req", 1))  # one attempt: the worker's loss is the answer
+    other = EngineError(500, "RuntimeError", "boom", "denoise", "req")
+    run, seen = _runs([other, "answer"])
+    with pytest.raises(EngineError) as e:
+        asyncio.run(with_attempts(run, "req", 3))
+    assert e.value is other and seen == ["req"]  # a failure other than a lost worker is not run again
+
+
+def test_a_rollout_is_not_run_again_on_other_weights_but_serving_is():
+    from router.attempts import with_attempts
+
+    versions = iter([(0, None), (1, None)])
+    run, _ = _runs([_lost(), "answer"])
+    with pytest.raises(EngineError) as e:
+        asyncio.run(with_attempts(run, "req", 3, versions=lambda: next(versions), rollout=True))
+    assert (e.value.status, e.value.type) == (409, "weights_changed") and "(0, None) -> (1, None)" in e.value.message
+    versions = iter([(0, None), (1, None)])
+    run, _ = _runs([_lost(), "answer"])
+    assert asyncio.run(with_attempts(run, "req", 3, versions=lambda: next(versions), rollout=False)) == ("answer", 2)
