@@ -38,11 +38,11 @@ import uvicorn
 from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
-from common.wan.tiny_model import CACHE_ENV as TINY_CACHE_ENV
-from common.wan.tiny_model import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
-from common.wan.tiny_model import SPECS, ensure_tiny_model
+from common.families.wan.tiny_model import CACHE_ENV as TINY_CACHE_ENV
+from common.families.wan.tiny_model import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
+from common.families.wan.tiny_model import SPECS, ensure_tiny_model
 from common.transport.security import provision_curve, remove_secrets
-from common.wan.weights import resolve_weight_roots
+from common.diffusion.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
 from common.config.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.app import create_app

@@ -1,5 +1,5 @@
 """torch.compile of the transformer: one request's denoise, diffusers' eager calls next to our policy eager and
-compiled (common/wan/compiled.py).
+compiled (common/diffusion/compiled.py).
 
     python bench/compile.py                          # small, 5 rounds
     python bench/compile.py --preset tiny small --rounds 7
@@ -40,10 +40,10 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serve import CpuMeter  # noqa: E402
-from common.wan.compiled import compile_experts, warm_up  # noqa: E402
-from common.wan.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
-from common.wan.policy import ModelInput, WanPolicy  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.diffusion.compiled import compile_experts, warm_up  # noqa: E402
+from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
+from common.diffusion.policy import ModelInput, WanPolicy  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 TARGET = 0.8  # compiled / diffusers eager
 TOLERANCE = 1e-4

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.wan.model_info import ModelInfo  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 from serve import PROMPTS, CpuMeter  # noqa: E402
 

@@ -31,8 +31,8 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.wan.model_info import ModelInfo  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 warnings.simplefilter("ignore", DeprecationWarning)  # the client marks OpenAI's video API deprecated
 MSGPACK = {"Accept": "application/msgpack"}

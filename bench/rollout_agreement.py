@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.wan.model_info import ModelInfo  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 from rl import TrainerPolicy, Trajectory  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 

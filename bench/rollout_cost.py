@@ -1,4 +1,4 @@
-"""Cost of one rollout step (common/wan/sde.py) compared with a plain Euler step.
+"""Cost of one rollout step (common/diffusion/sde.py) compared with a plain Euler step.
 
     python bench/rollout_cost.py [--repeats N] [--threads N] [--device cpu] [--json PATH]
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.wan.sde import sde_step  # noqa: E402
+from common.diffusion.sde import sde_step  # noqa: E402
 
 SHAPES = {
     "tiny": (1, 16, 2, 4, 4),

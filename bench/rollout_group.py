@@ -25,9 +25,9 @@ Per preset (``tiny``: the tiny model, 32x32, 5 frames, 8 steps, n=16; ``small``:
    - ``diffusers batch``: ``pipe(..., num_videos_per_prompt=N, generator=[one per seed], output_type="latent")``;
    - ``flow-grpo loop``: an in-process rollout loop as Flow-GRPO writes it: ``encode_prompt`` (CFG,
      N videos per prompt), ``prepare_latents`` with one generator per seed, the flow-match Euler schedule with
-     the model's shift (``common.wan.schedulers``), and per step one batched transformer forward of N for the
+     the model's shift (``common.diffusion.schedulers``), and per step one batched transformer forward of N for the
      conditional and one for the unconditional pass, ``v_u + g (v_c - v_u)``, then the project's
-     ``common.wan.sde.sde_step`` collecting the log-probs. Each sample's step noise is drawn from its own
+     ``common.diffusion.sde.sde_step`` collecting the log-probs. Each sample's step noise is drawn from its own
      generator (passed as ``noise=``), as the engine draws it, so the loop's trajectory is the engine's;
    - tiny only: ``4 groups concurrent``: 4 prompts' SDE groups POSTed at once, wall time until all 4 are
      answered; ``4 groups sequential (engine)`` one after another; and in-process the flow-grpo loop and the
@@ -66,10 +66,10 @@ from bench.serve import CpuMeter  # noqa: E402
 from common.protocol.http_tensors import body_to_tensor  # noqa: E402
 from common.protocol.messages import GenerationParams  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.wan import schedulers  # noqa: E402
-from common.wan.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
-from common.wan.policy import sigma_max  # noqa: E402
-from common.wan.sde import sde_step  # noqa: E402
+from common.diffusion import schedulers  # noqa: E402
+from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
+from common.diffusion.policy import sigma_max  # noqa: E402
+from common.diffusion.sde import sde_step  # noqa: E402
 
 MSGPACK = "application/msgpack"
 SDE_TYPE, NOISE_LEVEL = "sde", 0.7

@@ -63,11 +63,11 @@ from diffusers import WanTransformer3DModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import common.wan.weight_buckets as weight_buckets_module  # noqa: E402
+import common.diffusion.weight_buckets as weight_buckets_module  # noqa: E402
 from common.runtime.engine_process import EngineProcess, free_port  # noqa: E402
 from common.transport.weight_segments import WrittenBuckets  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
-from common.wan.weights import save_weights, state_dict_checksum, validate_against  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.diffusion.weights import save_weights, state_dict_checksum, validate_against  # noqa: E402
 from rl import WeightsGroup  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from common.protocol.messages import LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
-from common.wan.model_info import ModelInfo
+from common.diffusion.model_info import ModelInfo
 from common.runtime.stage import Forward, QueuedBatchStage
 
 

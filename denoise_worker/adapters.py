@@ -9,10 +9,10 @@ import torch
 from common.config.engine import EngineConfig
 from common.protocol.errors import Forbidden, RequestError
 from common.protocol.messages import LORA_BLOB, ControlRequest, GenerationParams
-from common.wan.lora import LoraAdapter, build_adapter
-from common.wan.lora_format import LoraConfig, LoraError, parse_state, read_lora
-from common.wan.weights import WeightsError
-from common.wan.policy import WanPolicy
+from common.diffusion.lora import LoraAdapter, build_adapter
+from common.diffusion.lora_format import LoraConfig, LoraError, parse_state, read_lora
+from common.diffusion.weights import WeightsError
+from common.diffusion.policy import WanPolicy
 
 
 class AdapterTable:

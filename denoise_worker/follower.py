@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from common.config.engine import EngineConfig, default_threads, torch_dtype_for
-from common.wan.compiled import compile_experts
-from common.wan.model_info import ModelInfo
-from common.wan.policy import WanPolicy
+from common.diffusion.compiled import compile_experts
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import WanPolicy
 from denoise_worker.parallel_forward import Follower, ParallelLayout
 from denoise_worker.ranks import die_with_parent, join_group
 

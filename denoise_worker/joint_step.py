@@ -3,7 +3,7 @@
 Tasks whose samples stand at the same step of the same schedule with the same
 SDE settings (:meth:`DenoiseTask.step_key`; the samples of one request always
 do, requests with equal settings often do) take that step in one
-:func:`~common.wan.policy.step_at` call on the stacked tensors: one set of
+:func:`~common.diffusion.policy.step_at` call on the stacked tensors: one set of
 coefficients, one log-prob reduction. Each sample still draws its noise from
 its own generator, so every sample gets what it gets alone. Serving (UniPC)
 tasks step on their own scheduler, all their samples at once.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from common.wan.policy import step_at
+from common.diffusion.policy import step_at
 from denoise_worker.task import DenoiseTask
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.wan.policy import ModelInput
+from common.diffusion.policy import ModelInput
 
 
 def forward_parts(inputs: list[ModelInput], max_batch: int) -> list[list[tuple[int, ModelInput]]]:

@@ -3,14 +3,14 @@ followers' loop.
 
 The ranks form a mesh of ``cfg`` x ``ring`` x ``ulysses`` (:class:`ParallelLayout`). The
 leader (global rank 0) is the policy's ``ranks`` (:attr:`WanPolicy.ranks`):
-each forward's :class:`~common.wan.rows.Rows` go to every follower
+each forward's :class:`~common.diffusion.rows.Rows` go to every follower
 (:mod:`common.transport.forward_link`). With CFG parallel (``cfg=2``) the rows
 before ``cond_rows`` (the conditional passes) run on CFG group 0 and the rest
 (the unconditional ones) on group 1, whose first rank sends its output to the
 leader; within a group, diffusers' context parallelism (``ring x ulysses`` ranks,
-:func:`common.wan.context_parallel.enable_context_parallel` on the group's sub-mesh)
+:func:`common.diffusion.context_parallel.enable_context_parallel` on the group's sub-mesh)
 splits the sequence and gathers the output. Every rank runs its rows with
-:func:`common.wan.rows.forward_rows`, as a single device does.
+:func:`common.diffusion.rows.forward_rows`, as a single device does.
 
 What the followers must hold besides the base weights travels on the same link:
 a LoRA adapter before the first forward that uses it (and the keys of those the
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from common.transport.forward_link import receive_call, send_call
-from common.wan.context_parallel import enable_context_parallel, settled
-from common.wan.lora import LoraAdapter, LoraModule
-from common.wan.policy import WanPolicy
-from common.wan.rows import Rows
+from common.diffusion.context_parallel import enable_context_parallel, settled
+from common.diffusion.lora import LoraAdapter, LoraModule
+from common.diffusion.policy import WanPolicy
+from common.diffusion.rows import Rows
 
 FORWARD, ADAPTER, WEIGHTS, STOP = "forward", "adapter", "weights", "stop"
 

@@ -24,11 +24,11 @@ from common.protocol.messages import (
 )
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import receiver_for
-from common.wan import schedulers
-from common.wan.compiled import compile_experts, warm_up
-from common.wan.model_info import ModelInfo
-from common.wan.policy import WanPolicy, uses_guidance
-from common.wan.weights import WeightsError, load_into, read_weights, state_dict_checksum
+from common.diffusion import schedulers
+from common.diffusion.compiled import compile_experts, warm_up
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import WanPolicy, uses_guidance
+from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.joint_step import advance_all
 from denoise_worker.packing import forward_parts

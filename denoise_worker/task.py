@@ -25,10 +25,10 @@ from common.protocol.messages import (
     GenerationParams,
     RolloutParams,
 )
-from common.wan import schedulers
-from common.wan.lora import LoraAdapter
-from common.wan.model_info import ModelInfo
-from common.wan.policy import ModelInput, sigma_max
+from common.diffusion import schedulers
+from common.diffusion.lora import LoraAdapter
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import ModelInput, sigma_max
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import hashlib
 
 import torch
 
-from common.wan.text import pad_embeddings
+from common.families.wan.text import pad_embeddings
 
 
 def _digest(embeds: torch.Tensor) -> tuple:
@@ -21,7 +21,7 @@ class TextTable:
     Requests with the same prompt (a trainer's groups of one prompt, sent as
     several requests) or the same negative prompt (nearly all of them) then hold
     the same tensor, which is what lets a batched forward compute their
-    text-only layers once (:mod:`common.wan.shared_text`); it also keeps one copy
+    text-only layers once (:mod:`common.diffusion.shared_text`); it also keeps one copy
     of it in device memory instead of one per request.
     """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.wan.policy import ModelInput
+from common.diffusion.policy import ModelInput
 
 # Multiply-accumulates (roughly samples x tokens x width^2) below which a forward runs on one thread.
 SMALL_FORWARD = 5e7

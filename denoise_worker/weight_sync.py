@@ -1,6 +1,6 @@
 """Weight updates from the trainer's memory, for one denoise worker.
 
-Two transports, one layout (:mod:`common.wan.weight_buckets`):
+Two transports, one layout (:mod:`common.diffusion.weight_buckets`):
 
 - on the engine's host, the trainer's buckets in shared-memory segments
   (:mod:`common.transport.weight_segments`), mapped and copied from;
@@ -11,7 +11,7 @@ Two transports, one layout (:mod:`common.wan.weight_buckets`):
   buffers.
 
 Either way, the update is applied whole or not at all: every bucket is
-received (or mapped) first, then :func:`~common.wan.weights.load_into` checks
+received (or mapped) first, then :func:`~common.diffusion.weights.load_into` checks
 names, shapes, dtypes and values against the module before copying anything.
 A broadcast that breaks off (the trainer died) or times out applies nothing and
 drops the group, which the trainer then sets up again.
@@ -35,8 +35,8 @@ from common.transport import weights_group
 from common.transport.cuda_ipc import CudaIpcReceiver
 from common.transport.shm import engine_prefix
 from common.transport.weight_segments import MappedBuckets, weight_prefix
-from common.wan.weight_buckets import LayoutError, unpack
-from common.wan.weights import WeightsError, load_into
+from common.diffusion.weight_buckets import LayoutError, unpack
+from common.diffusion.weights import WeightsError, load_into
 
 PRUNE_INTERVAL_S = 1.0
 

@@ -6,8 +6,8 @@ import time
 
 from common.protocol.messages import NEGATIVE_PROMPT_EMBEDS, PROMPT_EMBEDS, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
 from common.runtime.stage import Forward, QueuedBatchStage
-from common.wan.policy import uses_guidance
-from common.wan.text import WanTextEncoder
+from common.diffusion.policy import uses_guidance
+from common.families.wan.text import WanTextEncoder
 from encoder_worker.prompt_cache import EmbeddingCache
 
 

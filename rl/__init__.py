@@ -6,8 +6,8 @@
 The LoRA helpers (:mod:`rl.lora`) are imported on first use, so ``import rl`` works without peft.
 """
 
-from common.wan.sde import log_prob_of, sde_step
-from common.wan.weights import save_weights, state_dict_checksum
+from common.diffusion.sde import log_prob_of, sde_step
+from common.diffusion.weights import save_weights, state_dict_checksum
 from rl.policy import TrainerPolicy, Trajectory
 from rl.weight_sync import WeightsGroup
 

@@ -29,9 +29,9 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from common.wan.lora_format import LoraConfig as EngineLoraConfig
-from common.wan.lora_format import lora_sha256 as adapter_sha256
-from common.wan.lora_format import parse_state
+from common.diffusion.lora_format import LoraConfig as EngineLoraConfig
+from common.diffusion.lora_format import lora_sha256 as adapter_sha256
+from common.diffusion.lora_format import parse_state
 from rl.policy import TrainerPolicy
 
 # The attention projections of every block (self- and cross-attention), as diffusers' Wan LoRA scripts target.

@@ -2,8 +2,8 @@
 
 :class:`TrainerPolicy` loads the text encoder and the transformer(s) from the
 same model directory the engine serves and recomputes the log-probs of a
-returned trajectory with the engine's own code: :class:`common.wan.policy.WanPolicy`
-(expert choice, guidance) and :func:`common.wan.policy.step_at` (the SDE step on
+returned trajectory with the engine's own code: :class:`common.diffusion.policy.WanPolicy`
+(expert choice, guidance) and :func:`common.diffusion.policy.step_at` (the SDE step on
 the schedule), so that rollout and recompute agree to float32 rounding.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.wan.model_info import ModelInfo
-from common.wan.policy import ModelInput, WanPolicy, step_at, uses_guidance
-from common.wan.text import WanTextEncoder, conditioning
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import ModelInput, WanPolicy, step_at, uses_guidance
+from common.families.wan.text import WanTextEncoder, conditioning
 
 
 @dataclass

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import torch
 
 from common.transport import weights_group
-from common.wan import weight_buckets
+from common.diffusion import weight_buckets
 
 REFUSAL_WAIT_S = 0.02
 

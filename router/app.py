@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.config.engine import EngineConfig
-from common.wan.model_info import ModelInfo
+from common.diffusion.model_info import ModelInfo
 from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl

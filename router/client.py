@@ -136,7 +136,7 @@ class EngineClient:
         ``module`` (peft names, ``...lora_A.weight``), loaded as ``lora_name``; the answer is the adapter's
         (its new ``lora_version`` and sha256), as for ``load_lora_adapter``.
         """
-        from common.wan import weight_buckets
+        from common.diffusion import weight_buckets
 
         info = self.weight_sync_info()
         named = weight_buckets.named_tensors(named_tensors)

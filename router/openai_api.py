@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.protocol.messages import OUTPUT, ROLES
-from common.wan.tiny_model import SPECS
+from common.families.wan.tiny_model import SPECS
 from router import media
 from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body

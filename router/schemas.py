@@ -17,7 +17,7 @@ from common.config.engine import Limits
 from common.protocol.messages import (
     EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, GenerationParams, RolloutParams, SdeType,
 )
-from common.wan.sde import checked_noise_level
+from common.diffusion.sde import checked_noise_level
 
 MAX_SEED = 2**63 - 1
 # What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.

@@ -14,7 +14,7 @@ import msgspec
 
 from common.config.engine import EngineConfig
 from common.protocol.messages import WeightBucket, WeightTensor
-from common.wan.weight_buckets import LayoutError, check_layout
+from common.diffusion.weight_buckets import LayoutError, check_layout
 from common.transport.cuda_ipc import takes_cuda_ipc
 from common.transport.shm import engine_prefix
 from common.transport.weight_segments import weight_prefix

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

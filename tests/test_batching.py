@@ -88,7 +88,7 @@ def test_router_picks_the_least_loaded_instance(engine_factory):
 
 def test_batched_text_encoding_equals_unbatched_and_diffusers(tiny_dir):
     from conftest import diffusers_pipe
-    from common.wan.text import WanTextEncoder
+    from common.families.wan.text import WanTextEncoder
     from encoder_worker.prompt_cache import EmbeddingCache
 
     te = WanTextEncoder.load(tiny_dir, torch.float32, "cpu")

@@ -1,4 +1,4 @@
-"""torch.compile of the experts (common/wan/compiled.py) on the tiny model, float32 on the CPU.
+"""torch.compile of the experts (common/diffusion/compiled.py) on the tiny model, float32 on the CPU.
 
 Compiled outputs equal eager ones (a second policy on the same weights) within 1e-4 for a guided forward, a
 batched forward whose rows share texts, and rows with a LoRA adapter covered after the compile; a new plan
@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from common.wan.compiled import CompileError, compile_experts, warm_up
-from common.wan.lora import build_adapter
-from common.wan.lora_format import read_lora
-from common.wan.model_info import ModelInfo
-from common.wan.policy import ModelInput, WanPolicy
+from common.diffusion.compiled import CompileError, compile_experts, warm_up
+from common.diffusion.lora import build_adapter
+from common.diffusion.lora_format import read_lora
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import ModelInput, WanPolicy
 
 TOL = 1e-4  # compiled kernels fuse and round apart from eager (float32)
 SHAPE = (16, 2, 4, 4)  # the tiny model's default request: 32x32, 5 frames

@@ -1,6 +1,6 @@
 """diffusers' Ulysses context parallelism on this CPU machine: two gloo ranks give the one-process output.
 
-The ground the multi-device denoise worker stands on: the CPU shim (common/wan/context_parallel.py) and
+The ground the multi-device denoise worker stands on: the CPU shim (common/diffusion/context_parallel.py) and
 diffusers' own all-to-alls, on the tiny and small models, for a batch of samples at different timesteps.
 """
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import WanTransformer3DModel
 
-from common.wan.tiny_model import ensure_tiny_model
+from common.families.wan.tiny_model import ensure_tiny_model
 
 TOL = 1e-5
 
@@ -26,7 +26,7 @@ def _inputs(model: WanTransformer3DModel):
 
 
 def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> None:
-    from common.wan.context_parallel import enable_context_parallel, settled
+    from common.diffusion.context_parallel import enable_context_parallel, settled
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
@@ -61,7 +61,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused(tmp_path):
 
 
 def _refused(rank: int, rendezvous: str, why_path: str) -> None:
-    from common.wan.context_parallel import enable_context_parallel
+    from common.diffusion.context_parallel import enable_context_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     try:
@@ -76,8 +76,8 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
 
 
 def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_path: str) -> None:
-    from common.wan.model_info import ModelInfo
-    from common.wan.policy import WanPolicy
+    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.policy import WanPolicy
     from denoise_worker.parallel_forward import Follower, ParallelForward, ParallelLayout
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -108,7 +108,7 @@ def _call(model, k: int) -> dict:
 
 
 def _rows(model, k: int):
-    from common.wan.rows import Rows
+    from common.diffusion.rows import Rows
 
     c = _call(model, k)
     texts = list(c["encoder_hidden_states"].split(1))

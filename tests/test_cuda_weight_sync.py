@@ -9,7 +9,7 @@ from diffusers import WanTransformer3DModel
 
 from common.runtime.engine_process import free_port
 from common.transport.weight_handles import DeviceBuckets
-from common.wan.weights import state_dict_checksum
+from common.diffusion.weights import state_dict_checksum
 from rl import TrainerPolicy, WeightsGroup
 from rl.lora import add_lora, lora_sha256, lora_state_dict, push_lora
 from router.client import EngineClient

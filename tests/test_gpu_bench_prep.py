@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import serve  # noqa: E402
 from common.config.engine import Limits  # noqa: E402
-from common.wan.tiny_model import SPECS, _cache_key, _keyed_fields, transformer_config, vae_config  # noqa: E402
+from common.families.wan.tiny_model import SPECS, _cache_key, _keyed_fields, transformer_config, vae_config  # noqa: E402
 
 SPEC = SPECS["wan2.1-1.3b"]
 

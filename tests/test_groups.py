@@ -18,10 +18,10 @@ import torch
 from common.protocol.messages import (
     LOG_PROBS, OUTPUT, PROTOCOL_VERSION, TRAJECTORY_LATENTS, GenerationParams, Result, RolloutParams, Route,
 )
-from common.wan import schedulers
-from common.wan.model_info import ModelInfo
-from common.wan.policy import ModelInput
-from common.wan.sde import sde_step
+from common.diffusion import schedulers
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import ModelInput
+from common.diffusion.sde import sde_step
 from denoise_worker.joint_step import advance_all
 from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
@@ -227,9 +227,9 @@ def test_a_result_with_the_wrong_number_of_samples_is_refused():
 def test_a_forward_that_shares_its_text_equals_each_request_alone(tiny_dir):
     """Requests sharing a prompt, a negative prompt, an adapter (also on text-side Linears) or none: the
     model sees each distinct (text, adapter) once, and every request's output equals its forward alone."""
-    from common.wan.lora import build_adapter
-    from common.wan.lora_format import ExpertLora
-    from common.wan.policy import WanPolicy
+    from common.diffusion.lora import build_adapter
+    from common.diffusion.lora_format import ExpertLora
+    from common.diffusion.policy import WanPolicy
 
     policy = WanPolicy.load(ModelInfo.read(tiny_dir), torch.float32, "cpu")
     model = policy.experts["transformer"]

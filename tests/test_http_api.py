@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.wan.model_info import ModelInfo
+from common.diffusion.model_info import ModelInfo
 from conftest import pid_alive
 
 MAX_N = 3  # launched with --max-n 3; every other limit keeps its default

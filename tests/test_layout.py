@@ -13,9 +13,10 @@ LAYERS = {
     "protocol": {"protocol"},
     "config": {"protocol", "config"},
     "transport": {"protocol", "config", "transport"},
-    "wan": {"protocol", "wan"},
-    "runtime": {"protocol", "config", "transport", "wan", "runtime"},
-    "placement": {"protocol", "config", "transport", "wan", "runtime", "placement"},  # launch.py --ray
+    "diffusion": {"protocol", "diffusion"},
+    "families": {"protocol", "diffusion", "families"},
+    "runtime": {"protocol", "config", "transport", "diffusion", "families", "runtime"},
+    "placement": {"protocol", "config", "transport", "diffusion", "families", "runtime", "placement"},  # launch.py --ray
 }
 # Top-level packages and what (besides common) each may import.
 PACKAGES = {

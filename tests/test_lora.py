@@ -23,7 +23,7 @@ import torch
 
 import lora_fixtures as lf
 from conftest import solo_then_concurrent
-from common.wan.model_info import ModelInfo
+from common.diffusion.model_info import ModelInfo
 from router.client import EngineClient, EngineHTTPError
 
 PARITY_TOL = 1e-4  # against diffusers, fp32

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.wan.lora import LoraRows, build_adapter
-from common.wan.lora_format import LoraConfig, LoraError, parse_state, read_lora
-from common.wan.weights import WeightsError
+from common.diffusion.lora import LoraRows, build_adapter
+from common.diffusion.lora_format import LoraConfig, LoraError, parse_state, read_lora
+from common.diffusion.weights import WeightsError
 
 
 def _pair(rank, inp, out, seed=0):

@@ -23,7 +23,7 @@ import torch
 
 import lora_fixtures as lf
 from conftest import Engine, pid_alive
-from common.wan.weights import save_weights
+from common.diffusion.weights import save_weights
 from router.client import EngineClient, EngineHTTPError
 
 TOL = 1e-5  # float32, relative to the tensor's scale: max |a - b| <= TOL * max(1, max |b|)

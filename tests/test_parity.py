@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from common.wan.model_info import ModelInfo
+from common.diffusion.model_info import ModelInfo
 from conftest import diffusers_generate
 from router.client import EngineClient
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-from common.wan.model_info import ModelInfo
-from common.wan.sde import sde_step
-from common.wan.weights import state_dict_checksum
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.sde import sde_step
+from common.diffusion.weights import state_dict_checksum
 from conftest import diffusers_generate
-from common.wan import schedulers
+from common.diffusion import schedulers
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient, EngineHTTPError
 
@@ -166,7 +166,7 @@ def test_rollout_frames_carry_log_probs(client, policy):
 
 def test_convention_check_rejects_mismatch_and_logs_once(caplog):
     template = schedulers.rollout_template_for(schedulers.load_serving_template(ModelInfo.read(
-        __import__("common.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny"))))
+        __import__("common.families.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny"))))
     bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
     bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
     with pytest.raises(schedulers.ConventionError, match="flow-match convention"):
@@ -225,7 +225,7 @@ def test_weight_update_changes_outputs_and_version(client, tiny_dir, alt_dir, we
     assert after["weight_version"] == v0 + 1 and after["samples"][0]["weight_version"] == v0 + 1
     assert not torch.equal(before["samples"][0]["output"], after["samples"][0]["output"])
     # A single safetensors file works too, and a bad update changes nothing.
-    from common.wan.weights import save_weights
+    from common.diffusion.weights import save_weights
 
     orig = WanTransformer3DModel.from_pretrained(tiny_dir / "transformer")
     save_weights(orig, work / "orig.safetensors")
@@ -254,7 +254,7 @@ def test_update_of_missing_expert_is_refused(client):
 
 @pytest.fixture(scope="module")
 def moe(engine_factory, weights_dir):
-    from common.wan.tiny_model import ensure_tiny_model
+    from common.families.wan.tiny_model import ensure_tiny_model
 
     d = ensure_tiny_model("tiny-moe")
     eng = engine_factory("tiny-moe", extra=["--weight-root", str(weights_dir)])

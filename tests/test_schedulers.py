@@ -10,7 +10,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from common.protocol.messages import GenerationParams
 from common.protocol.errors import RequestError
-from common.wan import schedulers
+from common.diffusion import schedulers
 
 WAN_UNIPC = dict(
     prediction_type="flow_prediction",

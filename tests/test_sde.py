@@ -1,4 +1,4 @@
-"""The flow-matching SDE step and its log-probability (common/wan/sde.py)."""
+"""The flow-matching SDE step and its log-probability (common/diffusion/sde.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.wan.sde import SDE_TYPES, SdeStep, log_prob_of, sde_step
+from common.diffusion.sde import SDE_TYPES, SdeStep, log_prob_of, sde_step
 
 SHAPE = (2, 4, 3, 5, 6)
 NOISE_LEVEL = {"sde": 0.7, "cps": 0.8}

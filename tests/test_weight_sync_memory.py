@@ -21,8 +21,8 @@ from diffusers import WanTransformer3DModel
 from common.protocol.messages import WeightTensor
 from common.runtime.engine_process import ROOT, free_port
 from common.transport import weight_segments
-from common.wan import weight_buckets
-from common.wan.weights import state_dict_checksum
+from common.diffusion import weight_buckets
+from common.diffusion.weights import state_dict_checksum
 from rl import TrainerPolicy, WeightsGroup
 from rl.lora import add_lora, lora_parameters, lora_sha256, lora_state_dict, push_lora
 from router.client import EngineClient, EngineHTTPError

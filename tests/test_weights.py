@@ -1,4 +1,4 @@
-"""common.wan.weights: checksums, reading safetensors layouts, validated in-place loading."""
+"""common.diffusion.weights: checksums, reading safetensors layouts, validated in-place loading."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.wan.tiny_model import ensure_tiny_model
-from common.wan.weights import (
+from common.families.wan.tiny_model import ensure_tiny_model
+from common.diffusion.weights import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     WeightsError,
@@ -77,7 +77,7 @@ def test_checksum_same_in_another_process(model, transformer_dir, tmp_path):
     code = (
         "import sys\n"
         "from diffusers import WanTransformer3DModel\n"
-        "from common.wan.weights import read_weights, state_dict_checksum\n"
+        "from common.diffusion.weights import read_weights, state_dict_checksum\n"
         "print(state_dict_checksum(read_weights(sys.argv[1])))\n"
         "print(state_dict_checksum(read_weights(sys.argv[2])))\n"
         "print(state_dict_checksum(WanTransformer3DModel.from_pretrained(sys.argv[3])))\n"

@@ -87,7 +87,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     weight_roots: list[str] = []
     # Weight updates from the trainer's memory (shared memory, a torch.distributed group); off by default.
     weight_sync_from_memory: bool = False
-    # Denoise workers: each expert through torch.compile (common/wan/compiled.py), warmed up before ready.
+    # Denoise workers: each expert through torch.compile (common/diffusion/compiled.py), warmed up before ready.
     compile: bool = False
     transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
     # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/transport/shm.py).

@@ -133,7 +133,7 @@ class LoraTensor(_Strict, frozen=True):
 
 class WeightTensor(_Strict, frozen=True):
     """One tensor of a weight update from memory: its state-dict name, dtype, shape, and where its
-    bytes lie (bucket index, byte offset) in the update's buckets (common/wan/weight_buckets.py)."""
+    bytes lie (bucket index, byte offset) in the update's buckets (common/diffusion/weight_buckets.py)."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     dtype: str

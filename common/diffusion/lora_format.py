@@ -14,7 +14,7 @@ nothing about alpha, alpha = r (scale 1), as diffusers assumes.
 - peft: a folder with ``adapter_config.json`` and ``adapter_model.safetensors``, keys
   optionally prefixed ``base_model.model.``.
 
-Only safetensors are read, and only below the allowed roots (:mod:`common.wan.weights`).
+Only safetensors are read, and only below the allowed roots (:mod:`common.diffusion.weights`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from common.protocol.messages import EXPERT_NAMES
-from common.wan.weights import WeightsError, check_allowed, load_safetensors_file
+from common.diffusion.weights import WeightsError, check_allowed, load_safetensors_file
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 PEFT_CONFIG = "adapter_config.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 import regex
 import torch
 
-from common.wan.model_info import MAX_SEQUENCE_LENGTH
+from common.diffusion.model_info import MAX_SEQUENCE_LENGTH
 
 try:  # diffusers fixes mojibake with ftfy when it is installed; so do we
     import ftfy

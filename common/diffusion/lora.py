@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.wan.opaque import opaque_update
-from common.wan.lora_format import ExpertLora, LoraError, lora_sha256
+from common.diffusion.opaque import opaque_update
+from common.diffusion.lora_format import ExpertLora, LoraError, lora_sha256
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class LoraHooks:
                 self.hooked.add(path)
 
     def _hook(self, path: str):
-        # Under torch.compile the deltas are one opaque op (common/wan/opaque.py): traced, each mix of
+        # Under torch.compile the deltas are one opaque op (common/diffusion/opaque.py): traced, each mix of
         # adapters would be a recompile. The idle check stays in the graph.
         add = opaque_update(functools.partial(self._add_deltas, path))
 
@@ -200,7 +200,7 @@ class LoraHooks:
              text_rows: list[tuple[LoraAdapter, float] | None] | None = None) -> Iterator[None]:
         """Apply the rows' adapters during the forward inside this block (nothing when no row has one).
         ``text_rows``: the adapters of the distinct text rows when the forward shares its text
-        (:mod:`common.wan.shared_text`); the text-side Linears see those rows only."""
+        (:mod:`common.diffusion.shared_text`); the text-side Linears see those rows only."""
         if all(r is None for r in rows):
             yield
             return

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from common.wan.opaque import opaque_like
+from common.diffusion.opaque import opaque_like
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class SharedTextAttention:
 
     def __init__(self, shared: SharedText, original):
         self.shared, self.original = shared, original
-        # Under torch.compile the attention per text is one opaque op (common/wan/opaque.py): traced, each
+        # Under torch.compile the attention per text is one opaque op (common/diffusion/opaque.py): traced, each
         # plan's rows would be guards, a recompile per plan. The projections around it stay in the graph.
         self._attend = opaque_like(self._attend_per_text)
 

@@ -20,7 +20,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from common.protocol.errors import RequestError
 from common.protocol.messages import GenerationParams
-from common.wan.model_info import ModelInfo, flow_shift_of
+from common.diffusion.model_info import ModelInfo, flow_shift_of
 
 log = logging.getLogger("disagg.denoise")
 

@@ -9,10 +9,10 @@ log-probs to agree to float32 rounding.
   ``boundary_ratio`` (the first serves ``t >= boundary_ratio * num_train_timesteps``).
 - Guidance: classifier-free when ``guidance_scale > 1``; the second expert uses
   ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does.
-- LoRA: each sample may bring its own adapter and scale (:mod:`common.wan.lora`),
+- LoRA: each sample may bring its own adapter and scale (:mod:`common.diffusion.lora`),
   applied to its conditional and unconditional passes alike, as peft does.
 - Step: on the rollout (flow-match Euler) schedule, :func:`step_at` takes step ``i``
-  with :func:`common.wan.sde.sde_step`.
+  with :func:`common.diffusion.sde.sde_step`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from common.protocol.messages import ExpertName, SdeType
-from common.wan.lora import LoraAdapter, LoraHooks
-from common.wan.model_info import ModelInfo
-from common.wan.rows import Rows, forward_rows
-from common.wan.sde import Generators, SdeStep, sde_step
-from common.wan import shared_text
-from common.wan.shared_text import SharedText
+from common.diffusion.lora import LoraAdapter, LoraHooks
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.rows import Rows, forward_rows
+from common.diffusion.sde import Generators, SdeStep, sde_step
+from common.diffusion import shared_text
+from common.diffusion.shared_text import SharedText
 
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 

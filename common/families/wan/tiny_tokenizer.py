@@ -1,5 +1,5 @@
 """The tiny models' tokenizer: a T5-style unigram tokenizer trained here, deterministically, on a small
-English corpus generated in code (see :mod:`common.wan.tiny_model`)."""
+English corpus generated in code (see :mod:`common.families.wan.tiny_model`)."""
 
 from __future__ import annotations
 

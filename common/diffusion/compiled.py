@@ -7,7 +7,7 @@ batch sizes continuous batching makes, and another latent shape gets graphs of i
 every dimension took several times longer to compile on the tiny model).
 
 What a forward reads from Python per request (each row's LoRA adapter, the shared-text plan) is an
-opaque op in the graph (:mod:`common.wan.opaque`), so a new mix of adapters or texts compiles nothing;
+opaque op in the graph (:mod:`common.diffusion.opaque`), so a new mix of adapters or texts compiles nothing;
 whether a plan or an adapter is active is traced, a guard and a graph each. LoRA hooks added after the
 compile are guarded on too: an adapter that hooks new modules makes the graphs it meets compile once more.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.wan.policy import WanPolicy
+    from common.diffusion.policy import WanPolicy
 
 # Graphs of one forward (dynamo counts per code object, every shape together): up to 8 per latent shape, as
 # (batch 1 or larger) x (a shared-text plan or not) x (adapters applying or not); past it dynamo runs that
@@ -92,8 +92,8 @@ def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tupl
     forward of a sample and one of ``batch``. On failure the experts are made eager again and
     :class:`CompileError` says why.
     """
-    from common.wan.model_info import MAX_SEQUENCE_LENGTH
-    from common.wan.policy import ModelInput, WanPolicy
+    from common.diffusion.model_info import MAX_SEQUENCE_LENGTH
+    from common.diffusion.policy import ModelInput, WanPolicy
 
     policy = target if isinstance(target, WanPolicy) else None
     experts = policy.experts if policy is not None else target

@@ -14,12 +14,12 @@ Besides the tiny specs there is ``wan2.1-1.3b``: a transformer and VAE of
 exactly Wan2.1-T2V-1.3B's shape (random weights, stored in bfloat16) for
 benchmarking on a GPU; see its comment in ``SPECS``.
 
-The specs live in :mod:`common.wan.tiny_specs` and the tokenizer in
-:mod:`common.wan.tiny_tokenizer`; this module caches and builds the models.
+The specs live in :mod:`common.families.wan.tiny_specs` and the tokenizer in
+:mod:`common.families.wan.tiny_tokenizer`; this module caches and builds the models.
 
 Usage::
 
-    python -m common.wan.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
+    python -m common.families.wan.tiny_model [--name tiny] [--out DIR] [--cache-dir DIR] [--dtype D]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from common.wan.model_info import SERVING_DEFAULTS_FILE
-from common.wan.tiny_specs import SPECS, WEIGHT_DTYPES, TinyWanSpec
-from common.wan.tiny_tokenizer import build_tokenizer
+from common.diffusion.model_info import SERVING_DEFAULTS_FILE
+from common.families.wan.tiny_specs import SPECS, WEIGHT_DTYPES, TinyWanSpec
+from common.families.wan.tiny_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -287,7 +287,7 @@ def build_tiny_model(spec: TinyWanSpec, out_dir: str | Path) -> Path:
         pipe.to(getattr(torch, spec.weights_dtype))
     # Writes model_index.json exactly as a real WanPipeline checkpoint has it.
     pipe.save_pretrained(out, safe_serialization=True)
-    # The request sizes this tiny model is meant to serve (see common.wan.model_info).
+    # The request sizes this tiny model is meant to serve (see common.diffusion.model_info).
     defaults = {k: getattr(spec, k) for k in SERVING_DEFAULT_KEYS}
     (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
     return out

@@ -1,11 +1,11 @@
 """The tiny Wan models' specs: :class:`TinyWanSpec` (one configuration plus the request it serves)
-and the table of named specs, :data:`SPECS` (see :mod:`common.wan.tiny_model`)."""
+and the table of named specs, :data:`SPECS` (see :mod:`common.families.wan.tiny_model`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.wan.tiny_tokenizer import FIXED_TOKENS
+from common.families.wan.tiny_tokenizer import FIXED_TOKENS
 
 # 64 rotary positions per axis allows latent grids up to 128x128 (1024 px),
 # far beyond what tests use, at negligible cost.

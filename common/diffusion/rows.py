@@ -5,7 +5,7 @@ the latents and timesteps of every row, the distinct texts and which one each
 row has, each row's LoRA adapter, and where the conditional rows end (CFG
 parallel runs the rows before ``cond_rows`` on one group of ranks and the rest
 on another). :func:`forward_rows` runs a slice of them: the shared-text plan
-(:mod:`common.wan.shared_text`) and the LoRA rows (:mod:`common.wan.lora`) are
+(:mod:`common.diffusion.shared_text`) and the LoRA rows (:mod:`common.diffusion.lora`) are
 built for that slice, so a single device and every rank of a multi-device
 worker compute a row the same way.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.wan.lora import LoraAdapter, LoraHooks
-from common.wan.shared_text import SharedText, TextPlan
+from common.diffusion.lora import LoraAdapter, LoraHooks
+from common.diffusion.shared_text import SharedText, TextPlan
 
 LoraChoice = tuple[LoraAdapter, float] | None  # (adapter, scale) of a row; None: the base model
 
@@ -58,7 +58,7 @@ def forward_rows(model: torch.nn.Module, hooks: LoraHooks, shared: SharedText, r
     text_of, loras = rows.text_of[start:stop], rows.loras[start:stop]
     keys = [(t, None if lo is None else (id(lo[0]), lo[1])) for t, lo in zip(text_of, loras)]
     plan = TextPlan.of(keys, rows.hidden_states.device)
-    # With a plan the model sees each distinct text (and adapter) once: see common/wan/shared_text.py.
+    # With a plan the model sees each distinct text (and adapter) once: see common/diffusion/shared_text.py.
     firsts = range(len(keys)) if plan is None else plan.first
     text = _pick(rows.texts, [text_of[r] for r in firsts])
     text_loras = None if plan is None else [loras[r] for r in plan.first]

@@ -1,0 +1,1 @@
+"""Model families: one binding per diffusers pipeline."""

@@ -1,0 +1,1 @@
+"""Stable Diffusion 3 / 3.5."""

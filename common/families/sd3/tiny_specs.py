@@ -1,0 +1,192 @@
+"""The tiny SD3 models' specs: :class:`TinySD3Spec` (one configuration plus the request it serves) and
+the table of named specs, :data:`SPECS` (see :mod:`common.families.sd3.tiny_model`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.families.wan.tiny_specs import WEIGHT_DTYPES
+from common.families.wan.tiny_tokenizer import FIXED_TOKENS
+
+# AutoencoderKL with four levels downsamples 8x, as SD3's VAE does.
+VAE_LEVELS = 4
+VAE_SPATIAL_STRIDE = 2 ** (VAE_LEVELS - 1)
+# StableDiffusion3Pipeline.check_inputs refuses longer T5 prompts.
+MAX_T5_SEQUENCE_LENGTH = 512
+# The query/key norms SD3 (None) and SD3.5 ("rms_norm") use, and the plain layer norm.
+QK_NORMS = (None, "rms_norm", "layer_norm")
+
+
+@dataclass(frozen=True)
+class TinySD3Spec:
+    """One tiny SD3 / SD3.5 text-to-image configuration plus the request it is meant to serve."""
+
+    name: str
+    # Transformer (SD3Transformer2DModel). Its caption_projection_dim, joint_attention_dim and
+    # pooled_projection_dim follow from the other sizes (see the properties below).
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    patch_size: int = 2
+    # Latent side of the pipeline's own default size (pixels / 8) when a request gives none.
+    sample_size: int = 8
+    # Side of the learned-position grid, in patches: the largest latent is this times patch_size.
+    pos_embed_max_size: int = 32
+    # SD3.5-style blocks with a second image self-attention (MMDiT-X); () is SD3.0.
+    dual_attention_layers: tuple[int, ...] = ()
+    qk_norm: str | None = None
+    # CLIP-L (CLIPTextModelWithProjection, quick_gelu as openai/clip-vit-large-patch14).
+    clip_l_hidden_size: int = 32
+    clip_l_num_layers: int = 2
+    clip_l_num_heads: int = 2
+    clip_l_intermediate_size: int = 64
+    clip_l_projection_dim: int = 32
+    # CLIP-G (CLIPTextModelWithProjection, gelu as laion's CLIP-ViT-bigG-14).
+    clip_g_hidden_size: int = 48
+    clip_g_num_layers: int = 2
+    clip_g_num_heads: int = 2
+    clip_g_intermediate_size: int = 96
+    clip_g_projection_dim: int = 48
+    # T5 (T5EncoderModel, gated-gelu as t5-v1_1-xxl); t5_d_model is the transformer's joint_attention_dim.
+    t5_d_model: int = 96
+    t5_d_kv: int = 16
+    t5_d_ff: int = 128
+    t5_num_layers: int = 2
+    t5_num_heads: int = 2
+    t5_vocab_size: int = 256
+    # VAE (AutoencoderKL with 16 latent channels, SD3.5's scaling and shift factors).
+    vae_block_out_channels: tuple[int, ...] = (4, 4, 8, 8)
+    vae_layers_per_block: int = 1
+    vae_norm_num_groups: int = 4
+    # Scheduler (FlowMatchEulerDiscreteScheduler); SD3 and SD3.5 ship shift 3.0.
+    shift: float = 3.0
+    seed: int = 0
+    # How the safetensors files store the weights (they are generated in float32 either way).
+    weights_dtype: str = "float32"
+    # Default request for this model.
+    height: int = 64
+    width: int = 64
+    num_inference_steps: int = 4
+    guidance_scale: float = 4.5
+    max_sequence_length: int = 32
+
+    @property
+    def caption_projection_dim(self) -> int:
+        # The text tokens join the image tokens in one attention, so both streams share the width.
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def joint_attention_dim(self) -> int:
+        # The prompt embeddings are the T5 states with the CLIP states padded to T5's width.
+        return self.t5_d_model
+
+    @property
+    def pooled_projection_dim(self) -> int:
+        # The pooled embedding is the two CLIP projections concatenated.
+        return self.clip_l_projection_dim + self.clip_g_projection_dim
+
+    def __post_init__(self) -> None:
+        # Lists would leave the spec unhashable.
+        object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
+        object.__setattr__(self, "vae_block_out_channels", tuple(self.vae_block_out_channels))
+        self._check_transformer()
+        self._check_text_encoders()
+        self._check_vae()
+        self._check_request()
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+
+    def _check_transformer(self) -> None:
+        if min(self.num_layers, self.num_attention_heads, self.attention_head_dim, self.patch_size) < 1:
+            raise ValueError("transformer sizes must be positive")
+        if sorted(set(self.dual_attention_layers)) != list(self.dual_attention_layers):
+            raise ValueError("dual_attention_layers must be distinct and increasing")
+        if any(not 0 <= i < self.num_layers for i in self.dual_attention_layers):
+            raise ValueError("dual_attention_layers must index layers below num_layers")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}")
+        if self.sample_size % self.patch_size or not 0 < self.sample_size // self.patch_size <= self.pos_embed_max_size:
+            raise ValueError("sample_size must be a multiple of patch_size within pos_embed_max_size patches")
+
+    def _check_text_encoders(self) -> None:
+        for prefix in ("clip_l", "clip_g"):
+            hidden, heads = getattr(self, f"{prefix}_hidden_size"), getattr(self, f"{prefix}_num_heads")
+            if min(hidden, heads, getattr(self, f"{prefix}_projection_dim")) < 1 or hidden % heads:
+                raise ValueError(f"{prefix}_hidden_size must be a positive multiple of {prefix}_num_heads")
+        # SD3 zero-pads the two CLIP hidden states, side by side, to the T5 width before joining them.
+        if self.clip_l_hidden_size + self.clip_g_hidden_size > self.t5_d_model:
+            raise ValueError("clip_l_hidden_size + clip_g_hidden_size must not exceed t5_d_model")
+        if min(self.t5_d_kv, self.t5_d_ff, self.t5_num_layers, self.t5_num_heads) < 1:
+            raise ValueError("T5 sizes must be positive")
+        if self.t5_vocab_size <= FIXED_TOKENS:
+            raise ValueError("t5_vocab_size too small for the T5 tokenizer's alphabet")
+
+    def _check_vae(self) -> None:
+        if len(self.vae_block_out_channels) != VAE_LEVELS:
+            raise ValueError(f"vae_block_out_channels must have {VAE_LEVELS} entries (8x downsampling)")
+        if self.vae_norm_num_groups < 1 or any(c % self.vae_norm_num_groups for c in self.vae_block_out_channels):
+            raise ValueError("every VAE width must be a multiple of vae_norm_num_groups")
+        if self.vae_layers_per_block < 1:
+            raise ValueError("vae_layers_per_block must be >= 1")
+
+    def _check_request(self) -> None:
+        # The pipeline needs whole patches of whole latent pixels (16 px for patch 2).
+        multiple = VAE_SPATIAL_STRIDE * self.patch_size
+        if self.height % multiple or self.width % multiple or min(self.height, self.width) < multiple:
+            raise ValueError(f"height and width must be positive multiples of {multiple}")
+        if max(self.height, self.width) > multiple * self.pos_embed_max_size:
+            raise ValueError(f"height and width must not exceed {multiple * self.pos_embed_max_size} "
+                             "(pos_embed_max_size patches)")
+        if not 1 <= self.max_sequence_length <= MAX_T5_SEQUENCE_LENGTH:
+            raise ValueError(f"max_sequence_length must be in [1, {MAX_T5_SEQUENCE_LENGTH}]")
+        if self.num_inference_steps < 1 or self.shift <= 0:
+            raise ValueError("num_inference_steps must be >= 1 and shift > 0")
+
+    def build(self, out_dir: str | Path) -> Path:
+        """Write this model's diffusers directory into ``out_dir`` and return it."""
+        from common.families.sd3.tiny_model import build_tiny_sd3
+
+        return build_tiny_sd3(self, out_dir)
+
+
+SPECS: dict[str, TinySD3Spec] = {
+    spec.name: spec
+    for spec in (
+        # Tiny everything (SD3.0-style blocks); pipeline calls take well under a second on a CPU.
+        TinySD3Spec(name="tiny-sd3"),
+        # A compute-bound transformer for CPU benchmarks, SD3.5-Medium-style (dual attention in the
+        # first blocks, RMS query/key norms, head dim 64); text encoders and VAE stay small. Its
+        # position grid (48 patches) covers 768 px, 3x its default grid as SD3's 192 is of 64.
+        TinySD3Spec(
+            name="small-sd3",
+            num_layers=8,
+            num_attention_heads=4,
+            attention_head_dim=64,
+            sample_size=32,
+            pos_embed_max_size=48,
+            dual_attention_layers=(0, 1),
+            qk_norm="rms_norm",
+            clip_l_hidden_size=64,
+            clip_l_num_heads=2,
+            clip_l_intermediate_size=128,
+            clip_l_projection_dim=64,
+            clip_g_hidden_size=96,
+            clip_g_num_heads=2,
+            clip_g_intermediate_size=192,
+            clip_g_projection_dim=96,
+            t5_d_model=256,
+            t5_d_kv=32,
+            t5_d_ff=512,
+            t5_num_heads=4,
+            vae_block_out_channels=(8, 16, 32, 32),
+            vae_norm_num_groups=8,
+            seed=1,
+            height=256,
+            width=256,
+            num_inference_steps=10,
+            guidance_scale=4.5,
+            max_sequence_length=64,
+        ),
+    )
+}

@@ -1,0 +1,131 @@
+"""The tiny SD3 models' CLIP tokenizers: byte-level BPE laid out like CLIP's, with merges learned here,
+deterministically, from the small English corpus of :mod:`common.families.wan.tiny_tokenizer`.
+
+SD3 ships two CLIP tokenizers with the same vocabulary and merges that differ only in their pad token:
+``tokenizer`` (CLIP-L) pads with ``<|endoftext|>``, ``tokenizer_2`` (CLIP-G) with ``!``. Its T5
+tokenizer (``tokenizer_3``) is the Wan one, :func:`common.families.wan.tiny_tokenizer.build_tokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from common.families.wan.tiny_tokenizer import corpus
+
+if TYPE_CHECKING:
+    from transformers import CLIPTokenizer
+
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+CLIP_L_PAD_TOKEN = EOS_TOKEN
+CLIP_G_PAD_TOKEN = "!"
+# CLIP's context length; SD3 pads and truncates both CLIP prompts to it.
+MODEL_MAX_LENGTH = 77
+# Merges learned from the corpus; enough that its common words are single tokens.
+NUM_MERGES = 256
+_END_OF_WORD = "</w>"  # CLIP's BPE marks a word's last symbol with this suffix
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 byte-level symbols in CLIP's order (printable ASCII first, so ``!`` is id 0).
+
+    Every byte is a token, bare and word-final, so no prompt (ASCII or not) ever maps to unk.
+    """
+    from tokenizers import pre_tokenizers
+
+    # Sorting by code point gives the byte-level mapping's own order: bytes 33-126, 161-172 and
+    # 174-255 stand for themselves, the others for U+0100 onwards.
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _base_vocab() -> dict[str, int]:
+    symbols = byte_alphabet()
+    return {tok: i for i, tok in enumerate(symbols + [s + _END_OF_WORD for s in symbols])}
+
+
+def _with_specials(vocab: dict[str, int]) -> dict[str, int]:
+    # As in CLIP, the special tokens take the last two ids.
+    return {**vocab, BOS_TOKEN: len(vocab), EOS_TOKEN: len(vocab) + 1}
+
+
+def _make(vocab: dict[str, int], merges: list[tuple[str, str]], pad_token: str) -> CLIPTokenizer:
+    from transformers import CLIPTokenizer
+
+    # In transformers 5 CLIPTokenizer is the tokenizers-backed class; it sets up CLIP's normaliser
+    # (NFC, whitespace, lowercase), pre-tokeniser (CLIP's split + byte level) and post-processor
+    # (<|startoftext|> ... <|endoftext|>), all of which from_pretrained rebuilds identically.
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=pad_token,
+        model_max_length=MODEL_MAX_LENGTH,
+    )
+
+
+def _corpus_words() -> Counter[str]:
+    """The corpus as the tokenizer sees it: normalised and pre-tokenised into byte-level words."""
+    backend = _make(_with_specials(_base_vocab()), [], CLIP_L_PAD_TOKEN).backend_tokenizer
+    words: Counter[str] = Counter()
+    for line in corpus():
+        words.update(w for w, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
+    return words
+
+
+def learn_merges(words: Counter[str], num_merges: int) -> list[tuple[str, str]]:
+    """Greedy BPE: repeatedly merge the most frequent adjacent pair of symbols.
+
+    Ties go to the lexicographically smallest pair, so the result does not depend on hash or
+    dict order (the ``tokenizers`` trainer breaks ties differently from run to run).
+    """
+    # Each word as its symbols, the last one carrying the end-of-word suffix.
+    segmented = {tuple(w[:-1]) + (w[-1] + _END_OF_WORD,): n for w, n in sorted(words.items())}
+    merges: list[tuple[str, str]] = []
+    while len(merges) < num_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for symbols, n in segmented.items():
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break  # every word is a single token
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        segmented = {_apply_merge(symbols, best): n for symbols, n in segmented.items()}
+    if len(merges) < num_merges:
+        raise ValueError(f"corpus too small for {num_merges} merges")
+    return merges
+
+
+def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    i = 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            out.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
+
+
+def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """CLIP's layout: bytes, word-final bytes, merged tokens in merge order, then the special tokens."""
+    merges = learn_merges(_corpus_words(), NUM_MERGES)
+    vocab = _base_vocab()
+    for left, right in merges:
+        # Two different pairs can spell the same token; it keeps its first id.
+        vocab.setdefault(left + right, len(vocab))
+    return _with_specials(vocab), merges
+
+
+def build_clip_tokenizer(pad_token: str) -> CLIPTokenizer:
+    """A tiny CLIP tokenizer; ``pad_token`` is :data:`CLIP_L_PAD_TOKEN` or :data:`CLIP_G_PAD_TOKEN`."""
+    vocab, merges = clip_vocab_and_merges()
+    tokenizer = _make(vocab, merges, pad_token)
+    if len(tokenizer) != len(vocab):
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {len(vocab)}")
+    return tokenizer

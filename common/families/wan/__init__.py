@@ -1,0 +1,1 @@
+"""Wan text-to-video (WanPipeline), Wan2.1 and Wan2.2."""
