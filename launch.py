@@ -1,6 +1,6 @@
 """Bring a whole disaggregated topology up: workers as child processes plus the router.
 
-    python launch.py [--model DIR|tiny|tiny-alt|tiny-moe] [--topology SPEC] [--host H] [--port P] [--dtype D]
+    python launch.py [--model DIR|tiny|tiny-sd3|...] [--topology SPEC] [--host H] [--port P] [--dtype D]
                      [--ray [ADDRESS]]
 
 Each worker is its own OS process with an ``ipc://`` input socket in a private
@@ -17,7 +17,6 @@ logs ``stopped: all workers exited`` once everything is down.
 from __future__ import annotations
 
 import argparse
-import errno
 import itertools
 import json
 import logging
@@ -36,11 +35,13 @@ from pathlib import Path
 import uvicorn
 
 from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits
+from common.runtime.http_sockets import bind_http_or_exit
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
-from common.families.wan.tiny_model import CACHE_ENV as TINY_CACHE_ENV
-from common.families.wan.tiny_model import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
-from common.families.wan.tiny_model import SPECS, ensure_tiny_model
+from common.families import UnknownFamily, read_model
+from common.families.builtin import BUILTINS, ensure_builtin, layout_problem
+from common.families.tiny_cache import CACHE_ENV as TINY_CACHE_ENV
+from common.families.tiny_cache import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
 from common.transport.security import provision_curve, remove_secrets
 from common.diffusion.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
@@ -54,7 +55,8 @@ log = logging.getLogger("disagg.launch")
 
 
 def _serving_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="diffusers Wan directory, or a built-in tiny model: " + ", ".join(SPECS))
+    p.add_argument("--model", default="tiny", help="a diffusers model directory (Wan, SD3), or a built-in random-weight model: "
+                   + ", ".join(BUILTINS))
     p.add_argument("--topology", default="encoder=1,denoise=1,decode=1", help="ROLE=N,... or a YAML/JSON file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -129,7 +131,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Serve a Wan model as a disaggregated encoder/denoise/decode pipeline.")
+    p = argparse.ArgumentParser(description="Serve a diffusion model (Wan, SD3) as a disaggregated "
+                                            "encoder/denoise/decode pipeline.")
     for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags):
         add_flags(p)
     args = p.parse_args(argv)
@@ -147,7 +150,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_model(name: str) -> Path:
-    return ensure_tiny_model(name) if name in SPECS else Path(name).resolve()
+    return ensure_builtin(name) if name in BUILTINS else Path(name).resolve()
+
+
+def model_family(model: Path):
+    """The model's family binding; an unknown pipeline class ends the launcher in one line."""
+    try:
+        return read_model(model).family
+    except (UnknownFamily, FileNotFoundError) as e:
+        sys.exit(f"launch.py: error: {e}")
 
 
 class EngineServer(uvicorn.Server):
@@ -160,37 +171,6 @@ class EngineServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.on_shutdown_signal()
         super().handle_exit(sig, frame)
-
-
-def bind_http(host: str, port: int) -> list[socket.socket]:
-    """The front door's sockets, bound now and later handed to uvicorn: a port that is taken
-    fails here, before any model is generated or worker started. Like asyncio's own
-    ``create_server``: one socket per address ``host`` resolves to."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    sockets: list[socket.socket] = []
-    try:
-        for family, type_, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, type_, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
-def bind_http_or_exit(host: str, port: int) -> list[socket.socket]:
-    try:
-        return bind_http(host, port)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            sys.exit(f"launch.py: error: port {port} on {host} is already in use; pick another with --port N")
-        sys.exit(f"launch.py: error: cannot listen on {host}:{port} ({e.strerror or e}); "
-                 "choose another --host or --port")
 
 
 def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvicorn.Server) -> None:
@@ -212,7 +192,7 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
              for w in body["workers"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)) for r in rows)
-    print(f"\n{table}\n\ndisagg-diffusion serving {body['model']} at {url}\n", flush=True)
+    print(f"\n{table}\n\ndisagg-diffusion serving {body['model']} ({body['pipeline']}) at {url}\n", flush=True)
 
 
 def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_roots: list[str]) -> EngineConfig:
@@ -273,7 +253,7 @@ def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, l
 
 
 def _load_model(name: str) -> Path:
-    if name in SPECS:
+    if name in BUILTINS:
         cache = Path(os.environ.get(TINY_CACHE_ENV) or TINY_CACHE_DIR).expanduser()
         log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache)
     return resolve_model(name)
@@ -376,9 +356,17 @@ def main(argv=None) -> int:
     api_key, admin_key, weight_roots = _keys_and_roots(args)
     sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
     model = _load_model(args.model)
+    family = model_family(model)
+    log.info("model family: %s (%s)", family.family, family.pipeline)
     runtime = _private_runtime_dir(args.runtime_dir)
     _warn_about_keys(args, api_key)
-    config, ray_workers = _place_workers(args, engine_config(args, model, runtime, weight_roots))
+    config = engine_config(args, model, runtime, weight_roots)
+    problem = layout_problem(family, config.workers)
+    if problem:
+        if args.runtime_dir is None:
+            shutil.rmtree(runtime, ignore_errors=True)
+        sys.exit(f"launch.py: error: {problem}")
+    config, ray_workers = _place_workers(args, config)
     shm_prefix = engine_prefix(config.runtime_dir)
     remove_engine_segments(shm_prefix)  # a previous engine on this runtime dir may have died unclean
     config_path = runtime / CONFIG_NAME

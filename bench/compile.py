@@ -12,7 +12,7 @@ the denoise worker runs:
 
 1. Three copies of the transformer: diffusers' model called as ``WanPipeline`` calls it (per step a
    conditional and an unconditional pass of batch 1 in ``cache_context``, then ``u + g (c - u)``); a
-   ``WanPolicy`` taking ``velocity`` eagerly; a ``WanPolicy`` whose expert went through ``compile_experts``
+   ``Policy`` taking ``velocity`` eagerly; a ``Policy`` whose expert went through ``compile_experts``
    and ``warm_up`` (timed: the compile).
 2. One untimed run of each row, then ``--rounds`` rounds; a round runs every row once (one whole denoise of
    the request: ``steps`` guided steps and a plain Euler update), in an order that rotates per round, so
@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.serve import CpuMeter  # noqa: E402
 from common.diffusion.compiled import compile_experts, warm_up  # noqa: E402
 from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
-from common.diffusion.policy import ModelInput, WanPolicy  # noqa: E402
+from common.families import read_model  # noqa: E402
+from common.diffusion.policy import ModelInput, Policy  # noqa: E402
 from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
 TARGET = 0.8  # compiled / diffusers eager
@@ -82,16 +83,16 @@ def diffusers_velocity(model, req: Request):
     return velocity
 
 
-def policy_velocity(policy: WanPolicy, req: Request):
+def policy_velocity(policy: Policy, req: Request):
     return lambda x, t: policy.velocity(ModelInput(x, t, req.cond, req.uncond, req.guidance))
 
 
 def run_preset(name: str, args) -> dict:
     from diffusers import WanTransformer3DModel
 
-    info = ModelInfo.read(ensure_tiny_model(name))
+    info = read_model(ensure_tiny_model(name))
     diff_model = WanTransformer3DModel.from_pretrained(info.path / "transformer", dtype=torch.float32).eval()
-    eager, compiled = (WanPolicy.load(info, torch.float32, "cpu") for _ in range(2))
+    eager, compiled = (Policy.load(info, torch.float32, "cpu") for _ in range(2))
     req = Request(info, diff_model.config.text_dim)
     params = sum(p.numel() for p in diff_model.parameters())
     print(f"\n== preset {name}: {params / 1e6:.2f}M parameters, {req.describe}", flush=True)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families import read_model  # noqa: E402
 from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 from serve import PROMPTS, CpuMeter  # noqa: E402
@@ -104,7 +105,7 @@ def bodies(model: str, args) -> list[dict]:
     p = {**PRESETS.get(model, {}), **{k: v for k, v in (("height", args.height), ("width", args.width),
                                                           ("num_frames", args.num_frames), ("steps", args.steps))
                                       if v is not None}}
-    d = ModelInfo.read(ensure_tiny_model(model)).defaults
+    d = read_model(ensure_tiny_model(model)).defaults
     return [{"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": "", "seed": 1000 + i,
              "height": p.get("height", d["height"]), "width": p.get("width", d["width"]),
              "num_frames": p.get("num_frames", d["num_frames"]),

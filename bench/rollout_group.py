@@ -68,6 +68,7 @@ from common.protocol.messages import GenerationParams  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion import schedulers  # noqa: E402
 from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
+from common.families import read_model  # noqa: E402
 from common.diffusion.policy import sigma_max  # noqa: E402
 from common.diffusion.sde import sde_step  # noqa: E402
 
@@ -187,7 +188,7 @@ class InProcess:
         dlog.disable_progress_bar()
         tlog.disable_progress_bar()
         self.cfg = cfg
-        self.info = ModelInfo.read(model_dir)
+        self.info = read_model(model_dir)
         t0 = time.perf_counter()
         self.pipe = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)

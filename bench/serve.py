@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.protocol.http_tensors import body_to_tensor  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families import read_model  # noqa: E402
 
 MSGPACK = "application/msgpack"
 
@@ -627,7 +628,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
         model_dir = Path(health["model"])
-        defaults = ModelInfo.read(model_dir).defaults
+        defaults = read_model(model_dir).defaults
         work = Workload(height=args.height or defaults["height"], width=args.width or defaults["width"],
                         num_frames=args.num_frames or defaults["num_frames"],
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,

@@ -12,14 +12,14 @@ from common.protocol.messages import LORA_BLOB, ControlRequest, GenerationParams
 from common.diffusion.lora import LoraAdapter, build_adapter
 from common.diffusion.lora_format import LoraConfig, LoraError, parse_state, read_lora
 from common.diffusion.weights import WeightsError
-from common.diffusion.policy import WanPolicy
+from common.diffusion.policy import Policy
 
 
 class AdapterTable:
     """Name -> the adapter's latest version. Versions are immutable: a request holds the one it
     started with, so replacing or unloading a name never changes a request in flight."""
 
-    def __init__(self, config: EngineConfig, policy: WanPolicy):
+    def __init__(self, config: EngineConfig, policy: Policy):
         self.config, self.policy = config, policy
         self.by_name: dict[str, LoraAdapter] = {}
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from common.config.engine import EngineConfig, default_threads, torch_dtype_for
 from common.diffusion.compiled import compile_experts
-from common.diffusion.model_info import ModelInfo
-from common.diffusion.policy import WanPolicy
+from common.families import read_model
+from common.diffusion.policy import Policy
 from denoise_worker.parallel_forward import Follower, ParallelLayout
 from denoise_worker.ranks import die_with_parent, join_group
 
@@ -43,7 +43,7 @@ def main() -> None:
     device = torch.device(spec.devices[args.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    policy = WanPolicy.load(ModelInfo.read(config.model), torch_dtype_for(device.type, config.dtype), device)
+    policy = Policy.load(read_model(config.model), torch_dtype_for(device.type, config.dtype), device)
     join_group(config, spec, args.rank)
     try:
         layout = ParallelLayout.of(spec, device.type)

@@ -2,7 +2,7 @@
 followers' loop.
 
 The ranks form a mesh of ``cfg`` x ``ring`` x ``ulysses`` (:class:`ParallelLayout`). The
-leader (global rank 0) is the policy's ``ranks`` (:attr:`WanPolicy.ranks`):
+leader (global rank 0) is the policy's ``ranks`` (:attr:`Policy.ranks`):
 each forward's :class:`~common.diffusion.rows.Rows` go to every follower
 (:mod:`common.transport.forward_link`). With CFG parallel (``cfg=2``) the rows
 before ``cond_rows`` (the conditional passes) run on CFG group 0 and the rest
@@ -29,10 +29,11 @@ import torch.distributed as dist
 from common.transport.forward_link import receive_call, send_call
 from common.diffusion.context_parallel import enable_context_parallel, settled
 from common.diffusion.lora import LoraAdapter, LoraModule
-from common.diffusion.policy import WanPolicy
+from common.diffusion.policy import Policy
 from common.diffusion.rows import Rows
 
 FORWARD, ADAPTER, WEIGHTS, STOP = "forward", "adapter", "weights", "stop"
+TEXT_PREFIX = "text."  # a forward's text tensors on the link: text.<the transformer's keyword>
 
 
 @dataclass
@@ -69,7 +70,7 @@ class ParallelLayout:
         """The rank that hands its CFG group's output to the leader (group 1's first rank)."""
         return self.cfg_rank == 1 and self.mesh.get_local_rank("ring") == 0 and self.mesh.get_local_rank("ulysses") == 0
 
-    def prepare(self, policy: WanPolicy) -> None:
+    def prepare(self, policy: Policy) -> None:
         """Sequence parallelism over this rank's CFG group, when it has several ranks."""
         if self.ulysses * self.ring > 1:
             for model in policy.experts.values():
@@ -79,7 +80,7 @@ class ParallelLayout:
 class ParallelForward:
     """The leader's side: each call runs on every rank of the layout."""
 
-    def __init__(self, policy: WanPolicy, layout: ParallelLayout):
+    def __init__(self, policy: Policy, layout: ParallelLayout):
         self.policy, self.layout = policy, layout
         self.cfg = layout.cfg
         self.device = next(iter(policy.experts.values())).device  # every call's header goes there (NCCL: a GPU)
@@ -91,7 +92,8 @@ class ParallelForward:
         """The model's output for every row of ``rows``."""
         loras = [None if lo is None else [self._key(lo[0]), lo[1]] for lo in rows.loras]
         split = rows.n if self.cfg == 1 else rows.cond_rows
-        inputs = {"hidden_states": rows.hidden_states, "timestep": rows.timestep, "texts": rows.texts}
+        inputs = {"hidden_states": rows.hidden_states, "timestep": rows.timestep,
+                  **{TEXT_PREFIX + k: v for k, v in rows.texts.items()}}
         dropped = self._dropped[:]
         self._dropped.clear()  # (not a new list: the finalizers append to this one)
         send_call(FORWARD, inputs, device=self.device, expert=expert, text_of=rows.text_of, loras=loras, split=split,
@@ -140,7 +142,7 @@ def _broadcast_weights(module: torch.nn.Module) -> None:
 class Follower:
     """A follower's side: runs its share of each call until the leader says stop."""
 
-    def __init__(self, policy: WanPolicy, layout: ParallelLayout, device: torch.device):
+    def __init__(self, policy: Policy, layout: ParallelLayout, device: torch.device):
         self.policy, self.layout, self.device = policy, layout, device
         self.adapters: dict[int, LoraAdapter] = {}
         self.forwards = 0
@@ -165,7 +167,8 @@ class Follower:
         for key in f["dropped"]:
             self.adapters.pop(key, None)
         loras = [None if lo is None else (self.adapters[lo[0]], lo[1]) for lo in f["loras"]]
-        rows = Rows(tensors["hidden_states"], tensors["timestep"], tensors["texts"], f["text_of"], loras,
+        texts = {k.removeprefix(TEXT_PREFIX): v for k, v in tensors.items() if k.startswith(TEXT_PREFIX)}
+        rows = Rows(tensors["hidden_states"], tensors["timestep"], texts, f["text_of"], loras,
                     f["split"])
         start, stop = (0, f["split"]) if self.layout.cfg_rank == 0 else (f["split"], rows.n)
         if start == stop:

@@ -12,9 +12,8 @@ import torch
 from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, check_deadline
 from common.protocol.messages import (
     LATENTS,
-    NEGATIVE_PROMPT_EMBEDS,
+    NEGATIVE_OF,
     OUTPUT,
-    PROMPT_EMBEDS,
     PROTOCOL_VERSION,
     ControlRequest,
     DecodeRequest,
@@ -26,8 +25,8 @@ from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import receiver_for
 from common.diffusion import schedulers
 from common.diffusion.compiled import compile_experts, warm_up
-from common.diffusion.model_info import ModelInfo
-from common.diffusion.policy import WanPolicy, uses_guidance
+from common.families import read_model
+from common.diffusion.policy import Policy, uses_guidance
 from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.joint_step import advance_all
@@ -64,14 +63,15 @@ class DenoiseStage(Stage):
     role = "denoise"
 
     def load(self) -> None:
-        self.info = ModelInfo.read(self.config.model)
+        self.info = read_model(self.config.model)
+        self.family = self.info.family
         self.followers = None
         if self.spec.ranks > 1:  # a multi-device worker: the followers load while the leader does
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NCCL's communicator works on the current device
             self.followers = FollowerProcesses(self.config, self.spec)
             self.followers.start()
-        self.policy = WanPolicy.load(self.info, self.dtype, self.device)
+        self.policy = Policy.load(self.info, self.dtype, self.device)
         if self.followers is not None:
             join_group(self.config, self.spec, 0)
             layout = ParallelLayout.of(self.spec, self.device.type)
@@ -80,7 +80,7 @@ class DenoiseStage(Stage):
         if self.config.compile:
             self._compile()
         self.adapters = AdapterTable(self.config, self.policy)
-        self.texts = TextTable(self.device, self.policy.dtype)
+        self.texts = TextTable(self.family, self.device, self.policy.dtype)
         self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
@@ -111,13 +111,21 @@ class DenoiseStage(Stage):
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
-        negative = tensors.get(NEGATIVE_PROMPT_EMBEDS.name) if uses_guidance(p.guidance_scale) else None
-        if uses_guidance(p.guidance_scale) and negative is None:
-            raise RequestError(f"guidance_scale > 1 but no {NEGATIVE_PROMPT_EMBEDS.name}")
-        cond = self.texts.padded(tensors[PROMPT_EMBEDS.name])
-        uncond = None if negative is None else self.texts.padded(negative)
+        cond = self.texts.conditioning(self._text(tensors, {f.name: f.name for f in self.family.text_fields}),
+                                       p.max_sequence_length)
+        uncond = None
+        if uses_guidance(p.guidance_scale):
+            negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text_fields})
+            uncond = self.texts.conditioning(negative, p.max_sequence_length)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p))
+
+    def _text(self, tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+        """A prompt's text tensors (by their cond names) from the message's ``names`` (the family's contract)."""
+        missing = [wire for wire in names.values() if wire not in tensors]
+        if missing:
+            raise RequestError(f"{self.family.pipeline} needs the text tensors {', '.join(missing)}")
+        return {name: tensors[wire] for name, wire in names.items()}
 
     # --- continuous batching ----------------------------------------------
     def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
@@ -157,7 +165,7 @@ class DenoiseStage(Stage):
             inputs = [x for _, x in part]
             if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the count
                 size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
-                             self.max_threads)
+                             self.max_threads, self.info.patch_size)
             for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
                 outs[i].append(v)
         return [v[0] if len(v) == 1 else torch.cat(v) for v in outs]

@@ -7,34 +7,39 @@ import hashlib
 
 import torch
 
-from common.families.wan.text import pad_embeddings
+from common.diffusion.binding import Binding, Conditioning, cond_to
 
 
-def _digest(embeds: torch.Tensor) -> tuple:
-    data = embeds.detach().contiguous().cpu().view(torch.uint8).numpy()
-    return tuple(embeds.shape), str(embeds.dtype), hashlib.blake2b(data, digest_size=16).digest()
+def _digest(wire: dict[str, torch.Tensor], length: int) -> tuple:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(wire):
+        t = wire[name]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return length, h.digest()
 
 
 class TextTable:
-    """Padded embeddings on the device, by content, most recently used last.
+    """A text's conditioning on the device, by content, most recently used last.
 
     Requests with the same prompt (a trainer's groups of one prompt, sent as
     several requests) or the same negative prompt (nearly all of them) then hold
-    the same tensor, which is what lets a batched forward compute their
+    the same object, which is what lets a batched forward compute their
     text-only layers once (:mod:`common.diffusion.shared_text`); it also keeps one copy
     of it in device memory instead of one per request.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_entries: int = 64):
-        self.device, self.dtype, self.max_entries = device, dtype, max_entries
-        self.items: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+    def __init__(self, family: Binding, device: torch.device, dtype: torch.dtype, max_entries: int = 64):
+        self.family, self.device, self.dtype, self.max_entries = family, device, dtype, max_entries
+        self.items: collections.OrderedDict[tuple, Conditioning] = collections.OrderedDict()
 
-    def padded(self, embeds: torch.Tensor) -> torch.Tensor:
-        """[L, D] trimmed embeddings -> the shared [1, 512, D] tensor the transformer takes."""
-        key = _digest(embeds)
+    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> Conditioning:
+        """A prompt's wire tensors -> the shared conditioning the transformer takes (e.g. Wan's [1, L, D])."""
+        key = _digest(wire, max_sequence_length)
         hit = self.items.get(key)
         if hit is None:
-            hit = self.items[key] = pad_embeddings(embeds).to(self.device, self.dtype)
+            hit = self.items[key] = cond_to(self.family.conditioning(wire, max_sequence_length), self.device,
+                                            self.dtype)
             if len(self.items) > self.max_entries:
                 self.items.popitem(last=False)
         else:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Hashable
 
 import torch
+
+
+def _nbytes(value: torch.Tensor | dict[str, torch.Tensor]) -> int:
+    tensors = value.values() if isinstance(value, dict) else (value,)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EmbeddingCache:
@@ -18,20 +24,21 @@ class EmbeddingCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.items: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self.items: collections.OrderedDict[Hashable, torch.Tensor | dict] = collections.OrderedDict()
 
-    def get(self, text: str) -> torch.Tensor | None:
+    def get(self, text: Hashable):
         hit = self.items.get(text)
         if hit is not None:
             self.items.move_to_end(text)
         return hit
 
-    def put(self, text: str, embeds: torch.Tensor) -> None:
-        size = embeds.numel() * embeds.element_size()
+    def put(self, text: Hashable, embeds: torch.Tensor | dict[str, torch.Tensor]) -> None:
+        """``text``: the prompt (and its token budget); ``embeds``: a tensor or a prompt's wire tensors."""
+        size = _nbytes(embeds)
         if size > self.max_bytes or text in self.items:
             return
         self.items[text] = embeds
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, old = self.items.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
+            self.bytes -= _nbytes(old)

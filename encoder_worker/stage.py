@@ -1,13 +1,13 @@
-"""Encoder stage: the queued requests' prompts through the UMT5 text encoder, with a prompt cache."""
+"""Encoder stage: the queued requests' prompts through the family's text encoder(s), with a prompt cache."""
 
 from __future__ import annotations
 
 import time
 
-from common.protocol.messages import NEGATIVE_PROMPT_EMBEDS, PROMPT_EMBEDS, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
-from common.runtime.stage import Forward, QueuedBatchStage
 from common.diffusion.policy import uses_guidance
-from common.families.wan.text import WanTextEncoder
+from common.families import read_model
+from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
+from common.runtime.stage import Forward, QueuedBatchStage
 from encoder_worker.prompt_cache import EmbeddingCache
 
 
@@ -15,33 +15,37 @@ class EncoderStage(QueuedBatchStage):
     role = "encoder"
 
     def load(self) -> None:
-        self.text_encoder = WanTextEncoder.load(self.config.model, self.dtype, self.device)
+        info = read_model(self.config.model)
+        self.text_encoder = info.family.load_text_encoder(info, self.dtype, self.device)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
 
     def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
-        """Every distinct prompt and negative prompt of the queued requests, in one encoder call
-        for those not in the cache."""
+        """Every distinct prompt and negative prompt of the queued requests, in one encoder call per token
+        budget (``max_sequence_length``) for those not in the cache."""
         t0 = time.perf_counter()
-        texts: set[str] = set()
+        texts: set[tuple[str, int]] = set()
         for msg, _ in items:
-            texts.add(msg.params.prompt)
-            if uses_guidance(msg.params.guidance_scale):
-                texts.add(msg.params.negative_prompt)
+            p = msg.params
+            texts.add((p.prompt, p.max_sequence_length))
+            if uses_guidance(p.guidance_scale):
+                texts.add((p.negative_prompt, p.max_sequence_length))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
-        missing = [t for t, e in embeds.items() if e is None]
-        if missing:
-            for text, emb in zip(missing, self.text_encoder.encode(missing)):
-                embeds[text] = emb.clone()  # its own storage, not a view that pins the whole batch
-                self.cache.put(text, embeds[text])
+        for budget in sorted({length for (_, length), e in embeds.items() if e is None}):
+            missing = [t for t, e in embeds.items() if e is None and t[1] == budget]
+            for key, wire in zip(missing, self.text_encoder.wire_tensors([t for t, _ in missing], budget)):
+                # Their own storage, not views that pin the whole batch.
+                embeds[key] = {name: t.clone() for name, t in wire.items()}
+                self.cache.put(key, embeds[key])
         elapsed = time.perf_counter() - t0
         return [self._forward(msg, embeds, elapsed) for msg, _ in items]
 
     @staticmethod
     def _forward(msg: EncodeRequest, embeds: dict, elapsed: float) -> Forward:
         p = msg.params
-        tensors = {PROMPT_EMBEDS.name: embeds[p.prompt]}
+        tensors = dict(embeds[(p.prompt, p.max_sequence_length)])
         if uses_guidance(p.guidance_scale):
-            tensors[NEGATIVE_PROMPT_EMBEDS.name] = embeds[p.negative_prompt]
+            negative = embeds[(p.negative_prompt, p.max_sequence_length)]
+            tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
                              timings={**msg.timings, "encode_s": elapsed})
         return Forward("denoise", nxt, tensors)

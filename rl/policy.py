@@ -1,8 +1,9 @@
 """The trainer's side of a rollout: its own copy of the policy, in-process.
 
-:class:`TrainerPolicy` loads the text encoder and the transformer(s) from the
-same model directory the engine serves and recomputes the log-probs of a
-returned trajectory with the engine's own code: :class:`common.diffusion.policy.WanPolicy`
+:class:`TrainerPolicy` loads the text encoder(s) and the transformer(s) from the
+same model directory the engine serves, whatever its family, and recomputes the
+log-probs of a returned trajectory with the engine's own code: the family's
+binding (text encoding, the transformer's call), :class:`common.diffusion.policy.Policy`
 (expert choice, guidance) and :func:`common.diffusion.policy.step_at` (the SDE step on
 the schedule), so that rollout and recompute agree to float32 rounding.
 """
@@ -13,18 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import WanTransformer3DModel
 
-from common.diffusion.model_info import ModelInfo
-from common.diffusion.policy import ModelInput, WanPolicy, step_at, uses_guidance
-from common.families.wan.text import WanTextEncoder, conditioning
+from common.diffusion.binding import Conditioning, cond_to
+from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
+from common.families import read_model
 
 
 @dataclass
 class Trajectory:
     """What ``/rollout/generate`` returns per sample with ``return_trajectory``."""
 
-    latents: torch.Tensor  # [T+1, C, F', H', W']: x_0 (initial noise) ... x_T
+    latents: torch.Tensor  # [T+1, *latent]: x_0 (initial noise) ... x_T
     timesteps: torch.Tensor  # [T]
     sigmas: torch.Tensor  # [T+1]
 
@@ -36,23 +36,29 @@ class Trajectory:
 
 class TrainerPolicy:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.info = ModelInfo.read(model_dir)
+        self.info = read_model(model_dir)
         self.device = torch.device(device)
-        self.text_encoder = WanTextEncoder.load(self.info.path, dtype, self.device)
-        self.policy = WanPolicy.load(self.info, dtype, self.device, trainable=True)
+        self.family = self.info.family
+        self.text_encoder = self.family.load_text_encoder(self.info, dtype, self.device)
+        self.policy = Policy.load(self.info, dtype, self.device, trainable=True)
 
     @property
-    def experts(self) -> dict[str, WanTransformer3DModel]:
+    def experts(self) -> dict[str, torch.nn.Module]:
         return self.policy.experts
 
     @property
-    def transformer(self) -> WanTransformer3DModel:
+    def transformer(self) -> torch.nn.Module:
         return self.policy.experts["transformer"]
 
-    def embeddings(self, prompt: str, negative_prompt: str, guidance_scale: float):
-        """Padded (cond, uncond) embeddings, exactly as the encoder + denoise workers build them."""
-        negative = self.text_encoder.encode_one(negative_prompt) if uses_guidance(guidance_scale) else None
-        return conditioning(self.text_encoder.encode_one(prompt), negative, self.device, self.policy.dtype)
+    def embeddings(self, prompt: str, negative_prompt: str, guidance_scale: float,
+                   max_sequence_length: int | None = None) -> tuple[Conditioning, Conditioning | None]:
+        """(cond, uncond) conditioning, exactly as the encoder + denoise workers build it (uncond None: no
+        guidance); ``max_sequence_length`` left out takes the model's default, as a request does."""
+        length = max_sequence_length or self.info.defaults["max_sequence_length"]
+        texts = [prompt, negative_prompt] if uses_guidance(guidance_scale) else [prompt]
+        conds = [cond_to(self.family.conditioning(w, length), self.device, self.policy.dtype)
+                 for w in self.text_encoder.wire_tensors(texts, length)]
+        return conds[0], conds[1] if len(conds) > 1 else None
 
     def velocity(self, latents, t, cond, uncond, guidance_scale, guidance_scale_2=None) -> torch.Tensor:
         x = ModelInput(latents.to(self.device), t.to(self.device), cond, uncond, guidance_scale, guidance_scale_2)
@@ -69,13 +75,14 @@ class TrainerPolicy:
         sde_type: str = "sde",
         noise_level: float = 0.7,
         embeddings=None,
+        max_sequence_length: int | None = None,
     ) -> torch.Tensor:
         """Recompute log p(x_{i+1} | x_i) for each step i in ``steps``: [K] float32.
 
         Differentiable w.r.t. the transformer's parameters unless called under
         ``torch.no_grad()``.
         """
-        cond, uncond = embeddings or self.embeddings(prompt, negative_prompt, guidance_scale)
+        cond, uncond = embeddings or self.embeddings(prompt, negative_prompt, guidance_scale, max_sequence_length)
         out = []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)

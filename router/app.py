@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.config.engine import EngineConfig
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
@@ -30,7 +31,8 @@ from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
-    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module,
+    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, check_family_fields,
+    checked_module,
     checked_weight_path, to_params,
 )
 from router.weight_sync import MemorySync
@@ -64,7 +66,8 @@ class Routes:
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()
-        return JSONResponse({"ok": ok, "model": str(self.info.path), "workers": workers},
+        return JSONResponse({"ok": ok, "model": str(self.info.path), "family": self.info.family.family,
+                             "pipeline": self.info.family.pipeline, "workers": workers},
                             status_code=200 if ok else 503)
 
     async def generate(self, request: Request) -> Response:
@@ -151,10 +154,12 @@ class Routes:
 
     def params_for(self, body: GenerateBody):
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
+        check_family_fields(body, self.info.family)
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)
-        return to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps)
+        return to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps,
+                         self.info.family)
 
     async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
         accept = request.headers.get("accept", "")
@@ -182,7 +187,7 @@ SAMPLES = "samples (tensors as {dtype, shape, data}; raw bytes with Accept: appl
 def add_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/health", routes.health, methods=["GET"], summary="Workers and their states",
                       response_description="every worker is ready (503: not every one)")
-    app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos",
+    app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos (or images)",
                       openapi_extra=request_body(GenerateBody), response_description=SAMPLES,
                       responses=errors(400, 401, 413, 429, 500, 503, 504))
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
@@ -253,7 +258,7 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
     ``info``: the model's facts (default: read from ``config.model``). ``api_key`` /
     ``admin_key``: see :mod:`router.auth` (never part of ``config``).
     """
-    routes = Routes(config, dispatcher, info or ModelInfo.read(config.model))
+    routes = Routes(config, dispatcher, info or read_model(config.model))
     app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher))
     app.add_middleware(RequestMetrics, metrics=routes.metrics)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)

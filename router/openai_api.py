@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.protocol.messages import OUTPUT, ROLES
-from common.families.wan.tiny_model import SPECS
+from common.families.builtin import BUILTINS
 from router import media
 from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body
@@ -35,7 +35,7 @@ ENCODE_DONE, DENOISE_SPAN = 5, 85  # progress: 5 once encoded, up to 90 over the
 def served_model_id(path: Path) -> str:
     """The model's name: a built-in's (``tiny``), else its directory's."""
     spec = path.name.rsplit("-", 1)[0]
-    return spec if spec in SPECS and path.name != spec else path.name
+    return spec if spec in BUILTINS and path.name != spec else path.name
 
 
 class OpenAIRoutes:
@@ -73,16 +73,18 @@ class OpenAIRoutes:
             raise
 
     def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
-        wan = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
-                                              "guidance_scale_2", "seed", "lora_name", "lora_scale", "timeout_s")}
+        extra = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
+                                                "guidance_scale_2", "seed", "lora_name", "lora_scale", "timeout_s",
+                                                "max_sequence_length")}
         return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
-                            output_type=output_type, **wan)
+                            output_type=output_type, **extra)
 
     # --- GET /v1/models ---------------------------------------------------------------
     async def models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": int(Path(self.info.path).stat().st_mtime),
-             "owned_by": "disagg-diffusion"}]})
+             "owned_by": "disagg-diffusion", "family": self.info.family.family,
+             "pipeline": self.info.family.pipeline}]})
 
     # --- POST /v1/images/generations --------------------------------------------------
     async def images(self, request: Request) -> JSONResponse:
@@ -112,6 +114,9 @@ class OpenAIRoutes:
     async def create_video(self, request: Request) -> JSONResponse:
         body = VideoBody.model_validate(await self._video_fields(request))
         self._check_model(body.model)
+        if not self.info.family.video:
+            raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
+                             "use /v1/images/generations")
         width, height = parse_size(body.size, self.info.defaults)
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
         params = self._params(self._generate_body(body, width, height, frames, 1, "frames"),

@@ -1,7 +1,7 @@
 """Bodies of the OpenAI-style endpoints (``/v1/images/generations``, ``/v1/videos``), and the OpenAI fields'
 translation into a :class:`~router.schemas.GenerateBody`.
 
-OpenAI's own fields keep their meaning; Wan's come as extra body fields. A video
+OpenAI's own fields keep their meaning; the engine's own come as extra body fields. A video
 job's body arrives as multipart form fields (what the official client sends) or
 JSON: its values may be strings ("4"), so that model is lax.
 """
@@ -17,8 +17,9 @@ from common.protocol.messages import LORA_NAME_PATTERN
 from router.schemas import MAX_SEED, FieldError
 
 
-class WanFields(BaseModel):
-    """What Wan takes beyond OpenAI's fields (extra body fields of the official client)."""
+class EngineFields(BaseModel):
+    """What the engine takes beyond OpenAI's fields (extra body fields of the official client); each means
+    what the served family's diffusers pipeline means by it."""
 
     negative_prompt: str = ""
     num_inference_steps: int | None = None
@@ -28,9 +29,10 @@ class WanFields(BaseModel):
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN)
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0)
     timeout_s: float | None = Field(default=None, gt=0)
+    max_sequence_length: int | None = Field(default=None, ge=1)
 
 
-class ImagesBody(WanFields):
+class ImagesBody(EngineFields):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
         {"prompt": "a lighthouse at dusk", "size": "832x480", "n": 1, "response_format": "b64_json"}]})
 
@@ -43,7 +45,7 @@ class ImagesBody(WanFields):
     user: str | None = None  # OpenAI's end-user tag: accepted, unused
 
 
-class VideoBody(WanFields):
+class VideoBody(EngineFields):
     model_config = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False, json_schema_extra={"examples": [
         {"prompt": "a red fox running through snow", "seconds": "1", "size": "832x480"}]})
 

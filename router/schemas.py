@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config.engine import Limits
+from common.diffusion.binding import Binding
 from common.protocol.messages import (
     EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, GenerationParams, RolloutParams, SdeType,
 )
@@ -42,7 +43,7 @@ class GenerateBody(BaseModel):
     # Sizes, steps and guidance left out take the model's serving defaults.
     height: int | None = None
     width: int | None = None
-    num_frames: int | None = Field(default=None, description="4k+1 frames")
+    num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (image families: 1)")
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     guidance_scale_2: float | None = Field(default=None,
@@ -53,6 +54,8 @@ class GenerateBody(BaseModel):
     timesteps: list[float] | None = Field(default=None,
                                           description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
     mu: float | None = None
+    max_sequence_length: int | None = Field(default=None, ge=1, description="the text encoder's token budget "
+                                            "(as the family's diffusers pipeline: Wan 512, SD3 256)")
     output_type: HttpOutputType = Field(default="frames", description="frames or latent tensors, or frames as an "
                                         "mp4 (H.264) or png (one frame) file; Accept: video/mp4 or image/png too")
     timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
@@ -254,9 +257,22 @@ def _check_prompts(body: GenerateBody, limits: Limits) -> None:
             raise FieldError(name, f"longer than {limits.max_prompt_chars} characters")
 
 
-def _check_video(v: dict, limits: Limits) -> None:
-    _check_size("height", v["height"], 16, limits.max_height)
-    _check_size("width", v["width"], 16, limits.max_width)
+def check_family_fields(body: GenerateBody, family: Binding) -> None:
+    """A field the family's pipeline has no use for is refused, never ignored."""
+    for name in ("num_frames", "guidance_scale_2", "max_sequence_length"):
+        value = getattr(body, name)
+        if value is None or name in family.fields or (name == "num_frames" and value == 1 and not family.video):
+            continue
+        what = "makes images: num_frames must be 1 or left out" if name == "num_frames" else f"takes no {name}"
+        raise FieldError(name, f"{family.pipeline} {what}, got {value}")
+
+
+def _check_video(v: dict, limits: Limits, family: Binding | None = None) -> None:
+    multiple = 16 if family is None else family.size_multiple
+    _check_size("height", v["height"], multiple, limits.max_height)
+    _check_size("width", v["width"], multiple, limits.max_width)
+    if family is not None and not family.video:
+        return  # one frame: check_family_fields allows num_frames 1 only
     f = v["num_frames"]
     if f < 1 or (f - 1) % 4:
         raise FieldError("num_frames", f"must be of the form 4k+1, got {f}")
@@ -316,17 +332,31 @@ def _rollout_params(body: RolloutBody, steps: int) -> RolloutParams:
     )
 
 
-def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int = 1000) -> GenerationParams:
-    """Fill model defaults and enforce the engine's limits (checked in this order)."""
-    v = _filled(body, defaults)
+def _max_sequence_length(body: GenerateBody, defaults: dict, family: Binding | None) -> int:
+    length = body.max_sequence_length or defaults.get("max_sequence_length", 512)
+    limit = 512 if family is None else family.max_sequence_length_limit
+    if length > limit:
+        raise FieldError("max_sequence_length", f"must be within 1..{limit}, got {length}")
+    return length
+
+
+def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int = 1000,
+              family: Binding | None = None) -> GenerationParams:
+    """Fill model defaults and enforce the engine's limits (checked in this order). ``family``: the served
+    model's binding (its fields, sizes, one frame for images); None checks as for a video family."""
+    if family is not None:
+        check_family_fields(body, family)
+    v = _filled(body, {"num_frames": 1, **defaults})
     _check_prompts(body, limits)
-    _check_video(v, limits)
+    _check_video(v, limits, family)
     if body.output_type == "png" and v["num_frames"] != 1:
         raise FieldError("output_type", f"png holds one frame: set num_frames to 1 (got {v['num_frames']}), or ask for mp4")
     _check_sampling(v, body, limits)
     steps = _schedule_steps(body, v["num_inference_steps"], limits, n_train)
     _check_timeout_and_mu(body, limits)
+    length = _max_sequence_length(body, defaults, family)
     return GenerationParams(
+        max_sequence_length=length,
         rollout=_rollout_params(body, steps) if isinstance(body, RolloutBody) else None,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,

@@ -16,7 +16,8 @@ from common.diffusion.compiled import CompileError, compile_experts, warm_up
 from common.diffusion.lora import build_adapter
 from common.diffusion.lora_format import read_lora
 from common.diffusion.model_info import ModelInfo
-from common.diffusion.policy import ModelInput, WanPolicy
+from common.families import read_model
+from common.diffusion.policy import ModelInput, Policy
 
 TOL = 1e-4  # compiled kernels fuse and round apart from eager (float32)
 SHAPE = (16, 2, 4, 4)  # the tiny model's default request: 32x32, 5 frames
@@ -51,8 +52,8 @@ class Data:
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
-    info = ModelInfo.read(tiny_dir)
-    eager, compiled = (WanPolicy.load(info, torch.float32, "cpu") for _ in range(2))
+    info = read_model(tiny_dir)
+    eager, compiled = (Policy.load(info, torch.float32, "cpu") for _ in range(2))
     compile_experts(compiled.experts, log_recompiles=False)
     before = _graphs()
     seconds = warm_up(compiled)
@@ -120,7 +121,7 @@ def test_batch_sizes_of_one_latent_shape_compile_at_most_two_graphs(setup):
 
 
 def test_a_failing_compile_raises_and_leaves_the_experts_eager(tiny_dir):
-    policy = WanPolicy.load(ModelInfo.read(tiny_dir), torch.float32, "cpu")
+    policy = Policy.load(read_model(tiny_dir), torch.float32, "cpu")
 
     def no_compiler(graph, example_inputs):
         raise RuntimeError("no C++ compiler on this machine")

@@ -76,14 +76,14 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
 
 
 def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_path: str) -> None:
-    from common.diffusion.model_info import ModelInfo
-    from common.diffusion.policy import WanPolicy
+    from common.families import read_model
+    from common.diffusion.policy import Policy
     from denoise_worker.parallel_forward import Follower, ParallelForward, ParallelLayout
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         layout = ParallelLayout.create(cfg, world // cfg)
-        policy = WanPolicy.load(ModelInfo.read(ensure_tiny_model("tiny")), torch.float32, "cpu")
+        policy = Policy.load(read_model(ensure_tiny_model("tiny")), torch.float32, "cpu")
         layout.prepare(policy)
         if rank:
             Follower(policy, layout, torch.device("cpu")).run()

@@ -20,6 +20,7 @@ from common.protocol.messages import (
 )
 from common.diffusion import schedulers
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from common.diffusion.policy import ModelInput
 from common.diffusion.sde import sde_step
 from denoise_worker.joint_step import advance_all
@@ -139,7 +140,7 @@ def test_concurrent_groups_equal_their_runs_alone(client):
 
 @pytest.fixture(scope="module")
 def templates(tiny_dir):
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     serving = schedulers.load_serving_template(info)
     return info, serving, schedulers.rollout_template_for(serving)
 
@@ -229,9 +230,9 @@ def test_a_forward_that_shares_its_text_equals_each_request_alone(tiny_dir):
     model sees each distinct (text, adapter) once, and every request's output equals its forward alone."""
     from common.diffusion.lora import build_adapter
     from common.diffusion.lora_format import ExpertLora
-    from common.diffusion.policy import WanPolicy
+    from common.diffusion.policy import Policy
 
-    policy = WanPolicy.load(ModelInfo.read(tiny_dir), torch.float32, "cpu")
+    policy = Policy.load(read_model(tiny_dir), torch.float32, "cpu")
     model = policy.experts["transformer"]
     g = torch.Generator().manual_seed(3)
     d = model.config.text_dim

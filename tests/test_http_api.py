@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from conftest import pid_alive
 
 MAX_N = 3  # launched with --max-n 3; every other limit keeps its default
@@ -137,7 +138,7 @@ def test_worker_failure_names_the_stage_and_engine_keeps_serving(engine, tiny_di
     # The router checks sizes against its limits only. The tiny transformer has few rotary positions
     # per axis (64: 1024 px at patch 2 x VAE stride 8), so one patch row more is a size the router
     # accepts and only the denoise worker can refuse (the transformer raises).
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     rope = json.loads((tiny_dir / "transformer" / "config.json").read_text())["rope_max_seq_len"]
     height = (rope + 1) * info.patch_size[1] * info.vae_scale_spatial
     assert height <= DEFAULT_LIMITS["max_height"]

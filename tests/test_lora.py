@@ -24,6 +24,7 @@ import torch
 import lora_fixtures as lf
 from conftest import solo_then_concurrent
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from router.client import EngineClient, EngineHTTPError
 
 PARITY_TOL = 1e-4  # against diffusers, fp32
@@ -40,7 +41,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _request(model_dir: Path, **over) -> dict:
-    d = ModelInfo.read(model_dir).defaults
+    d = read_model(model_dir).defaults
     req = dict(prompt="a fox at dawn", negative_prompt="blurry", seed=1, height=d["height"], width=d["width"],
                num_frames=d["num_frames"], num_inference_steps=d["num_inference_steps"],
                guidance_scale=d["guidance_scale"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from conftest import diffusers_generate
 from router.client import EngineClient
 
@@ -48,7 +49,7 @@ def tiny_client(tiny_engine):
     ids=["default", "cfg-off", "custom-sigmas", "cleaned-prompt"],
 )
 def test_frames_match_diffusers(tiny_dir, tiny_client, over):
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     req = _request(info, **over)
     got = tiny_client.generate(**req)["samples"][0]["output"]
     ref = diffusers_generate(tiny_dir, **req)
@@ -58,7 +59,7 @@ def test_frames_match_diffusers(tiny_dir, tiny_client, over):
 
 
 def test_latents_match_diffusers(tiny_dir, tiny_client):
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     req = _request(info, seed=5)
     got = tiny_client.generate(**req, output_type="latent")["samples"][0]["output"]
     ref = diffusers_generate(tiny_dir, **req, output_type="latent")
@@ -66,7 +67,7 @@ def test_latents_match_diffusers(tiny_dir, tiny_client):
 
 
 def test_n_samples_use_consecutive_seeds(tiny_dir, tiny_client):
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     req = _request(info, seed=20)
     out = tiny_client.generate(**req, n=3, output_type="latent")
     assert [s["seed"] for s in out["samples"]] == [20, 21, 22]
@@ -78,7 +79,7 @@ def test_n_samples_use_consecutive_seeds(tiny_dir, tiny_client):
 
 
 def test_json_and_msgpack_bodies_agree(tiny_dir, tiny_engine):
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     req = _request(info, seed=9, output_type="latent")
     with EngineClient(tiny_engine.url, binary=False) as js, EngineClient(tiny_engine.url, binary=True) as mp:
         a = js.generate(**req)["samples"][0]["output"]
@@ -90,7 +91,7 @@ def test_two_denoise_workers(tiny_dir, engine_factory):
     eng = engine_factory("tiny", "encoder=1,denoise=2,decode=1")
     health = eng.http.get("/health").json()
     assert [w["role"] for w in health["workers"]].count("denoise") == 2
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     reqs = [_request(info, seed=100 + i, prompt=f"prompt {i}") for i in range(6)]
     with EngineClient(eng.url) as c, ThreadPoolExecutor(6) as pool:
         outs = list(pool.map(lambda r: c.generate(**r), reqs))
@@ -103,7 +104,7 @@ def test_two_denoise_workers(tiny_dir, engine_factory):
 def test_other_configuration_matches_diffusers(alt_dir, engine_factory):
     """A model with other widths, heads, layers, flow_shift and a non-square size."""
     eng = engine_factory("tiny-alt")
-    info = ModelInfo.read(alt_dir)
+    info = read_model(alt_dir)
     assert info.defaults["height"] != info.defaults["width"]
     with EngineClient(eng.url) as c:
         for over in ({}, {"guidance_scale": 1.0, "seed": 4}, {"sigmas": [0.95, 0.6, 0.3], "seed": 2}):

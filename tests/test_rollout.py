@@ -11,6 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
 from common.diffusion.model_info import ModelInfo
+from common.families import read_model
 from common.diffusion.sde import sde_step
 from common.diffusion.weights import state_dict_checksum
 from conftest import diffusers_generate
@@ -78,7 +79,7 @@ def test_trajectory_facts(client, policy, tiny_dir):
     s = client.rollout(**req)["samples"][0]
     traj = Trajectory.from_sample(s)
     T = req["num_inference_steps"]
-    info = ModelInfo.read(tiny_dir)
+    info = read_model(tiny_dir)
     assert traj.latents.shape == (T + 1, *info.latent_shape(64, 64, 9)[1:])
     assert traj.timesteps.shape == (T,) and traj.sigmas.shape == (T + 1,)
     noise = torch.randn(info.latent_shape(64, 64, 9), generator=torch.Generator("cpu").manual_seed(req["seed"]))
@@ -165,7 +166,7 @@ def test_rollout_frames_carry_log_probs(client, policy):
 
 
 def test_convention_check_rejects_mismatch_and_logs_once(caplog):
-    template = schedulers.rollout_template_for(schedulers.load_serving_template(ModelInfo.read(
+    template = schedulers.rollout_template_for(schedulers.load_serving_template(read_model(
         __import__("common.families.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny"))))
     bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
     bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
@@ -265,7 +266,7 @@ def moe(engine_factory, weights_dir):
 @pytest.mark.parametrize("over", [{}, {"guidance_scale_2": 2.0, "seed": 6}, {"guidance_scale": 1.0, "seed": 2}])
 def test_two_experts_match_diffusers(moe, over):
     d, c = moe
-    info = ModelInfo.read(d)
+    info = read_model(d)
     assert info.boundary_ratio is not None and info.has_transformer_2
     req = dict(prompt="a fox at dawn", negative_prompt="", seed=1, height=32, width=32, num_frames=5,
                num_inference_steps=info.defaults["num_inference_steps"], guidance_scale=5.0)

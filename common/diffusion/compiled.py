@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.diffusion.policy import WanPolicy
+    from common.diffusion.policy import Policy
 
 # Graphs of one forward (dynamo counts per code object, every shape together): up to 8 per latent shape, as
 # (batch 1 or larger) x (a shared-text plan or not) x (adapters applying or not); past it dynamo runs that
@@ -82,7 +82,7 @@ def uncompile(experts: dict[str, torch.nn.Module]) -> None:
         model._compiled_call_impl = None
 
 
-def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tuple[int, ...] | None = None,
+def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[int, ...] | None = None,
             batch: int = 2) -> dict[str, float]:
     """Compile each expert for ``latent_shape`` ([C, F', H', W']; by default a policy's default request's)
     by running it: seconds per expert.
@@ -92,10 +92,9 @@ def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tupl
     forward of a sample and one of ``batch``. On failure the experts are made eager again and
     :class:`CompileError` says why.
     """
-    from common.diffusion.model_info import MAX_SEQUENCE_LENGTH
-    from common.diffusion.policy import ModelInput, WanPolicy
+    from common.diffusion.policy import ModelInput, Policy
 
-    policy = target if isinstance(target, WanPolicy) else None
+    policy = target if isinstance(target, Policy) else None
     experts = policy.experts if policy is not None else target
     if latent_shape is None:
         if policy is None:
@@ -110,8 +109,12 @@ def warm_up(target: "WanPolicy | dict[str, torch.nn.Module]", latent_shape: tupl
         if policy is not None and policy.expert_for(t) != name:
             raise ValueError(f"no timestep of this policy takes {name}")
         g = torch.Generator(device).manual_seed(0)
-        texts = [torch.randn(1, MAX_SEQUENCE_LENGTH, model.config.text_dim, generator=g,
-                             device=device, dtype=dtype) for _ in range(2)]
+        if policy is not None:
+            texts = [policy.family.example_text(model, policy.info.defaults["max_sequence_length"], g, device, dtype)
+                     for _ in range(2)]
+        else:  # bare Wan experts
+            texts = [torch.randn(1, 512, model.config.text_dim, generator=g, device=device, dtype=dtype)
+                     for _ in range(2)]
 
         def latents(n):
             return torch.randn(n, *latent_shape, generator=g, device=device, dtype=dtype)

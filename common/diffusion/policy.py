@@ -1,6 +1,7 @@
-"""The Wan policy: the transformer expert(s) and how one denoising step evaluates and takes them.
+"""The policy: a model's transformer expert(s) and how one denoising step evaluates and takes them.
 
-One copy, used by the denoise worker and by trainers that recompute rollout
+One copy for every family (its binding, :mod:`common.diffusion.binding`, says how to call its
+transformer), used by the denoise worker and by trainers that recompute rollout
 log-probs (``rl.TrainerPolicy``): both sides must choose the same expert,
 apply guidance in the same order and take the same step for their
 log-probs to agree to float32 rounding.
@@ -8,7 +9,8 @@ log-probs to agree to float32 rounding.
 - Experts: ``transformer``, and for Wan2.2-style models ``transformer_2`` with
   ``boundary_ratio`` (the first serves ``t >= boundary_ratio * num_train_timesteps``).
 - Guidance: classifier-free when ``guidance_scale > 1``; the second expert uses
-  ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does.
+  ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does. A single request runs its two
+  halves as its family's pipeline does: two forwards (Wan), or one of [uncond, cond] (SD3).
 - LoRA: each sample may bring its own adapter and scale (:mod:`common.diffusion.lora`),
   applied to its conditional and unconditional passes alike, as peft does.
 - Step: on the rollout (flow-match Euler) schedule, :func:`step_at` takes step ``i``
@@ -21,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
-from diffusers import WanTransformer3DModel
 
+from common.diffusion.binding import Conditioning, text_kwargs
 from common.protocol.messages import ExpertName, SdeType
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.model_info import ModelInfo
@@ -44,10 +46,10 @@ class ModelInput:
     """What a request's samples bring to a transformer forward: latents at one timestep, their text,
     their guidance. The samples of one request share everything but their latents."""
 
-    latents: torch.Tensor  # [n, C, F', H', W']
+    latents: torch.Tensor  # [n, *latent]
     timestep: torch.Tensor  # 0-d, or one per sample of ``latents``
-    cond: torch.Tensor  # [1, 512, D]
-    uncond: torch.Tensor | None  # None: no guidance
+    cond: Conditioning  # Wan: [1, L, D]; else a TextCond of [1, ...] tensors
+    uncond: Conditioning | None  # None: no guidance
     guidance_scale: float
     guidance_scale_2: float | None = None
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
@@ -62,9 +64,10 @@ class ModelInput:
         return replace(self, latents=self.latents[start:stop], timestep=t)
 
 
-class WanPolicy:
-    def __init__(self, info: ModelInfo, experts: dict[str, WanTransformer3DModel]):
+class Policy:
+    def __init__(self, info: ModelInfo, experts: dict[str, torch.nn.Module]):
         self.info = info
+        self.family = info.family
         self.experts = experts
         self.lora_hooks = {name: LoraHooks(name, model) for name, model in experts.items()}
         # Read once: a diffusers model's ``dtype`` walks its parameters on every call.
@@ -79,19 +82,21 @@ class WanPolicy:
         for name in self.experts:
             self._shared_text(name)
 
-    def _shared_text(self, name: str) -> SharedText:
+    def _shared_text(self, name: str) -> SharedText | None:
+        if not self.family.shares_text:
+            return None
         if name not in self.shared_text:
             self.shared_text[name] = shared_text.install(self.experts[name])
         return self.shared_text[name]
 
     @classmethod
     def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
-             trainable: bool = False) -> "WanPolicy":
+             trainable: bool = False) -> "Policy":
         """The model's expert(s) from its directory; ``trainable`` keeps gradients on (a trainer's copy)."""
         names = EXPERTS if info.has_transformer_2 else EXPERTS[:1]
         experts = {}
         for name in names:
-            model = WanTransformer3DModel.from_pretrained(info.path / name, dtype=dtype)
+            model = info.family.load_expert(info.path / name, dtype)
             experts[name] = model.to(device).eval().requires_grad_(trainable)
         return cls(info, experts)
 
@@ -120,8 +125,9 @@ class WanPolicy:
     def velocity(self, x: ModelInput) -> torch.Tensor:
         """Guided model output for ``x``'s samples, in the model's dtype.
 
-        Two passes, then ``uncond + g * (cond - uncond)``: the order of operations
-        of diffusers' WanPipeline (and so of a trainer's recompute).
+        Two passes (or, for a family that batches them, one forward of [uncond, cond]), then
+        ``uncond + g * (cond - uncond)``: the order of operations of the family's diffusers
+        pipeline (and so of a trainer's recompute).
         """
         name = self.expert_for(x.timestep)
         model = self.experts[name]
@@ -131,13 +137,15 @@ class WanPolicy:
         t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float()
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
+        elif x.uncond is not None and self.family.guidance_in_one_forward:
+            with self.lora_hooks[name].rows([x.lora] * (2 * x.n)):
+                both = self.family.forward(model, torch.cat([h, h]), torch.cat([t, t]),
+                                           _joined_rows(x.uncond, x.cond, x.n))
+            v_u, v = both.chunk(2)
         else:
             with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
-                v = model(hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.cond, x.n),
-                          return_dict=False)[0]
-                v_u = None if x.uncond is None else model(
-                    hidden_states=h, timestep=t, encoder_hidden_states=_text_rows(x.uncond, x.n),
-                    return_dict=False)[0]
+                v = self.family.forward(model, h, t, _text_rows(x.cond, x.n))
+                v_u = None if x.uncond is None else self.family.forward(model, h, t, _text_rows(x.uncond, x.n))
         return v if v_u is None else v_u + self.guidance_scale(name, x) * (v - v_u)
 
     def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):
@@ -158,7 +166,8 @@ class WanPolicy:
 
     def local(self, name: str, rows: Rows, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The expert's output for rows ``start:stop`` on this process (a rank runs its share with it)."""
-        return forward_rows(self.experts[name], self.lora_hooks[name], self._shared_text(name), rows, start, stop)
+        return forward_rows(self.family, self.experts[name], self.lora_hooks[name], self._shared_text(name), rows,
+                            start, stop)
 
     def batched_velocity(self, inputs: list[ModelInput]) -> list[torch.Tensor]:
         """Guided model outputs (one [n, ...] per input) for inputs at (possibly) different timesteps,
@@ -195,9 +204,15 @@ class WanPolicy:
         return result
 
 
-def _text_rows(embeds: torch.Tensor, n: int) -> torch.Tensor:
-    """One request's [1, L, D] text embeddings for its n samples (a view, no copy)."""
-    return embeds if embeds.shape[0] == n else embeds.expand(n, -1, -1)
+def _text_rows(cond: Conditioning, n: int) -> dict[str, torch.Tensor]:
+    """One request's [1, ...] text tensors for its n samples (views, no copy)."""
+    return {k: v if v.shape[0] == n else v.expand(n, *v.shape[1:]) for k, v in text_kwargs(cond).items()}
+
+
+def _joined_rows(uncond: Conditioning, cond: Conditioning, n: int) -> dict[str, torch.Tensor]:
+    """[uncond x n, cond x n] per text tensor: one forward of both halves, as diffusers batches them."""
+    u, c = _text_rows(uncond, n), _text_rows(cond, n)
+    return {k: torch.cat([u[k], c[k]]) for k in c}
 
 
 def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) -> list[tuple[int, bool]]:

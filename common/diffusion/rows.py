@@ -12,10 +12,12 @@ worker compute a row the same way.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from common.diffusion.binding import Binding, Conditioning, text_kwargs
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.shared_text import SharedText, TextPlan
 
@@ -24,9 +26,9 @@ LoraChoice = tuple[LoraAdapter, float] | None  # (adapter, scale) of a row; None
 
 @dataclass(frozen=True)
 class Rows:
-    hidden_states: torch.Tensor  # [B, C, F', H', W'] in the model's dtype
+    hidden_states: torch.Tensor  # [B, *latent] in the model's dtype
     timestep: torch.Tensor  # [B]
-    texts: torch.Tensor  # [U, L, D]: the distinct texts
+    texts: dict[str, torch.Tensor]  # the distinct texts: each text keyword's [U, ...] tensor
     text_of: list[int]  # [B]: which of ``texts`` each row has
     loras: list[LoraChoice]  # [B]
     cond_rows: int  # rows [0, cond_rows) are conditional passes, the rest unconditional ones
@@ -36,39 +38,42 @@ class Rows:
         return self.hidden_states.shape[0]
 
     @classmethod
-    def of(cls, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[torch.Tensor],
+    def of(cls, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[Conditioning],
            loras: list[LoraChoice], cond_rows: int | None = None) -> "Rows":
-        """Rows from one [1, L, D] text tensor per row; the same tensor object on two rows is one text."""
+        """Rows from one conditioning per row; the same object on two rows is one text."""
         index: dict[int, int] = {}
-        distinct: list[torch.Tensor] = []
+        distinct: list[Conditioning] = []
         text_of = []
         for t in texts:
             if id(t) not in index:
                 index[id(t)] = len(distinct)
                 distinct.append(t)
             text_of.append(index[id(t)])
-        return cls(hidden_states, timestep, torch.cat(distinct), text_of, loras,
+        kwargs = [text_kwargs(t) for t in distinct]
+        stacked = {k: torch.cat([kw[k] for kw in kwargs]) for k in kwargs[0]}
+        return cls(hidden_states, timestep, stacked, text_of, loras,
                    hidden_states.shape[0] if cond_rows is None else cond_rows)
 
 
-def forward_rows(model: torch.nn.Module, hooks: LoraHooks, shared: SharedText, rows: Rows,
+def forward_rows(family: Binding, model: torch.nn.Module, hooks: LoraHooks, shared: SharedText | None, rows: Rows,
                  start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """The model's output for rows ``start:stop`` of ``rows`` (all by default)."""
+    """The model's output for rows ``start:stop`` of ``rows`` (all by default). ``shared``: the model's
+    shared-text processors (None: its family computes every row's text side)."""
     stop = rows.n if stop is None else stop
     text_of, loras = rows.text_of[start:stop], rows.loras[start:stop]
     keys = [(t, None if lo is None else (id(lo[0]), lo[1])) for t, lo in zip(text_of, loras)]
-    plan = TextPlan.of(keys, rows.hidden_states.device)
+    plan = None if shared is None else TextPlan.of(keys, rows.hidden_states.device)
     # With a plan the model sees each distinct text (and adapter) once: see common/diffusion/shared_text.py.
     firsts = range(len(keys)) if plan is None else plan.first
-    text = _pick(rows.texts, [text_of[r] for r in firsts])
+    which = [text_of[r] for r in firsts]
+    text = {k: _pick(v, which) for k, v in rows.texts.items()}
     text_loras = None if plan is None else [loras[r] for r in plan.first]
-    with hooks.rows(loras, text_loras), shared.active(plan):
-        return model(hidden_states=rows.hidden_states[start:stop], timestep=rows.timestep[start:stop],
-                     encoder_hidden_states=text, return_dict=False)[0]
+    with hooks.rows(loras, text_loras), (shared.active(plan) if shared is not None else nullcontext()):
+        return family.forward(model, rows.hidden_states[start:stop], rows.timestep[start:stop], text)
 
 
 def _pick(texts: torch.Tensor, which: list[int]) -> torch.Tensor:
     """``texts[which]``, a view when ``which`` is one text for every row (a single request's pass)."""
     if len(set(which)) == 1:
-        return texts[which[0] : which[0] + 1].expand(len(which), -1, -1)
+        return texts[which[0] : which[0] + 1].expand(len(which), *texts.shape[1:])
     return texts[torch.tensor(which, device=texts.device)]

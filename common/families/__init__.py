@@ -1,1 +1,33 @@
-"""Model families: one binding per diffusers pipeline."""
+"""Model families: one binding per diffusers pipeline (see :mod:`common.diffusion.binding`).
+
+A model directory's family is its ``model_index.json`` ``_class_name``. Adding a family is one folder
+here with a :class:`~common.diffusion.binding.Binding` subclass, and one line in :data:`BINDINGS`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.diffusion.binding import Binding
+from common.diffusion.model_info import ModelInfo, read_index
+from common.families.sd3.binding import SD3Binding
+from common.families.wan.binding import WanBinding
+
+BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), SD3Binding())}
+
+
+class UnknownFamily(ValueError):
+    """The directory's pipeline class has no binding."""
+
+
+def binding_for(pipeline: str | None) -> Binding:
+    binding = BINDINGS.get(pipeline or "")
+    if binding is None:
+        raise UnknownFamily(f"model_index.json names pipeline class {pipeline!r}, which this engine does not serve; "
+                            f"supported: {', '.join(sorted(BINDINGS))}")
+    return binding
+
+
+def read_model(path: str | Path) -> ModelInfo:
+    """The facts of a model directory, read with its family's binding."""
+    return ModelInfo.read_with(binding_for(read_index(path).get("_class_name")), path)

@@ -39,25 +39,33 @@ class TensorField:
 
     name: str
     dtypes: frozenset[str]
-    rank: int
+    rank: int | tuple[int, ...]  # several: the families differ (videos [.., F', H', W'], images [.., H', W'])
     required: bool = True
 
     def problem(self, dtype: str, shape: list[int]) -> str | None:
         if dtype not in self.dtypes:
             return f"dtype {dtype} is not one of {sorted(self.dtypes)}"
-        if len(shape) != self.rank:
-            return f"rank {len(shape)} is not {self.rank}"
+        ranks = self.rank if isinstance(self.rank, tuple) else (self.rank,)
+        if len(shape) not in ranks:
+            return f"rank {len(shape)} is not {' or '.join(map(str, ranks))}"
         return None
 
 
 # A request's n samples travel together: per-sample tensors have a leading sample axis [n, ...].
 PROMPT_EMBEDS = TensorField("prompt_embeds", FLOAT_DTYPES, 2)  # [L, D], trimmed to the real tokens; one per request
 NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, required=False)  # with guidance
-LATENTS = TensorField("latents", FLOAT_DTYPES, 5)  # [n, C, F', H', W'], as the transformer sees them
-OUTPUT = TensorField("output", FLOAT_DTYPES, 5)  # frames [n, F, H, W, 3] in [0, 1], or latents [n, C, F', H', W']
+# SD3's pooled CLIP projections [P], one per prompt (the family's binding says which text tensors it needs).
+POOLED_PROMPT_EMBEDS = TensorField("pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
+NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
+# A prompt's text tensor -> the same tensor of the negative prompt.
+NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
+TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
+# Latents as the transformer sees them: [n, C, F', H', W'] (video families) or [n, C, H', W'] (image families).
+LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4))
+OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
-TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, 6, required=False)  # [n, T+1, C, F', H', W']
+TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, (6, 5), required=False)  # [n, T+1, *latent]
 TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T], shared
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
@@ -170,7 +178,7 @@ class GenerationParams(_Strict):
     negative_prompt: str
     height: int
     width: int
-    num_frames: int
+    num_frames: int  # 1 for image families
     num_inference_steps: int
     guidance_scale: float
     seed: int  # sample i of the request draws from seed + i
@@ -183,6 +191,7 @@ class GenerationParams(_Strict):
     rollout: RolloutParams | None = None
     lora_name: LoraName | None = None  # a loaded LoRA adapter, applied at lora_scale; None: the base model
     lora_scale: float = 1.0
+    max_sequence_length: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 512  # the text encoder's token budget
     # Absolute deadline (seconds since the epoch): past it, workers drop the request
     # instead of spending compute on an answer nobody waits for any more.
     deadline: float | None = None
@@ -210,7 +219,7 @@ class DenoiseRequest(_Header, tag="denoise", kw_only=True):
     worker zero-pads them to ``max_sequence_length`` as diffusers does, which
     keeps the 512-token padding off the wire."""
 
-    carries = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS)
+    carries = TEXT_TENSORS
 
     route: Route
     params: GenerationParams

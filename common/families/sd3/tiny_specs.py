@@ -106,7 +106,8 @@ class TinySD3Spec:
             raise ValueError("dual_attention_layers must index layers below num_layers")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}")
-        if self.sample_size % self.patch_size or not 0 < self.sample_size // self.patch_size <= self.pos_embed_max_size:
+        default_grid = self.sample_size // self.patch_size
+        if self.sample_size % self.patch_size or not 0 < default_grid <= self.pos_embed_max_size:
             raise ValueError("sample_size must be a multiple of patch_size within pos_embed_max_size patches")
 
     def _check_text_encoders(self) -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 import regex
 import torch
 
-from common.diffusion.model_info import MAX_SEQUENCE_LENGTH
+from common.protocol.messages import PROMPT_EMBEDS
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default
 
 try:  # diffusers fixes mojibake with ftfy when it is installed; so do we
     import ftfy
@@ -39,10 +41,11 @@ def pad_embeddings(embeds: torch.Tensor, length: int = MAX_SEQUENCE_LENGTH) -> t
 
 
 def conditioning(prompt_embeds: torch.Tensor, negative_embeds: torch.Tensor | None,
-                 device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 device: torch.device | str, dtype: torch.dtype,
+                 length: int = MAX_SEQUENCE_LENGTH) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Padded (cond, uncond) for the transformer from trimmed [L, D] embeddings (uncond None: no guidance)."""
-    cond = pad_embeddings(prompt_embeds).to(device, dtype)
-    uncond = None if negative_embeds is None else pad_embeddings(negative_embeds).to(device, dtype)
+    cond = pad_embeddings(prompt_embeds, length).to(device, dtype)
+    uncond = None if negative_embeds is None else pad_embeddings(negative_embeds, length).to(device, dtype)
     return cond, uncond
 
 
@@ -64,17 +67,17 @@ class WanTextEncoder:
         return cls(tokenizer, model.to(device).eval().requires_grad_(False))
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+    def encode(self, prompts: list[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list[torch.Tensor]:
         """Embeddings [L_i, D] for many prompts in one encoder call, each trimmed to its real length.
 
-        Every prompt is padded to 512 tokens with its attention mask, exactly as
+        Every prompt is padded to ``max_sequence_length`` tokens with its attention mask, exactly as
         diffusers' Wan pipeline does: all rows then have the same shape, so a
         prompt's embeddings are the same whatever else shares the call.
         """
         tokens = self.tokenizer(
             [clean_prompt(p) for p in prompts],
             padding="max_length",
-            max_length=MAX_SEQUENCE_LENGTH,
+            max_length=max_sequence_length,
             truncation=True,
             add_special_tokens=True,
             return_attention_mask=True,
@@ -86,6 +89,10 @@ class WanTextEncoder:
         hidden = self.model(tokens.input_ids.to(device), mask.to(device)).last_hidden_state.to(self.model.dtype)
         return [hidden[i, :n] for i, n in enumerate(lengths)]
 
-    def encode_one(self, prompt: str) -> torch.Tensor:
+    def encode_one(self, prompt: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> torch.Tensor:
         """Embeddings [L, D] of one prompt."""
-        return self.encode([prompt])[0]
+        return self.encode([prompt], max_sequence_length)[0]
+
+    def wire_tensors(self, prompts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
+        """Each prompt's trimmed embeddings as they travel to the denoise worker."""
+        return [{PROMPT_EMBEDS.name: e} for e in self.encode(prompts, max_sequence_length)]

@@ -27,12 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -45,86 +41,20 @@ if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
+from common.families.tiny_cache import CACHE_ENV, DEFAULT_CACHE_DIR, _cache_key, _keyed_fields  # noqa: F401
+
 __all__ = ["SPECS", "TinyWanSpec", "build_tiny_model", "ensure_tiny_model"]
 
-CACHE_ENV = "DISAGG_DIFFUSION_CACHE"
-DEFAULT_CACHE_DIR = Path("~/.cache/disagg-diffusion")
 # Spec fields written to the model's serving-defaults file.
 SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 
-# Bump when the builder changes in a way that changes its output, so that
-# cached directories from an older builder are not reused.
-_FORMAT_VERSION = 1
-# Generation output depends on these packages (weights init, serialisation).
-_VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "tokenizers")
 
+def ensure_tiny_model(name="tiny", cache_dir: str | Path | None = None) -> Path:
+    """The directory of built-in model ``name`` (any family's, or a spec), generated on first use:
+    :func:`common.families.builtin.ensure_builtin`."""
+    from common.families.builtin import ensure_builtin
 
-# --------------------------------------------------------------------------
-# Cache
-# --------------------------------------------------------------------------
-
-
-def _keyed_fields(spec: TinyWanSpec) -> dict:
-    """The spec fields that go into its cache key.
-
-    Fields added after the first cached models existed (``_later_field``)
-    count only when they differ from their default, so the keys (directory
-    names) of specs that leave them alone stay what they were.
-    """
-    out = dataclasses.asdict(spec)
-    for f in dataclasses.fields(spec):
-        if f.metadata.get("keyed_if_set") and getattr(spec, f.name) == f.default:
-            del out[f.name]
-    return out
-
-
-def _cache_key(spec: TinyWanSpec) -> str:
-    payload = {
-        "format": _FORMAT_VERSION,
-        "spec": _keyed_fields(spec),
-        "versions": {pkg: importlib.metadata.version(pkg) for pkg in _VERSIONED_PACKAGES},
-    }
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    return f"{spec.name}-{digest[:12]}"
-
-
-def _is_complete(model_dir: Path) -> bool:
-    # Directories only ever appear via an atomic rename of a finished build.
-    return (model_dir / "model_index.json").is_file()
-
-
-def ensure_tiny_model(name: str | TinyWanSpec = "tiny", cache_dir: str | Path | None = None) -> Path:
-    """Return the directory of tiny model ``name``, generating it on first use.
-
-    Safe under concurrent callers: each builds into a private temporary
-    sibling and atomically renames it into place; losers discard theirs.
-    """
-    if isinstance(name, TinyWanSpec):
-        spec = name
-    elif name in SPECS:
-        spec = SPECS[name]
-    else:
-        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(SPECS)}")
-
-    root = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
-    target = root / _cache_key(spec)
-    if _is_complete(target):
-        return target
-
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=root))
-    try:
-        build_tiny_model(spec, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache may be shared
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process won the race; its copy is identical to ours.
-            if not _is_complete(target):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
-    return target
+    return ensure_builtin(name, cache_dir)
 
 
 # --------------------------------------------------------------------------

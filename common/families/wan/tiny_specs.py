@@ -85,6 +85,12 @@ class TinyWanSpec:
         if self.weights_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
 
+    def build(self, out_dir):
+        """Write this model's diffusers directory (common.families.tiny_cache calls it)."""
+        from common.families.wan.tiny_model import build_tiny_model
+
+        return build_tiny_model(self, out_dir)
+
 
 SPECS: dict[str, TinyWanSpec] = {
     spec.name: spec

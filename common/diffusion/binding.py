@@ -1,0 +1,125 @@
+"""What a model family binds: the one interface between a diffusers pipeline and the engine's stages.
+
+A family is one diffusers pipeline class (``model_index.json``'s ``_class_name``). Its binding
+(``common/families/<family>/``) says everything the stages, the router and a trainer must do
+differently for it; everything else (rows, guidance, the SDE step, LoRA hooks, shared text, weight
+buckets, compile, context parallel, tensor contracts) is shared and knows nothing of any family.
+
+- **encoder worker**: :meth:`Binding.load_text_encoder`, whose ``wire_tensors`` gives each prompt's
+  wire tensors (named by :attr:`Binding.text_fields`);
+- **denoise worker**: :meth:`Binding.load_expert` per expert, :meth:`Binding.conditioning` (the wire
+  tensors as the transformer takes them), :meth:`Binding.forward` (the transformer's call on batched
+  rows), :meth:`Binding.latent_shape`;
+- **decode worker**: :meth:`Binding.load_decoder` (latents to frames ``[n, F, H, W, 3]`` in [0, 1]);
+- **router**: :attr:`Binding.defaults` (the pipeline's own), :attr:`Binding.fields` (the optional
+  request fields it takes), :attr:`Binding.size_multiple`, :attr:`Binding.video`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from common.protocol.messages import TensorField
+
+if TYPE_CHECKING:
+    from common.diffusion.model_info import ModelInfo
+
+HIDDEN = "encoder_hidden_states"  # the text sequence every family's transformer takes under this name
+
+
+@dataclass(frozen=True, eq=False)  # identity: the same object on two rows is one text (see rows.Rows.of)
+class TextCond:
+    """One text's conditioning as the transformer takes it: its keyword -> a [1, ...] tensor."""
+
+    tensors: dict[str, torch.Tensor]
+
+
+# A single tensor means encoder_hidden_states alone (Wan's only text input).
+Conditioning = Union[torch.Tensor, TextCond]
+
+
+def text_kwargs(cond: Conditioning) -> dict[str, torch.Tensor]:
+    return {HIDDEN: cond} if isinstance(cond, torch.Tensor) else cond.tensors
+
+
+def cond_to(cond: Conditioning, device, dtype: torch.dtype) -> Conditioning:
+    """``cond`` on ``device`` in ``dtype`` (a new object when anything moves)."""
+    if isinstance(cond, torch.Tensor):
+        return cond.to(device, dtype)
+    return TextCond({k: v.to(device, dtype) for k, v in cond.tensors.items()})
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a model directory says about its latents: read once by the family (:meth:`Binding.geometry`)."""
+
+    latent_channels: int
+    vae_scale_spatial: int
+    vae_scale_temporal: int = 1  # 1: an image family
+    patch_size: tuple[int, ...] = (1, 2, 2)
+
+
+class Binding:
+    """A model family: subclass it once per diffusers pipeline (see the module docstring)."""
+
+    family: str  # short name: /health, /v1/models, the launcher's table
+    pipeline: str  # model_index.json's _class_name
+    video: bool  # frames [F, H, W, 3] with F from num_frames; else one frame (an image)
+    size_multiple: int = 16
+    # The pipeline's own defaults for the request fields a model directory's serving defaults may override.
+    defaults: dict = {}
+    max_sequence_length_limit: int = 512
+    # Optional request fields this family takes (beyond prompt, sizes, steps, guidance, seed, n, ...).
+    fields: frozenset[str] = frozenset()
+    # A prompt's wire tensors (their negative-prompt twins are messages.NEGATIVE_OF[field.name]).
+    text_fields: tuple[TensorField, ...] = ()
+    # Text-only activations computed once per distinct text (common/diffusion/shared_text.py): Wan's
+    # cross-attention; not a joint-attention model, whose text stream depends on the latents.
+    shares_text: bool = False
+    # diffusers has a context-parallel plan for the transformer (Ulysses / ring).
+    context_parallel: bool = False
+    # A single request's guidance as diffusers runs it: both halves in one forward ([uncond, cond]), or
+    # two forwards (cond, then uncond).
+    guidance_in_one_forward: bool = False
+    fps: int = 16  # video families: the MP4's frame rate unless serving_defaults.json says otherwise
+
+    def geometry(self, path: Path, transformer_config: dict) -> Geometry:
+        raise NotImplementedError
+
+    def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
+        """The pipeline's defaults for this directory (some depend on its config, e.g. SD3's sample size)."""
+        return dict(self.defaults)
+
+    def latent_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """One sample's initial noise shape, as the family's pipeline draws it (leading 1)."""
+        raise NotImplementedError
+
+    def load_expert(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def load_text_encoder(self, info: "ModelInfo", dtype: torch.dtype, device):
+        """An object whose ``wire_tensors(prompts, max_sequence_length)`` gives, per prompt, its wire
+        tensors ``{field.name: tensor}`` for :attr:`text_fields` (one encoder call for them all)."""
+        raise NotImplementedError
+
+    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> Conditioning:
+        """A prompt's wire tensors (cond names) as the transformer takes them, on the wire's device and dtype."""
+        raise NotImplementedError
+
+    def forward(self, model: torch.nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's output for batched rows (``text``: each keyword's [B, ...] tensor)."""
+        return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
+
+    def example_text(self, model: torch.nn.Module, max_sequence_length: int, generator: torch.Generator,
+                     device, dtype: torch.dtype) -> Conditioning:
+        """A random conditioning of the right shapes (compile warm-ups)."""
+        raise NotImplementedError
+
+    def load_decoder(self, info: "ModelInfo", dtype: torch.dtype, device):
+        """An object whose ``decode(latents)`` gives float32 frames [n, F, H, W, 3] in [0, 1]."""
+        raise NotImplementedError

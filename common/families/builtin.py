@@ -1,0 +1,31 @@
+"""The built-in random-weight models of every family, by name (``--model tiny-sd3``), and their cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
+from common.families.tiny_cache import ensure
+from common.families.wan.tiny_specs import SPECS as WAN_SPECS
+
+BUILTINS: dict = {**WAN_SPECS, **SD3_SPECS}
+
+
+def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:
+    """The directory of built-in model ``name`` (or of a spec object), generated on first use."""
+    spec = BUILTINS.get(name) if isinstance(name, str) else name
+    if spec is None:
+        raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}")
+    return ensure(spec, cache_dir)
+
+
+def layout_problem(family, workers) -> str | None:
+    """Why the family's transformer cannot run the topology's denoise layouts (``workers``: the engine's
+    WorkerSpecs); None: it can."""
+    if family.context_parallel:
+        return None
+    for spec in workers:
+        if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
+            return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, so "
+                    "its denoise workers cannot use ulysses or ring (cfg works)")
+    return None

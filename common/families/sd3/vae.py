@@ -1,0 +1,26 @@
+"""SD3's VAE decode: ``AutoencoderKL`` (16 channels) with its scaling and shift, as the pipeline decodes."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKL
+
+
+class SD3Decoder:
+    def __init__(self, vae: AutoencoderKL, device):
+        self.vae, self.device = vae, device
+
+    @classmethod
+    def load(cls, path, dtype: torch.dtype, device) -> "SD3Decoder":
+        vae = AutoencoderKL.from_pretrained(path / "vae", dtype=dtype)
+        return cls(vae.to(device).eval().requires_grad_(False), device)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [n, 16, H', W'] -> float32 frames [n, 1, H, W, 3] in [0, 1] (one frame: an image)."""
+        cfg = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype)
+        latents = (latents / cfg.scaling_factor) + cfg.shift_factor  # StableDiffusion3Pipeline's order
+        image = self.vae.decode(latents, return_dict=False)[0]
+        # VaeImageProcessor.postprocess: denormalise in the VAE's dtype, then widen.
+        return (image / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 1).unsqueeze(1).contiguous()
