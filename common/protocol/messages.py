@@ -215,9 +215,10 @@ class EncodeRequest(_Header, tag="encode", kw_only=True):
 
 
 class DenoiseRequest(_Header, tag="denoise", kw_only=True):
-    """Embeddings travel trimmed to their real token length ([L, D]); the denoise
-    worker zero-pads them to ``max_sequence_length`` as diffusers does, which
-    keeps the 512-token padding off the wire."""
+    """The prompt's text tensors as its family's binding declares them (``Binding.text_fields``). Wan's
+    embeddings travel trimmed to their real token length ([L, D]); the denoise worker zero-pads them to
+    ``max_sequence_length`` as diffusers does, which keeps the padding off the wire. SD3's travel whole,
+    with the pooled projections."""
 
     carries = TEXT_TENSORS
 
