@@ -127,7 +127,7 @@ def test_png_and_the_openai_images_api(client, engine):
     import openai
 
     frames = client.generate(**REQ)["samples"][0]["output"]
-    r = client.http.post("/generate", json={**REQ, "output_type": "png"})
+    r = engine.http.post("/generate", json={**REQ, "output_type": "png"})
     assert r.status_code == 200 and r.headers["content-type"] == "image/png"
     png = torch.from_numpy(np.asarray(Image.open(io.BytesIO(r.content)))).float() / 255
     assert png.shape == frames.shape[1:] and _diff(png, frames[0]) <= 1 / 255 + 1e-6
@@ -140,14 +140,27 @@ def test_png_and_the_openai_images_api(client, engine):
             c.videos.create(prompt="a fox", seconds="4")
 
 
-def test_health_names_the_family_and_unused_fields_are_refused(client):
-    health = client.http.get("/health").json()
+def test_health_names_the_family_and_unused_fields_are_refused(client, engine):
+    health = engine.http.get("/health").json()
     assert health["family"] == "sd3" and health["pipeline"] == "StableDiffusion3Pipeline"
     for body, field in (({"num_frames": 9}, "num_frames"), ({"guidance_scale_2": 2.0}, "guidance_scale_2"),
                         ({"height": 40}, "height"), ({"max_sequence_length": 600}, "max_sequence_length")):
-        r = client.http.post("/generate", json={"prompt": "a fox", **body})
+        r = engine.http.post("/generate", json={"prompt": "a fox", **body})
         assert r.status_code == 400 and r.json()["error"]["field"] == field, (body, r.text)
     assert client.generate(prompt="a fox", num_frames=1)["samples"][0]["output"].shape[0] == 1
+
+
+def _steps_counted(engine) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(engine.http.get("/metrics").text)}
+    return sum(s.value for s in families["disagg_denoise_steps"].samples if s.name.endswith("_total"))
+
+
+def test_metrics_count_an_image_requests_steps(client, engine):
+    before = _steps_counted(engine)
+    client.generate(**REQ, n=2)
+    assert _steps_counted(engine) - before == 2 * REQ["num_inference_steps"]  # one per sample per step
 
 
 def _changed(sd3_dir, seed: int) -> dict[str, torch.Tensor]:
@@ -182,7 +195,7 @@ def test_cfg_parallel_equals_one_device(client, tmp_path_factory, lora_root):
                 got, want = c._post(path, body)["samples"], client._post(path, body)["samples"]
                 for a, b in zip(got, want):
                     assert _scaled(a["output"], b["output"]) <= 1e-5
-            assert len(c.http.get("/health").json()["workers"]) == 3
+            assert len(e.http.get("/health").json()["workers"]) == 3
     finally:
         e.stop()
 
@@ -223,12 +236,12 @@ def test_a_request_on_a_killed_denoise_worker_runs_again_equal(tmp_path_factory)
             pool = ThreadPoolExecutor(1)
             fut = pool.submit(lambda: EngineClient(e.url)._post("/generate", body))
             deadline = time.monotonic() + 30
-            while not [w for w in c.http.get("/health").json()["workers"] if w["role"] == "denoise"
+            while not [w for w in e.http.get("/health").json()["workers"] if w["role"] == "denoise"
                        and w["outstanding"]]:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             time.sleep(0.3)
-            pid = next(w["pid"] for w in c.http.get("/health").json()["workers"] if w["role"] == "denoise")
+            pid = next(w["pid"] for w in e.http.get("/health").json()["workers"] if w["role"] == "denoise")
             os.kill(pid, signal.SIGKILL)
             got = fut.result(timeout=180)
             pool.shutdown()
