@@ -3,7 +3,7 @@
 One engine per module (real processes, ZeroMQ, HTTP on loopback): serving frames and latents equal diffusers
 with and without CFG; requests at different steps batched and a GRPO group equal each alone; rollout
 log-probs equal the trainer's recompute; PNG answers and the official openai client's images; weight sync
-from disk and from memory with checksums; the family in /health and /v1/models; the fields SD3 has no use
+from disk, a gloo weights group and shared memory with checksums; the family in /health and /v1/models; the fields SD3 has no use
 for refused; CFG parallel over two ranks equal one device; Ulysses refused at launch.
 """
 
@@ -22,7 +22,8 @@ from common.diffusion.weights import save_weights, state_dict_checksum
 from common.families import read_model
 from common.families.builtin import ensure_builtin
 from conftest import ROOT, Engine, solo_then_concurrent
-from rl import TrainerPolicy, Trajectory
+from common.runtime.engine_process import free_port
+from rl import TrainerPolicy, Trajectory, WeightsGroup
 from router.client import EngineClient
 
 TOL = 1e-4
@@ -172,7 +173,7 @@ def _changed(sd3_dir, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.transformer.state_dict().items()}
 
 
-def test_weight_sync_from_disk_and_memory(client, sd3_dir, lora_root):
+def test_weight_sync_from_disk_a_gloo_group_and_shared_memory(client, sd3_dir, lora_root):
     base = client.generate(**REQ, output_type="latent")["samples"][0]
     new = _changed(sd3_dir, 1)
     save_weights(new, lora_root / "sd3-step-1")
@@ -180,6 +181,10 @@ def test_weight_sync_from_disk_and_memory(client, sd3_dir, lora_root):
     assert reply["sha256"] == state_dict_checksum(new)
     after = client.generate(**REQ, output_type="latent")["samples"][0]
     assert after["weight_version"] == base["weight_version"] + 1 and _diff(after["output"], base["output"]) > 1e-3
+    other = _changed(sd3_dir, 2)
+    with WeightsGroup(client, "127.0.0.1", free_port(), timeout_s=60, bucket_bytes=32 << 10) as group:  # gloo
+        assert group.push(other)["sha256"] == state_dict_checksum(other)
+    assert client.weights_checksum()["weight_version"] == after["weight_version"] + 1
     original = TrainerPolicy(sd3_dir).transformer.state_dict()
     reply = client.update_weights_from_tensors(original)  # back to the start-up weights, through shared memory
     assert reply["sha256"] == state_dict_checksum(original)

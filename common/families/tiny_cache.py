@@ -14,7 +14,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from common.diffusion.model_info import SERVING_DEFAULTS_FILE
 
 CACHE_ENV = "DISAGG_DIFFUSION_CACHE"
 DEFAULT_CACHE_DIR = Path("~/.cache/disagg-diffusion")
@@ -81,3 +84,25 @@ def ensure(spec, cache_dir: str | Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return target
+
+
+def save_built(spec, make_pipeline: Callable[[], object], out_dir: str | Path, default_keys: Iterable[str]) -> Path:
+    """``make_pipeline()`` under float32 and a forked RNG (neither leaks into the caller), stored in the spec's
+    ``weights_dtype`` with the pipeline's own ``save_pretrained`` (model_index.json as a real checkpoint has
+    it), then the request it serves by default as ``serving_defaults.json``."""
+    import torch
+
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            pipe = make_pipeline()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if spec.weights_dtype != "float32":
+        pipe.to(getattr(torch, spec.weights_dtype))
+    out = Path(out_dir)
+    pipe.save_pretrained(out, safe_serialization=True)
+    defaults = {k: getattr(spec, k) for k in default_keys}
+    (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
+    return out

@@ -34,6 +34,9 @@ class SD3Binding(Binding):
     fields = frozenset({"max_sequence_length"})
     text_fields = (PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
     guidance_in_one_forward = True
+    # Flow-GRPO's SD3 LoRA: both streams' attention projections of every joint block.
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                    "attn.to_out.0", "attn.to_q", "attn.to_v")
 
     def geometry(self, path: Path, transformer_config: dict) -> Geometry:
         vcfg = json.loads((path / "vae" / "config.json").read_text())

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from common.diffusion.model_info import SERVING_DEFAULTS_FILE
+from common.families.tiny_cache import save_built
 from common.families.sd3.tiny_specs import SPECS, VAE_LEVELS, VAE_SPATIAL_STRIDE, TinySD3Spec
 from common.families.sd3.tiny_tokenizer import CLIP_G_PAD_TOKEN, CLIP_L_PAD_TOKEN, build_clip_tokenizer
 from common.families.wan.tiny_model import _component_seed, _reinit_
@@ -177,38 +176,21 @@ def _build_scheduler(spec: TinySD3Spec) -> FlowMatchEulerDiscreteScheduler:
 
 def build_tiny_sd3(spec: TinySD3Spec, out_dir: str | Path) -> Path:
     """Write the diffusers directory for ``spec`` into ``out_dir`` and return it."""
-    import torch
     from diffusers import StableDiffusion3Pipeline
 
-    out = Path(out_dir)
     tokenizer = build_clip_tokenizer(CLIP_L_PAD_TOKEN)
     tokenizer_2 = build_clip_tokenizer(CLIP_G_PAD_TOKEN)
-    # Seeding the global RNG and forcing float32 must not leak into the caller.
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            pipe = StableDiffusion3Pipeline(
-                transformer=_build_transformer(spec),
-                scheduler=_build_scheduler(spec),
-                vae=_build_vae(spec),
-                text_encoder=_build_clip(spec, "text_encoder", "clip_l", tokenizer),
-                tokenizer=tokenizer,
-                text_encoder_2=_build_clip(spec, "text_encoder_2", "clip_g", tokenizer_2),
-                tokenizer_2=tokenizer_2,
-                text_encoder_3=_build_t5(spec),
-                tokenizer_3=build_t5_tokenizer(spec.t5_vocab_size),
-            )
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if spec.weights_dtype != "float32":
-        pipe.to(getattr(torch, spec.weights_dtype))
-    # Writes model_index.json exactly as a real StableDiffusion3Pipeline checkpoint has it.
-    pipe.save_pretrained(out, safe_serialization=True)
-    # The request this tiny model is meant to serve.
-    defaults = {k: getattr(spec, k) for k in SERVING_DEFAULT_KEYS}
-    (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
-    return out
+    return save_built(spec, lambda: StableDiffusion3Pipeline(
+        transformer=_build_transformer(spec),
+        scheduler=_build_scheduler(spec),
+        vae=_build_vae(spec),
+        text_encoder=_build_clip(spec, "text_encoder", "clip_l", tokenizer),
+        tokenizer=tokenizer,
+        text_encoder_2=_build_clip(spec, "text_encoder_2", "clip_g", tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=_build_t5(spec),
+        tokenizer_3=build_t5_tokenizer(spec.t5_vocab_size),
+    ), out_dir, SERVING_DEFAULT_KEYS)
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -27,12 +27,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from common.diffusion.model_info import SERVING_DEFAULTS_FILE
 from common.families.wan.tiny_specs import SPECS, WEIGHT_DTYPES, TinyWanSpec
 from common.families.wan.tiny_tokenizer import build_tokenizer
 
@@ -41,7 +39,7 @@ if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-from common.families.tiny_cache import CACHE_ENV, DEFAULT_CACHE_DIR, _cache_key, _keyed_fields  # noqa: F401
+from common.families.tiny_cache import CACHE_ENV, DEFAULT_CACHE_DIR, _cache_key, _keyed_fields, save_built  # noqa: F401
 
 __all__ = ["SPECS", "TinyWanSpec", "build_tiny_model", "ensure_tiny_model"]
 
@@ -193,34 +191,17 @@ def _build_scheduler(spec: TinyWanSpec) -> UniPCMultistepScheduler:
 
 def build_tiny_model(spec: TinyWanSpec, out_dir: str | Path) -> Path:
     """Write the diffusers directory for ``spec`` into ``out_dir`` and return it."""
-    import torch
     from diffusers import WanPipeline
 
-    out = Path(out_dir)
-    # Seeding the global RNG and forcing float32 must not leak into the caller.
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            pipe = WanPipeline(
-                tokenizer=build_tokenizer(spec.vocab_size),
-                text_encoder=_build_text_encoder(spec),
-                vae=_build_vae(spec),
-                scheduler=_build_scheduler(spec),
-                transformer=_build_transformer(spec, "transformer"),
-                transformer_2=_build_transformer(spec, "transformer_2") if spec.two_experts else None,
-                boundary_ratio=spec.boundary_ratio,
-            )
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if spec.weights_dtype != "float32":
-        pipe.to(getattr(torch, spec.weights_dtype))
-    # Writes model_index.json exactly as a real WanPipeline checkpoint has it.
-    pipe.save_pretrained(out, safe_serialization=True)
-    # The request sizes this tiny model is meant to serve (see common.diffusion.model_info).
-    defaults = {k: getattr(spec, k) for k in SERVING_DEFAULT_KEYS}
-    (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
-    return out
+    return save_built(spec, lambda: WanPipeline(
+        tokenizer=build_tokenizer(spec.vocab_size),
+        text_encoder=_build_text_encoder(spec),
+        vae=_build_vae(spec),
+        scheduler=_build_scheduler(spec),
+        transformer=_build_transformer(spec, "transformer"),
+        transformer_2=_build_transformer(spec, "transformer_2") if spec.two_experts else None,
+        boundary_ratio=spec.boundary_ratio,
+    ), out_dir, SERVING_DEFAULT_KEYS)
 
 
 def _main(argv: list[str] | None = None) -> None:
