@@ -32,7 +32,7 @@ from common.diffusion.policy import ModelInput, sigma_max
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Each sample's initial latents [n, ...], drawn from its own generator as diffusers' WanPipeline draws them."""
+    """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
     shape = info.latent_shape(params.height, params.width, params.num_frames)
     return torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
 

@@ -2,7 +2,7 @@
 
 Shapes as OpenAI's API defines them, so that the official ``openai`` package
 works unchanged (``base_url=".../v1"``). An image is a one-frame generation
-returned as PNG; a video is a job whose content is an MP4. Wan's own fields
+returned as PNG; a video is a job whose content is an MP4. The engine's own fields
 (negative prompt, steps, guidance, seed, LoRA) come as extra body fields.
 """
 

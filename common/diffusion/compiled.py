@@ -1,4 +1,4 @@
-"""The Wan experts through ``torch.compile``: compiled in place, warmed up at a latent shape.
+"""Each family's experts through ``torch.compile``: compiled in place, warmed up at a latent shape.
 
 :func:`compile_experts` compiles each expert with ``nn.Module.compile``, so every call site
 (``model(hidden_states=..., ...)``) and every hook keeps working. Only the batch dimension is dynamic: a

@@ -1,4 +1,4 @@
-"""Sequence parallelism for the Wan transformer with diffusers' own context parallelism (Ulysses, ring).
+"""Sequence parallelism with diffusers' own context parallelism (Ulysses, ring), for models with a ``_cp_plan``.
 
 ``enable_context_parallel(model, ulysses, ring)`` splits each forward's token
 sequence over ``ulysses * ring`` ranks of the default torch.distributed group
