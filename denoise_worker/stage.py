@@ -1,4 +1,4 @@
-"""Denoise stage: continuous batching of request-local denoising over the model's policy, and weight sync.
+"""Denoise stage: continuous batching of request-local denoising over the model's policy, and weight sync."""
 
 from __future__ import annotations
 
