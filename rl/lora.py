@@ -4,7 +4,7 @@
     from rl.lora import add_lora, lora_parameters, push_lora, save_lora, set_lora_scale
 
     policy = TrainerPolicy(client.health()["model"])
-    add_lora(policy, rank=8)                       # base frozen, LoRA on the attention projections
+    add_lora(policy, rank=8)                       # base frozen, LoRA on the family's default targets
     optim = torch.optim.Adam(lora_parameters(policy), lr=1e-3)
     ...
     push_lora(client, policy, "mine")              # from memory, over the engine's wire
@@ -18,6 +18,10 @@ to the output, the delta the engine adds per sample for a request with
 trainer with :func:`set_lora_scale` before recomputing its log-probs.
 
 peft initialises ``lora_B`` to zero: a fresh adapter equals the base model.
+
+Family-generic: the default target modules are the served family's (``Binding.lora_targets``: Wan's
+attention projections, SD3's joint-attention projections of both streams as Flow-GRPO trains them), and
+:func:`save_lora` writes the file with that family's diffusers pipeline's ``save_lora_weights``.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from common.diffusion.binding import Binding
 from common.diffusion.lora_format import LoraConfig as EngineLoraConfig
 from common.diffusion.lora_format import lora_sha256 as adapter_sha256
 from common.diffusion.lora_format import parse_state
 from rl.policy import TrainerPolicy
 
-# The attention projections of every block (self- and cross-attention), as diffusers' Wan LoRA scripts target.
-DEFAULT_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+# The attention projections of every block (Wan: self- and cross-attention, as diffusers' Wan LoRA scripts
+# target): every family's default unless its binding names its own (``Binding.lora_targets``).
+DEFAULT_TARGETS: tuple[str, ...] = Binding.lora_targets
 DEFAULT_ADAPTER = "default"
 # peft names every adapter parameter with this prefix (lora_A, lora_B, ...).
 _LORA_PREFIX = "lora_"
@@ -59,14 +65,15 @@ def add_lora(
     policy: TrainerPolicy,
     rank: int,
     alpha: float | None = None,
-    target_modules: Iterable[str] = DEFAULT_TARGETS,
+    target_modules: Iterable[str] | None = None,
     expert: str = "transformer",
     seed: int | None = None,
     adapter_name: str = DEFAULT_ADAPTER,
 ) -> LoraConfig:
     """Freeze the base weights of every expert and add a trainable LoRA to ``expert``.
 
-    ``alpha`` defaults to ``rank`` (scaling 1). ``seed`` makes ``lora_A``'s random
+    ``alpha`` defaults to ``rank`` (scaling 1). ``target_modules`` defaults to the family's
+    (``policy.info.family.lora_targets``; :data:`DEFAULT_TARGETS` for Wan). ``seed`` makes ``lora_A``'s random
     initialisation reproducible without touching the global RNG. No dropout, so the
     trainer's forward stays the deterministic function the engine evaluates.
     Returns the adapter's config (also ``policy.experts[expert].peft_config[adapter_name]``).
@@ -74,6 +81,8 @@ def add_lora(
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     model = _expert(policy, expert)
+    if target_modules is None:
+        target_modules = policy.info.family.lora_targets
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, lora_dropout=0.0,
                         init_lora_weights=True, target_modules=list(target_modules))
     freeze_base(policy)
@@ -103,7 +112,8 @@ def lora_parameters(policy: TrainerPolicy, expert: str | None = None) -> list[to
 
 def lora_state_dict(policy: TrainerPolicy, expert: str = "transformer",
                     adapter_name: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
-    """peft's ``get_peft_model_state_dict``: names like ``blocks.0.attn1.to_q.lora_A.weight``; detached CPU copies."""
+    """peft's ``get_peft_model_state_dict``: names like ``blocks.0.attn1.to_q.lora_A.weight`` (Wan) or
+    ``transformer_blocks.0.attn.to_q.lora_A.weight`` (SD3); detached CPU copies."""
     lora_config(policy, expert, adapter_name)
     sd = get_peft_model_state_dict(_expert(policy, expert), adapter_name=adapter_name)
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
@@ -151,19 +161,23 @@ def lora_metadata(policy: TrainerPolicy, expert: str = "transformer", adapter_na
 
 def save_lora(policy: TrainerPolicy, directory: str | Path, expert: str = "transformer",
               adapter_name: str = DEFAULT_ADAPTER, weight_name: str | None = None) -> Path:
-    """Write the adapter as diffusers' ``WanPipeline.save_lora_weights`` does, with its config as metadata.
+    """Write the adapter as the family's diffusers pipeline saves LoRA weights (``WanPipeline``,
+    ``StableDiffusion3Pipeline``: ``save_lora_weights``), with its config as metadata.
 
     The file holds ``transformer.``-prefixed keys whichever expert it came from (diffusers'
     Wan format has no ``transformer_2`` prefix): an adapter of ``transformer_2`` is loaded
-    back with ``load_into_transformer_2=True``. Returns the safetensors file's path.
+    back with ``load_into_transformer_2=True``. The metadata header is diffusers' own
+    (``lora_adapter_metadata``: the LoraConfig under ``transformer.``), so the pipeline's
+    ``load_lora_weights`` and the engine read the same rank and alpha. Returns the safetensors file's path.
     """
-    from diffusers import WanPipeline
+    import diffusers
     from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 
+    pipeline = getattr(diffusers, policy.info.family.pipeline)
     directory = Path(directory)
-    WanPipeline.save_lora_weights(directory, transformer_lora_layers=lora_state_dict(policy, expert, adapter_name),
-                                  transformer_lora_adapter_metadata=lora_metadata(policy, expert, adapter_name),
-                                  weight_name=weight_name, safe_serialization=True)
+    pipeline.save_lora_weights(directory, transformer_lora_layers=lora_state_dict(policy, expert, adapter_name),
+                               transformer_lora_adapter_metadata=lora_metadata(policy, expert, adapter_name),
+                               weight_name=weight_name, safe_serialization=True)
     return directory / (weight_name or LORA_WEIGHT_NAME_SAFE)
 
 

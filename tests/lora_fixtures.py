@@ -11,6 +11,13 @@ initialisation leaves ``lora_B`` at zero, so the factors are overwritten with se
   second expert's part on its own (as ``transformer.`` keys) for diffusers' ``load_into_transformer_2``.
 - :func:`diffusers_lora_output`: ``WanPipeline`` + ``load_lora_weights`` + ``set_adapters``, the same settings and
   seed as the engine (and as ``conftest.diffusers_generate``).
+
+Every maker follows the model directory's family (``model_index.json``'s pipeline, ``transformer/config.json``'s
+class): on a ``tiny-sd3`` directory :func:`make_diffusers_lora` (or :func:`make_sd3_diffusers_lora`) writes with
+``StableDiffusion3Pipeline.save_lora_weights`` (keys ``transformer.transformer_blocks.N.attn.to_q.lora_A.weight``),
+:func:`make_peft_lora` (:func:`make_sd3_peft_lora`) wraps an ``SD3Transformer2DModel``, and :func:`diffusers_twin`
+saves with the adapter's own pipeline. SD3's reference is :func:`sd3_lora_output` (``StableDiffusion3Pipeline`` +
+``load_lora_weights`` + ``set_adapters``); :data:`SD3_ATTN` is Flow-GRPO's SD3 target set (``SD3Binding.lora_targets``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import torch
 ATTN = ["to_q", "to_k", "to_v", "to_out.0"]  # both attentions of every block
 FFN = ["ffn.net.0.proj", "ffn.net.2"]
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+# SD3: both streams' joint-attention projections of every block (Flow-GRPO's set).
+SD3_ATTN = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k", "attn.to_out.0",
+            "attn.to_q", "attn.to_v"]
 
 
 @dataclass
@@ -38,6 +48,8 @@ class Adapter:
     state_dicts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     # For a two-expert file: the second expert's part alone, keys ``transformer.``, for load_into_transformer_2.
     expert_2_path: Path | None = None
+    # The diffusers pipeline class of the model it was made for (its saver writes diffusers_twin).
+    pipeline: str = "WanPipeline"
 
     @property
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -51,10 +63,24 @@ def lora_config(rank: int, alpha: float, target_modules, rank_pattern=None, alph
                            rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
 
 
-def _load_transformer(model_dir: Path, expert: str):
-    from diffusers import WanTransformer3DModel
+def pipeline_name(model_dir: Path) -> str:
+    """The model directory's diffusers pipeline class name (``WanPipeline``, ``StableDiffusion3Pipeline``)."""
+    return json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"]
 
-    return WanTransformer3DModel.from_pretrained(Path(model_dir), subfolder=expert, dtype=torch.float32)
+
+def _pipeline_class(name: str):
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def _load_transformer(model_dir: Path, expert: str):
+    """The directory's transformer ``expert`` (its class from its config: Wan's or SD3's), in float32."""
+    import diffusers
+
+    cls_name = json.loads((Path(model_dir) / expert / "config.json").read_text())["_class_name"]
+    # A str, not a Path: peft's model card records it (a Path is written as a YAML object it cannot read back).
+    return getattr(diffusers, cls_name).from_pretrained(str(model_dir), subfolder=expert, dtype=torch.float32)
 
 
 def _randomise_lora(model: torch.nn.Module, seed: int, strength: float) -> None:
@@ -69,6 +95,11 @@ def _randomise_lora(model: torch.nn.Module, seed: int, strength: float) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
             elif ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * strength / p.shape[1] ** 0.5)
+
+
+def randomise_lora(model: torch.nn.Module, seed: int, strength: float = 0.3) -> None:
+    """Seeded values for every LoRA factor of ``model`` (a trainer's peft layers too): see :func:`_randomise_lora`."""
+    _randomise_lora(model, seed, strength)
 
 
 def lora_state_dict(model_dir: Path, rank: int, alpha: float, target_modules, seed: int,
@@ -94,20 +125,22 @@ def _metadata(config) -> dict:
 def make_diffusers_lora(model_dir: Path, out_dir: Path, rank: int, alpha: float, target_modules, seed: int,
                         expert: str = "transformer", with_metadata: bool = True, strength: float = 0.3,
                         rank_pattern=None, alpha_pattern=None) -> Adapter:
-    """``out_dir/pytorch_lora_weights.safetensors`` via ``WanPipeline.save_lora_weights`` (keys ``transformer.``).
+    """``out_dir/pytorch_lora_weights.safetensors`` via the family's ``save_lora_weights`` (``WanPipeline``,
+    ``StableDiffusion3Pipeline``; keys ``transformer.``).
 
     ``expert`` says which transformer of the model the adapter is made for (its shapes); the file's keys are
     ``transformer.`` either way, as diffusers writes them (load it with ``load_into_transformer_2`` for the second).
     Without metadata diffusers (and so the engine) takes alpha = rank.
     """
-    from diffusers import WanPipeline
-
+    pipeline = pipeline_name(model_dir)
     sd, config = lora_state_dict(model_dir, rank, alpha, target_modules, seed, expert, strength, rank_pattern,
                                  alpha_pattern)
     out_dir = Path(out_dir)
-    WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=sd,
-                                  transformer_lora_adapter_metadata=_metadata(config) if with_metadata else None)
-    return Adapter(out_dir, rank, alpha if with_metadata else rank, list(target_modules), {"transformer": sd})
+    _pipeline_class(pipeline).save_lora_weights(
+        out_dir, transformer_lora_layers=sd, transformer_lora_adapter_metadata=_metadata(config) if with_metadata
+        else None)
+    return Adapter(out_dir, rank, alpha if with_metadata else rank, list(target_modules), {"transformer": sd},
+                   pipeline=pipeline)
 
 
 def make_two_expert_lora(model_dir: Path, out_dir: Path, parts: dict[str, tuple[int, float, list[str]]],
@@ -139,7 +172,8 @@ def make_two_expert_lora(model_dir: Path, out_dir: Path, parts: dict[str, tuple[
 def make_peft_lora(model_dir: Path, out_dir: Path, rank: int, alpha: float, target_modules, seed: int,
                    strength: float = 0.3, prefixed: bool = True, rank_pattern=None, alpha_pattern=None) -> Adapter:
     """A peft folder from ``PeftModel.save_pretrained``: ``adapter_config.json`` + ``adapter_model.safetensors``
-    (keys ``base_model.model.blocks....``); ``prefixed=False`` rewrites the file with the bare keys."""
+    (keys ``base_model.model.blocks....``, SD3's ``base_model.model.transformer_blocks....``); ``prefixed=False``
+    rewrites the file with the bare keys."""
     import peft
     from safetensors.torch import load_file, save_file
 
@@ -156,7 +190,7 @@ def make_peft_lora(model_dir: Path, out_dir: Path, rank: int, alpha: float, targ
         save_file({k.removeprefix("base_model.model."): v for k, v in saved.items()}, weights,
                   metadata={"format": "pt"})
     sd = {k.removeprefix("base_model.model."): v.clone() for k, v in saved.items()}
-    return Adapter(out_dir, rank, alpha, list(target_modules), {"transformer": sd})
+    return Adapter(out_dir, rank, alpha, list(target_modules), {"transformer": sd}, pipeline=pipeline_name(model_dir))
 
 
 def peft_config_json(adapter: Adapter) -> dict:
@@ -164,16 +198,15 @@ def peft_config_json(adapter: Adapter) -> dict:
 
 
 def diffusers_twin(adapter: Adapter, out_dir: Path) -> Path:
-    """A peft folder's tensors and LoraConfig saved by diffusers (which reads no peft folder): its reference."""
-    from diffusers import WanPipeline
-
+    """A peft folder's tensors and LoraConfig saved by diffusers (which reads no peft folder): its reference,
+    written by the adapter's own pipeline (``WanPipeline``, ``StableDiffusion3Pipeline``)."""
     out_dir = Path(out_dir)
     if not (out_dir / DIFFUSERS_FILE).is_file():
         cfg = peft_config_json(adapter)
         config = lora_config(cfg["r"], cfg["lora_alpha"], cfg["target_modules"], cfg.get("rank_pattern"),
                              cfg.get("alpha_pattern"))
-        WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=adapter.state_dict,
-                                      transformer_lora_adapter_metadata=config.to_dict())
+        _pipeline_class(adapter.pipeline).save_lora_weights(out_dir, transformer_lora_layers=adapter.state_dict,
+                                                            transformer_lora_adapter_metadata=config.to_dict())
     return out_dir
 
 
@@ -246,3 +279,78 @@ def diffusers_lora_output(model_dir: Path, adapters, *, prompt, seed, height, wi
         if adapters:
             pipe.unload_lora_weights()
     return torch.from_numpy(out[0]) if output_type == "np" else out[0]
+
+
+# --- SD3 adapters ----------------------------------------------------------------------------------------------
+
+SD3_PIPELINE = "StableDiffusion3Pipeline"
+
+
+def _check_sd3(model_dir: Path) -> None:
+    if pipeline_name(model_dir) != SD3_PIPELINE:
+        raise ValueError(f"{model_dir} is a {pipeline_name(model_dir)} directory, not {SD3_PIPELINE}")
+
+
+def make_sd3_diffusers_lora(model_dir: Path, out_dir: Path, rank: int, alpha: float, target_modules=tuple(SD3_ATTN),
+                            seed: int = 0, with_metadata: bool = True, strength: float = 0.3, rank_pattern=None,
+                            alpha_pattern=None) -> Adapter:
+    """An SD3 adapter written by ``StableDiffusion3Pipeline.save_lora_weights`` (keys
+    ``transformer.transformer_blocks.N.attn.to_q.lora_A.weight``; metadata ``transformer.r`` ... under
+    ``lora_adapter_metadata`` unless ``with_metadata=False``): :func:`make_diffusers_lora` on an SD3 directory."""
+    _check_sd3(model_dir)
+    return make_diffusers_lora(model_dir, out_dir, rank, alpha, target_modules, seed, with_metadata=with_metadata,
+                               strength=strength, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def make_sd3_peft_lora(model_dir: Path, out_dir: Path, rank: int, alpha: float, target_modules=tuple(SD3_ATTN),
+                       seed: int = 0, strength: float = 0.3, prefixed: bool = True) -> Adapter:
+    """A peft folder of an adapter on ``SD3Transformer2DModel`` (``PeftModel.save_pretrained``):
+    :func:`make_peft_lora` on an SD3 directory."""
+    _check_sd3(model_dir)
+    return make_peft_lora(model_dir, out_dir, rank, alpha, target_modules, seed, strength=strength, prefixed=prefixed)
+
+
+# --- SD3: diffusers' reference ---------------------------------------------------------------------------------
+
+_SD3_PIPES: dict[str, object] = {}
+
+
+def sd3_pipe(model_dir: Path):
+    """``StableDiffusion3Pipeline.from_pretrained(model_dir)`` in float32, one per directory."""
+    from diffusers import StableDiffusion3Pipeline
+
+    key = str(model_dir)
+    if key not in _SD3_PIPES:
+        _SD3_PIPES[key] = StableDiffusion3Pipeline.from_pretrained(Path(model_dir), dtype=torch.float32)
+        _SD3_PIPES[key].set_progress_bar_config(disable=True)
+    return _SD3_PIPES[key]
+
+
+def sd3_lora_output(model_dir: Path, adapters, *, prompt, seed, height, width, num_inference_steps, guidance_scale,
+                    negative_prompt="", max_sequence_length=256, output_type="np", num_frames=1) -> torch.Tensor:
+    """diffusers' SD3 output with LoRA adapters: ``load_lora_weights(path, adapter_name=name)`` per
+    ``(path, name, scale)``, ``set_adapters(names, scales)``, then the pipeline at the engine's seed and settings.
+
+    Frames [1, H, W, 3] (one image, as the engine's [F, H, W, 3]) for ``output_type="np"``, latents [16, H', W']
+    for ``"latent"``. No adapters: the base model. The pipeline's adapters are unloaded after.
+    """
+    if num_frames != 1:
+        raise ValueError("SD3 makes one image")
+    pipe = sd3_pipe(Path(model_dir))
+    names, scales = [], []
+    try:
+        for path, name, scale in adapters:
+            pipe.load_lora_weights(str(path), adapter_name=name)
+            names.append(name)
+            scales.append(float(scale))
+        if names:
+            pipe.set_adapters(names, scales)
+        with torch.no_grad():
+            out = pipe(prompt=prompt, negative_prompt=negative_prompt, height=height, width=width,
+                       num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                       max_sequence_length=max_sequence_length, generator=torch.Generator("cpu").manual_seed(seed),
+                       output_type=output_type).images
+    finally:
+        if adapters:
+            pipe.unload_lora_weights()
+    return torch.from_numpy(out) if output_type == "np" else out[0]

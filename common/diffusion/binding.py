@@ -86,6 +86,9 @@ class Binding:
     # two forwards (cond, then uncond).
     guidance_in_one_forward: bool = False
     fps: int = 16  # video families: the MP4's frame rate unless serving_defaults.json says otherwise
+    # A trainer's default LoRA target modules (``rl.lora.add_lora``, peft's ``target_modules``: suffixes of the
+    # transformer's Linear paths): the attention projections unless the family's training recipes say otherwise.
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def geometry(self, path: Path, transformer_config: dict) -> Geometry:
         raise NotImplementedError
