@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serve import CpuMeter  # noqa: E402
 from common.diffusion.compiled import compile_experts, warm_up  # noqa: E402
-from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
+from common.diffusion.model_info import ModelInfo  # noqa: E402
+from common.families.wan.text import MAX_SEQUENCE_LENGTH  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.diffusion.policy import ModelInput, Policy  # noqa: E402
 from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402

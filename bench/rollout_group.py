@@ -3,6 +3,7 @@
     python bench/rollout_group.py                              # presets tiny and small, one after the other
     python bench/rollout_group.py --preset tiny --repeats 1    # quick: one timed run of each row
     python bench/rollout_group.py --preset small --n 4
+    python bench/rollout_group.py --preset tiny-sd3 small-sd3  # SD3: num_images_per_prompt=N
     python bench/rollout_group.py --preset tiny --url http://127.0.0.1:8000   # a running engine (one preset)
     python bench/rollout_group.py --max-batch-size 16 --json bench/results/rollout-group.json
 
@@ -12,24 +13,30 @@ engine against doing the same work in this process, side by side in one run; the
 the ratios rather than the seconds.
 
 Per preset (``tiny``: the tiny model, 32x32, 5 frames, 8 steps, n=16; ``small``: the ~17M model, 128x128,
-9 frames, 10 steps, n=8; both CFG with guidance 4.0 and latent output):
+9 frames, 10 steps, n=8; both CFG with guidance 4.0 and latent output; SD3, images, no ``num_frames``,
+CFG with guidance 4.5: ``tiny-sd3``, 64x64, 4 steps, n=16, and ``small-sd3``, the ~19.5M transformer,
+256x256, 10 steps, n=16):
 
 1. Starts an engine (``launch.py --model M --max-batch-size B --dtype float32``, the engine's own thread
-   settings) on a free loopback port, or uses ``--url``; loads diffusers' ``WanPipeline`` from the directory
-   the engine serves into this process, float32 on the CPU, ``torch.set_num_threads(os.cpu_count())``.
+   settings) on a free loopback port, or uses ``--url``; loads the family's diffusers pipeline
+   (``WanPipeline``, ``StableDiffusion3Pipeline``) from the directory the engine serves into this process,
+   float32 on the CPU, ``torch.set_num_threads(os.cpu_count())``.
 2. Rows, each once untimed (warm-up), then ``--repeats`` timed rounds (median reported); a round runs every
    row once, one after another, so that machine noise hits them alike, and nothing else runs meanwhile:
    - ``engine rollout n=N (sde)``: ``POST /rollout/generate`` with ``sde_type "sde"``, ``noise_level 0.7``:
      wall time of the HTTP call (msgpack response);
-   - ``engine rollout n=N (rollout=false, UniPC)``: the same with ``"rollout": false`` (the serving scheduler);
-   - ``diffusers batch``: ``pipe(..., num_videos_per_prompt=N, generator=[one per seed], output_type="latent")``;
+   - ``engine rollout n=N (rollout=false, UniPC)``: the same with ``"rollout": false`` (the serving scheduler:
+     UniPC for Wan, flow-match Euler for SD3, named in the row);
+   - ``diffusers batch``: ``pipe(..., num_videos_per_prompt=N`` (SD3: ``num_images_per_prompt=N``)
+     ``, generator=[one per seed], output_type="latent")``;
    - ``flow-grpo loop``: an in-process rollout loop as Flow-GRPO writes it: ``encode_prompt`` (CFG,
-     N videos per prompt), ``prepare_latents`` with one generator per seed, the flow-match Euler schedule with
-     the model's shift (``common.diffusion.schedulers``), and per step one batched transformer forward of N for the
-     conditional and one for the unconditional pass, ``v_u + g (v_c - v_u)``, then the project's
+     N videos / images per prompt), ``prepare_latents`` with one generator per seed, the flow-match Euler
+     schedule with the model's shift (``common.diffusion.schedulers``), and per step one batched transformer
+     forward of N for the conditional and one for the unconditional pass (SD3: one forward of 2N, [uncond,
+     cond], as Flow-GRPO's SD3 pipeline and diffusers' batch them), ``v_u + g (v_c - v_u)``, then the project's
      ``common.diffusion.sde.sde_step`` collecting the log-probs. Each sample's step noise is drawn from its own
      generator (passed as ``noise=``), as the engine draws it, so the loop's trajectory is the engine's;
-   - tiny only: ``4 groups concurrent``: 4 prompts' SDE groups POSTed at once, wall time until all 4 are
+   - tiny and tiny-sd3 only: ``4 groups concurrent``: 4 prompts' SDE groups POSTed at once, wall time until all 4 are
      answered; ``4 groups sequential (engine)`` one after another; and in-process the flow-grpo loop and the
      diffusers batch for the same 4 prompts, one after another.
    Every timed call has a prompt of its own (the encoder's prompt cache never answers one); the engine row 2
@@ -67,7 +74,7 @@ from common.protocol.http_tensors import body_to_tensor  # noqa: E402
 from common.protocol.messages import GenerationParams  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion import schedulers  # noqa: E402
-from common.diffusion.model_info import MAX_SEQUENCE_LENGTH, ModelInfo  # noqa: E402
+from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.diffusion.policy import sigma_max  # noqa: E402
 from common.diffusion.sde import sde_step  # noqa: E402
@@ -82,6 +89,11 @@ PRESETS = {
                  multi_group=True),
     "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=4.0, n=8, repeats=1,
                   multi_group=False),
+    # SD3 (images: no num_frames; diffusers' num_images_per_prompt), Flow-GRPO's SD3.5 guidance 4.5.
+    "tiny-sd3": dict(model="tiny-sd3", height=64, width=64, num_frames=None, steps=4, guidance=4.5, n=16,
+                     repeats=3, multi_group=True),
+    "small-sd3": dict(model="small-sd3", height=256, width=256, num_frames=None, steps=10, guidance=4.5, n=16,
+                      repeats=1, multi_group=False),
 }
 
 PROMPTS = [
@@ -95,7 +107,9 @@ PROMPTS = [
 
 # Row names, in table order.
 ROW_SDE = "engine rollout n={n} (sde)"
-ROW_UNIPC = "engine rollout n={n} (rollout=false, UniPC)"
+ROW_UNIPC = "engine rollout n={n} (rollout=false, {scheduler})"
+# The serving schedulers' short names in that row.
+SCHEDULER_NAMES = {"UniPCMultistepScheduler": "UniPC", "FlowMatchEulerDiscreteScheduler": "Euler"}
 ROW_DIFF = "diffusers batch"
 ROW_LOOP = "flow-grpo loop"
 ROW_CONC = f"{GROUPS} groups concurrent (engine, sde)"
@@ -121,10 +135,13 @@ class Prompts:
 
 
 def rollout_body(cfg: dict, prompt: str, seed: int, rollout: bool) -> dict:
-    return {"prompt": prompt, "negative_prompt": "", "seed": seed, "n": cfg["n"], "height": cfg["height"],
+    body = {"prompt": prompt, "negative_prompt": "", "seed": seed, "n": cfg["n"], "height": cfg["height"],
             "width": cfg["width"], "num_frames": cfg["num_frames"], "num_inference_steps": cfg["steps"],
             "guidance_scale": cfg["guidance"], "output_type": "latent", "rollout": rollout,
             "sde_type": SDE_TYPE, "noise_level": NOISE_LEVEL}
+    if cfg["num_frames"] is None:  # an image family: one frame, and no num_frames field
+        del body["num_frames"]
+    return body
 
 
 def _decode(r: httpx.Response) -> dict:
@@ -178,19 +195,23 @@ def post_sequential(http: httpx.Client, bodies: list[dict]) -> tuple[float, list
 
 
 class InProcess:
-    """diffusers' WanPipeline loaded once; the two in-process ways of producing a group."""
+    """The family's diffusers pipeline (WanPipeline, StableDiffusion3Pipeline) loaded once; the two in-process
+    ways of producing a group."""
 
     def __init__(self, model_dir: Path, cfg: dict):
+        import diffusers
         import diffusers.utils.logging as dlog
         import transformers.utils.logging as tlog
-        from diffusers import WanPipeline
 
         dlog.disable_progress_bar()
         tlog.disable_progress_bar()
         self.cfg = cfg
         self.info = read_model(model_dir)
+        self.video = self.info.family.video
+        # The text length the engine uses: the model's default (Wan 512; tiny-sd3 32, not the pipeline's 256).
+        self.max_sequence_length = self.info.defaults["max_sequence_length"]
         t0 = time.perf_counter()
-        self.pipe = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
+        self.pipe = getattr(diffusers, self.info.family.pipeline).from_pretrained(model_dir, dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)
         self.load_s = time.perf_counter() - t0
         # Flow-match Euler with the serving scheduler's shift and training steps, as the engine's rollouts.
@@ -200,12 +221,29 @@ class InProcess:
         return [torch.Generator("cpu").manual_seed(seed + i) for i in range(self.cfg["n"])]
 
     def diffusers_batch(self, prompt: str, seed: int) -> torch.Tensor:
-        """[N, C, F', H', W'] latents of the group through the pipeline's own call (UniPC)."""
+        """[N, C, F', H', W'] (images: [N, C, H', W']) latents of the group through the pipeline's own call
+        (its serving scheduler: UniPC for Wan, flow-match Euler for SD3)."""
         c = self.cfg
-        return self.pipe(prompt=prompt, negative_prompt="", height=c["height"], width=c["width"],
-                         num_frames=c["num_frames"], num_inference_steps=c["steps"], guidance_scale=c["guidance"],
-                         num_videos_per_prompt=c["n"], generator=self.generators(seed),
-                         output_type="latent").frames
+        kw = dict(prompt=prompt, negative_prompt="", height=c["height"], width=c["width"],
+                  num_inference_steps=c["steps"], guidance_scale=c["guidance"], generator=self.generators(seed),
+                  output_type="latent", max_sequence_length=self.max_sequence_length)
+        if self.video:
+            return self.pipe(**kw, num_frames=c["num_frames"], num_videos_per_prompt=c["n"]).frames
+        return self.pipe(**kw, num_images_per_prompt=c["n"]).images
+
+    def _text(self, prompt: str, cfg_on: bool, device):
+        """(cond, uncond) transformer keywords for N samples (uncond None without CFG)."""
+        pipe, n = self.pipe, self.cfg["n"]
+        if self.video:
+            cond, uncond = pipe.encode_prompt(prompt=prompt, negative_prompt="", do_classifier_free_guidance=cfg_on,
+                                              num_videos_per_prompt=n, max_sequence_length=self.max_sequence_length,
+                                              device=device)
+            return {"encoder_hidden_states": cond}, (None if uncond is None else {"encoder_hidden_states": uncond})
+        embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, negative_prompt="", do_classifier_free_guidance=cfg_on,
+            num_images_per_prompt=n, max_sequence_length=self.max_sequence_length, device=device)
+        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        return cond, ({"encoder_hidden_states": neg, "pooled_projections": neg_pooled} if cfg_on else None)
 
     def flow_grpo_loop(self, prompt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A Flow-GRPO-style rollout of the group: final latents [N, ...] and log-probs [N, steps]."""
@@ -213,15 +251,21 @@ class InProcess:
         g = c["guidance"]
         cfg_on = g > 1.0
         device = pipe._execution_device
-        cond, uncond = pipe.encode_prompt(prompt=prompt, negative_prompt="", do_classifier_free_guidance=cfg_on,
-                                          num_videos_per_prompt=n, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                                          device=device)
+        cond, uncond = self._text(prompt, cfg_on, device)
         model = pipe.transformer
         gens = self.generators(seed)
-        latents = pipe.prepare_latents(n, model.config.in_channels, c["height"], c["width"], c["num_frames"],
-                                       torch.float32, device, gens)
+        frames = c["num_frames"] if self.video else 1
+        if self.video:
+            latents = pipe.prepare_latents(n, model.config.in_channels, c["height"], c["width"], frames,
+                                           torch.float32, device, gens)
+        else:
+            latents = pipe.prepare_latents(n, model.config.in_channels, c["height"], c["width"], torch.float32,
+                                           device, gens)
+        if uncond is not None and not self.video:
+            # SD3 as Flow-GRPO's SD3 pipeline (and diffusers') runs it: one forward of 2N rows, [uncond, cond].
+            both = {k: torch.cat([uncond[k], cond[k]]) for k in cond}
         params = GenerationParams(prompt=prompt, negative_prompt="", height=c["height"], width=c["width"],
-                                  num_frames=c["num_frames"], num_inference_steps=c["steps"], guidance_scale=g,
+                                  num_frames=frames, num_inference_steps=c["steps"], guidance_scale=g,
                                   seed=seed, output_type="latent")
         scheduler = schedulers.build(self.rollout_template, params, device)
         sigmas = scheduler.sigmas
@@ -230,11 +274,16 @@ class InProcess:
         log_probs = []
         for i, t in enumerate(scheduler.timesteps):
             h = latents.to(model.dtype)
-            ts = t.expand(n)
-            v = model(hidden_states=h, timestep=ts, encoder_hidden_states=cond, return_dict=False)[0]
-            if cfg_on:
-                v_u = model(hidden_states=h, timestep=ts, encoder_hidden_states=uncond, return_dict=False)[0]
+            if cfg_on and not self.video:
+                v_u, v = model(hidden_states=torch.cat([h, h]), timestep=t.expand(2 * n), **both,
+                               return_dict=False)[0].chunk(2)
                 v = v_u + g * (v - v_u)
+            else:
+                ts = t.expand(n)
+                v = model(hidden_states=h, timestep=ts, **cond, return_dict=False)[0]
+                if cfg_on:
+                    v_u = model(hidden_states=h, timestep=ts, **uncond, return_dict=False)[0]
+                    v = v_u + g * (v - v_u)
             # Each sample's noise from its own generator (after its initial noise), as the engine draws it.
             noise = torch.cat([torch.randn(one, generator=gen, dtype=torch.float32) for gen in gens])
             step = sde_step(v, latents, sigmas[i], sigmas[i + 1], s_max, sde_type=SDE_TYPE, noise_level=NOISE_LEVEL,
@@ -248,6 +297,10 @@ class InProcess:
 # --------------------------------------------------------------------------
 # One preset
 # --------------------------------------------------------------------------
+
+
+def _frames(cfg: dict) -> str:
+    return "image" if cfg["num_frames"] is None else f"{cfg['num_frames']} frames"
 
 
 def _max_diff(engine: dict, ref: torch.Tensor, seed: int, key: str = "output") -> float:
@@ -267,10 +320,9 @@ def run_preset(name: str, args) -> dict:
     n = cfg["n"]
     extra = ["--max-batch-size", str(args.max_batch_size), "--dtype", "float32",
              "--max-n", str(max(16, n)), "--max-pending", str(max(256, 2 * GROUPS * n))]
-    row_sde, row_unipc = ROW_SDE.format(n=n), ROW_UNIPC.format(n=n)
     load_start = os.getloadavg()
     engine = None
-    print(f"\n== preset {name}: model {cfg['model']}, {cfg['height']}x{cfg['width']}, {cfg['num_frames']} frames, "
+    print(f"\n== preset {name}: model {cfg['model']}, {cfg['height']}x{cfg['width']}, {_frames(cfg)}, "
           f"{cfg['steps']} steps, guidance {cfg['guidance']}, n={n}, repeats {repeats}", flush=True)
     if args.url:
         url = args.url.rstrip("/")
@@ -287,8 +339,12 @@ def run_preset(name: str, args) -> dict:
         http = httpx.Client(base_url=url, timeout=args.request_timeout)
         health = http.get("/health").json()
         model_dir = Path(health["model"])
+        info = read_model(model_dir)
+        scheduler = info.scheduler_config.get("_class_name", "serving scheduler")
+        row_sde = ROW_SDE.format(n=n)
+        row_unipc = ROW_UNIPC.format(n=n, scheduler=SCHEDULER_NAMES.get(scheduler, scheduler))
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers; "
-              f"loading diffusers WanPipeline in-process", flush=True)
+              f"loading diffusers {info.family.pipeline} in-process", flush=True)
         torch.set_num_threads(os.cpu_count() or 1)
         local = InProcess(model_dir, cfg)
         prompts = Prompts()
@@ -404,7 +460,7 @@ def _f(v, digits: int = 2) -> str:
 def print_report(res: dict) -> None:
     c, eng = res["config"], res["engine"]
     print(f"\npreset {res['preset']}: model {Path(eng['model_dir']).name}, {c['height']}x{c['width']}, "
-          f"{c['num_frames']} frames, {c['steps']} steps, guidance {c['guidance']}, latent output, n={c['n']}; "
+          f"{_frames(c)}, {c['steps']} steps, guidance {c['guidance']}, latent output, n={c['n']}; "
           f"engine {'flags ' + ' '.join(eng['extra']) if eng['extra'] else eng['url'] + ' (external)'}, "
           f"largest denoise batch seen {eng['largest_batch_seen']}; in-process torch threads "
           f"{res['in_process']['torch_threads']}; median of {c['repeats']} timed run(s); CPU cores "
@@ -440,8 +496,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["tiny", "small"],
                     help="presets to run, in order (default: tiny small)")
-    ap.add_argument("--repeats", type=int, help="timed rounds per preset, median reported (tiny: 3, small: 1)")
-    ap.add_argument("--n", type=int, help="samples per group (tiny: 16, small: 8)")
+    ap.add_argument("--repeats", type=int, help="timed rounds per preset, median reported (tiny, tiny-sd3: 3; "
+                                                "small, small-sd3: 1)")
+    ap.add_argument("--n", type=int, help="samples per group (tiny, tiny-sd3, small-sd3: 16; small: 8)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="engine's launch.py --max-batch-size")
     ap.add_argument("--url", help="a running engine instead of starting one (only with one preset; its model "
                                   "must be the preset's, and its own flags apply)")

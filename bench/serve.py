@@ -1,8 +1,9 @@
-"""Serving benchmark: throughput and latency under load, next to diffusers' WanPipeline run in-process.
+"""Serving benchmark: throughput and latency under load, next to the model's diffusers pipeline run in-process.
 
     python bench/serve.py                                   # preset tiny: concurrency 1..32, 64 requests each
     python bench/serve.py --preset small                    # single-request latency of the ~17M model
     python bench/serve.py --preset wan-1.3b                 # Wan2.1-1.3B-shaped model, bf16 on a GPU (bench/gpu.sh)
+    python bench/serve.py --preset small-sd3                # SD3: the ~19.5M transformer, 256x256, c=1 and 16
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -16,7 +17,8 @@ What it does, in this order:
    devices come from the topology: the compact form puts them on the visible GPUs, else on the CPU.
 2. Builds a fixed request mix, deterministic from ``--seed``: request ``i`` has a prompt from a small list
    and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
-   model's default size, ``--steps`` from the preset, CFG on with guidance 5.0, ``--output-type frames``).
+   model's default size, ``--steps`` from the preset, CFG on with guidance 5.0 (SD3 presets: 4.5),
+   ``--output-type frames``). Image families (SD3) are sent no ``num_frames``: they answer one frame.
 3. Sends ``--warmup`` requests (not counted), then, per load level, the first ``--requests`` requests of the mix:
    - ``--concurrency N ...``: closed loop, N requests in flight at all times;
    - ``--rate R ...``: open loop, Poisson arrivals at R req/s for ``--duration`` seconds (or ``--requests``
@@ -24,14 +26,16 @@ What it does, in this order:
    Per level: throughput (req/s, samples/s), latency p50/p90/p99, mean per-stage time from each response's
    ``timings`` (encode_s, denoise_s, decode_s; total_s is the router's wall time for the request), errors.
 4. While the engine sits idle, runs the same requests (same prompts, seeds, sizes, steps, guidance) through
-   diffusers' ``WanPipeline`` loaded in this process from the same directory in ``--dtype`` on ``--device``,
+   the served family's diffusers pipeline (``WanPipeline``, ``StableDiffusion3Pipeline``: the binding's
+   ``pipeline``) loaded in this process from the same directory in ``--dtype`` on ``--device``,
    one after another, with ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process
    pipeline, the fair sequential baseline on a CPU (the engine's workers share the same cores between them).
    One untimed warm-up call first; on a GPU each request's time ends with a device synchronisation.
    Reports its throughput and per-request latency, and per load level the ratios engine / diffusers
    (throughput, and p50 latency).
 5. Correctness: for the first ``--check`` requests, the max abs difference between the engine's output at
-   every load level and diffusers' output (expected <= ``--tolerance``: 1e-4 in float32, batched or not;
+   every load level and diffusers' output ([F, H, W, 3] frames, one frame for images, against the
+   pipeline's ``np`` output; or latents) (expected <= ``--tolerance``: 1e-4 in float32, batched or not;
    the bfloat16 preset wan-1.3b sets a looser one, see PRESETS).
 
 Prints a table; ``--json`` writes every number, ``--png`` a chart (throughput and p50/p99 latency against
@@ -94,6 +98,14 @@ PRESETS = {
     "wan-1.3b": dict(model="wan2.1-1.3b", height=480, width=832, num_frames=17, steps=10, guidance=5.0,
                      concurrency=[1, 4], requests=8, warmup=1, device="cuda", dtype="bfloat16",
                      tolerance=0.25),
+    # SD3 (StableDiffusion3Pipeline, images: no num_frames), at each model's default size and steps with
+    # SD3.5's guidance 4.5. tiny-sd3: many small requests, as "tiny".
+    "tiny-sd3": dict(model="tiny-sd3", height=64, width=64, num_frames=None, steps=4, guidance=4.5,
+                     concurrency=[1, 2, 4, 8, 16, 32], requests=64, warmup=4),
+    # The ~19.5M-parameter SD3.5-style transformer, compute-bound: one request at a time against diffusers
+    # in-process (target: engine p50 <= 1.05x diffusers'), and 16 in flight (16 requests, so that all are).
+    "small-sd3": dict(model="small-sd3", height=256, width=256, num_frames=None, steps=10, guidance=4.5,
+                      concurrency=[1, 16], requests=16, warmup=1, target_p50_ratio=1.05),
 }
 # Used where a preset does not say.
 PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4}
@@ -115,14 +127,18 @@ class Workload:
     output_type: str  # "frames" | "latent"
     n: int
     seed: int
+    video: bool = True  # False: an image family, sent no num_frames (it answers one frame)
 
     def body(self, i: int) -> dict:
         """Request ``i`` of the mix (deterministic from the workload seed)."""
         rng = random.Random(self.seed * 1_000_003 + i)
-        return {"prompt": rng.choice(PROMPTS), "negative_prompt": "", "seed": self.seed * 1_000_000 + i,
+        body = {"prompt": rng.choice(PROMPTS), "negative_prompt": "", "seed": self.seed * 1_000_000 + i,
                 "n": self.n, "height": self.height, "width": self.width, "num_frames": self.num_frames,
                 "num_inference_steps": self.steps, "guidance_scale": self.guidance,
                 "output_type": self.output_type}
+        if not self.video:
+            del body["num_frames"]
+        return body
 
 
 @dataclass
@@ -321,11 +337,12 @@ def _progress(level: dict) -> None:
 
 def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, device: str = "cpu",
                   dtype: str = "float32") -> tuple[dict, dict[int, list]]:
-    """The first ``count`` requests of the mix through WanPipeline, one after another, on all cores."""
+    """The first ``count`` requests of the mix through the family's diffusers pipeline (WanPipeline,
+    StableDiffusion3Pipeline, ...), one after another, on all cores."""
+    import diffusers
     import diffusers.utils.logging as dlog
     import torch
     import transformers.utils.logging as tlog
-    from diffusers import WanPipeline
 
     dlog.disable_progress_bar()
     tlog.disable_progress_bar()
@@ -337,23 +354,34 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    info = read_model(model_dir)
+    family = info.family
     t_load = time.perf_counter()
-    pipe = WanPipeline.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev)
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev)
     pipe.set_progress_bar_config(disable=True)
     sync()
     load_s = time.perf_counter() - t_load
     output_type = "latent" if work.output_type == "latent" else "np"
+    # The engine's text length is the model's default, which may not be the pipeline's (SD3: 256 in the
+    # pipeline, 32 in tiny-sd3's serving defaults); Wan's 512 is both.
+    fixed = ({"max_sequence_length": info.defaults["max_sequence_length"]}
+             if "max_sequence_length" in family.fields and "max_sequence_length" in info.defaults else {})
 
     def one(body: dict) -> list:
         outs = []
         for k in range(body["n"]):  # the engine's n samples use seeds seed, seed+1, ...
             # A CPU generator, as the engine draws its initial noise on the CPU whatever the device.
-            out = pipe(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
-                       width=body["width"], num_frames=body["num_frames"],
-                       num_inference_steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"],
-                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k),
-                       output_type=output_type).frames
-            outs.append(torch.from_numpy(out[0]) if output_type == "np" else out[0].cpu())
+            kw = dict(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
+                      width=body["width"], num_inference_steps=body["num_inference_steps"],
+                      guidance_scale=body["guidance_scale"],
+                      generator=torch.Generator("cpu").manual_seed(body["seed"] + k), output_type=output_type,
+                      **fixed)
+            if family.video:
+                out = pipe(**kw, num_frames=body["num_frames"]).frames[0]  # [F, H, W, 3] or latents [C, F', ...]
+            else:  # images [1, H, W, 3], as the engine answers one frame; latents [C, H', W']
+                out = pipe(**kw).images
+                out = out[:1] if output_type == "np" else out[0]
+            outs.append(torch.from_numpy(out) if output_type == "np" else out.cpu())
         sync()
         return outs
 
@@ -368,7 +396,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
         cpu = meter.stop()
-    res = {**cpu, "requests": count, "threads": threads, "device": device, "dtype": dtype, "load_s": load_s,
+    res = {**cpu, "pipeline": family.pipeline, "requests": count, "threads": threads, "device": device,
+           "dtype": dtype, "load_s": load_s,
            "wall_s": wall,
            "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
@@ -414,7 +443,8 @@ def print_report(res: dict) -> None:
     print(f"\nengine: model {Path(eng['model_dir']).name} ({cfg['model']}), topology {eng['topology']}, "
           f"devices {','.join(sorted({str(w['device']) for w in eng['workers']}))}"
           f"{' ' + ' '.join(eng['extra']) if eng['extra'] else ''}, {eng['url']}")
-    print(f"requests: {cfg['height']}x{cfg['width']}, {cfg['num_frames']} frames, {cfg['steps']} steps, "
+    frames = f"{cfg['num_frames']} frames" if cfg.get("video", True) else "image"
+    print(f"requests: {cfg['height']}x{cfg['width']}, {frames}, {cfg['steps']} steps, "
           f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
           f"warm-up {cfg['warmup']}; CPU cores: {os.cpu_count()}{_gpu_note(cfg)}; load average (1/5/15 min) at start "
           f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
@@ -444,14 +474,17 @@ def print_report(res: dict) -> None:
         if lv["errors"]:
             print(f"{_label(lv)} errors: {lv['error_examples']}")
     if diff:
-        print(f"\ndiffusers WanPipeline in-process, sequential, {diff['device']} {diff['dtype']}, "
+        print(f"\ndiffusers {diff['pipeline']} in-process, sequential, {diff['device']} {diff['dtype']}, "
               f"torch threads {diff['threads']}: "
               f"{diff['requests']} requests in {diff['wall_s']:.2f}s = {diff['req_per_s']:.2f} req/s; latency p50 "
               f"{diff['latency_p50_s']:.3f}s p90 {diff['latency_p90_s']:.3f}s (pipeline load {diff['load_s']:.1f}s)")
         first = res["levels"][0] if res["levels"] else None
         if first is not None and first.get("p50_latency_vs_diffusers") is not None:
+            target = cfg.get("target_p50_ratio")
+            verdict = "" if target is None else (
+                f" (target <= {target:g}: {'MET' if first['p50_latency_vs_diffusers'] <= target else 'NOT MET'})")
             print(f"latency engine/diffusers at {_label(first)}: p50 {first['latency_p50_s']:.3f}s / "
-                  f"{diff['latency_p50_s']:.3f}s = {first['p50_latency_vs_diffusers']:.2f}")
+                  f"{diff['latency_p50_s']:.3f}s = {first['p50_latency_vs_diffusers']:.2f}{verdict}")
     chk = res.get("correctness")
     if chk:
         parts = ", ".join(f"{k} {'-' if v['max_abs_diff'] is None else format(v['max_abs_diff'], '.2e')}"
@@ -504,7 +537,8 @@ def plot(res: dict, path: Path) -> None:
             ax.set_xticklabels([f"{x:g}" for x in xs])
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"{cfg['model']}: {cfg['height']}x{cfg['width']}x{cfg['num_frames']}, {cfg['steps']} steps, "
+    size = f"{cfg['height']}x{cfg['width']}" + (f"x{cfg['num_frames']}" if cfg.get("video", True) else "")
+    fig.suptitle(f"{cfg['model']}: {size}, {cfg['steps']} steps, "
                  f"CFG {cfg['guidance']:g}, {cfg['output_type']}; topology {res['engine']['topology']}; "
                  f"{os.cpu_count()} CPU cores{_gpu_note(cfg)}; {cfg['dtype']}")
     fig.tight_layout()
@@ -547,17 +581,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: the preset's; tiny, small: float32; wan-1.3b: bfloat16)")
     ap.add_argument("--height", type=int, help="default: the preset's (the model's default without a preset model)")
     ap.add_argument("--width", type=int)
-    ap.add_argument("--num-frames", type=int)
-    ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10, wan-1.3b: 10)")
-    ap.add_argument("--guidance", type=float, help="guidance_scale; > 1 means CFG (default 5.0)")
+    ap.add_argument("--num-frames", type=int, help="video families only (image families answer one frame)")
+    ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10, wan-1.3b: 10, "
+                                              "tiny-sd3: 4, small-sd3: 10)")
+    ap.add_argument("--guidance", type=float, help="guidance_scale; > 1 means CFG (default 5.0; SD3 presets 4.5)")
     ap.add_argument("--output-type", choices=["frames", "latent"], default="frames")
     ap.add_argument("--n", type=int, default=1, help="samples per request")
     ap.add_argument("--concurrency", type=int, nargs="+",
-                    help="closed-loop levels (preset tiny: 1 2 4 8 16 32; small: 1; wan-1.3b: 1 4); "
+                    help="closed-loop levels (preset tiny, tiny-sd3: 1 2 4 8 16 32; small: 1; wan-1.3b: 1 4; "
+                         "small-sd3: 1 16); "
                          "default none when --rate is given")
     ap.add_argument("--rate", type=float, nargs="+", help="open-loop Poisson arrival rates, req/s")
     ap.add_argument("--duration", type=float, help="open loop: seconds of arrivals (default: --requests arrivals)")
-    ap.add_argument("--requests", type=int, help="requests per level (preset tiny: 64, small: 5, wan-1.3b: 8)")
+    ap.add_argument("--requests", type=int, help="requests per level (preset tiny, tiny-sd3: 64, small: 5, small-sd3: 16, "
+                                                 "wan-1.3b: 8)")
     ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny: 4, small, wan-1.3b: 1)")
     ap.add_argument("--seed", type=int, default=0, help="request mix and arrival times")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline and the check")
@@ -575,7 +612,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model = args.model or preset["model"]
     for key, attr in (("height", "height"), ("width", "width"), ("num_frames", "num_frames"), ("steps", "steps")):
         if getattr(args, attr) is None and own_model:  # another model: its own defaults (read from its directory)
-            setattr(args, attr, preset[key])
+            setattr(args, attr, preset.get(key))
     if args.guidance is None:
         args.guidance = preset["guidance"]
     if args.concurrency is None:
@@ -628,23 +665,29 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
         model_dir = Path(health["model"])
-        defaults = read_model(model_dir).defaults
+        info = read_model(model_dir)
+        defaults, video = info.defaults, info.family.video
+        if not video and args.num_frames not in (None, 1):
+            raise SystemExit(f"{info.family.pipeline} makes images: --num-frames must be 1 or left out")
         work = Workload(height=args.height or defaults["height"], width=args.width or defaults["width"],
-                        num_frames=args.num_frames or defaults["num_frames"],
+                        num_frames=(args.num_frames or defaults["num_frames"]) if video else 1,
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
-                        output_type=args.output_type, n=args.n, seed=args.seed)
+                        output_type=args.output_type, n=args.n, seed=args.seed, video=video)
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)
         levels, engine_outputs = asyncio.run(run_engine_levels(url, work, args, meter))
         res = {
             "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
-                       "num_frames": work.num_frames, "steps": work.steps, "guidance": work.guidance,
+                       "num_frames": work.num_frames, "video": work.video, "family": info.family.family,
+                       "steps": work.steps, "guidance": work.guidance,
                        "output_type": work.output_type, "n": work.n, "seed": work.seed,
                        "requests_per_level": args.requests, "warmup": args.warmup, "check": args.check,
                        "concurrency": args.concurrency, "rate": args.rate, "duration": args.duration,
                        "device": args.device, "dtype": args.dtype, "tolerance": args.tolerance,
                        "gpu": _gpu_name(args.device), "cpu_count": os.cpu_count(),
+                       "target_p50_ratio": PRESETS[args.preset].get("target_p50_ratio")
+                       if args.model == PRESETS[args.preset]["model"] else None,
                        "loadavg_at_start": load_start},
             "engine": {"url": url, "started_by_bench": engine is not None, "model_dir": str(model_dir),
                        "topology": args.topology if engine else "(external)", "extra": extra,
@@ -654,7 +697,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if not args.no_diffusers:
             # The engine is idle now: nothing else competes for the cores.
-            print(f"diffusers WanPipeline baseline: {args.diffusers_requests} requests, sequential", flush=True)
+            print(f"diffusers {info.family.pipeline} baseline: {args.diffusers_requests} requests, sequential",
+                  flush=True)
             devices = {str(w.get("device", "")).split(":")[0] for w in health["workers"]}
             if devices != {args.device.split(":")[0]}:
                 print(f"WARNING: the engine's workers run on {sorted(devices)}, the baseline on {args.device}: "

@@ -1,8 +1,16 @@
-"""A complete Flow-GRPO-style loop against a running engine, on the tiny model.
+"""A complete Flow-GRPO-style loop against a running engine, on a tiny model (Wan's by default).
 
     python examples/grpo_tiny.py --launch            # starts its own engine on a free port
     python examples/grpo_tiny.py --url http://127.0.0.1:8000 --work-dir DIR
     python examples/grpo_tiny.py --launch --lora     # train a LoRA adapter instead of the full transformer
+    python examples/grpo_tiny.py --launch --model tiny-sd3 [--lora]   # an SD3 text-to-image model
+
+``--model`` (with ``--launch``): a built-in model or a model directory (default ``tiny``). Steps, SDE
+window, guidance, noise level and learning rate left out follow the served model's family
+(:data:`FAMILY_SETTINGS`): for Wan 6 steps, the SDE on steps 1 and 2, guidance 4.0, noise level 0.7; for
+SD3 Flow-GRPO's SD3.5 recipe scaled down: the model's own size, steps and max_sequence_length (tiny-sd3:
+64x64, 4 steps, 32 tokens), guidance 4.5, noise level 0.7, the SDE on early steps (1 and 2), groups of
+``--group``. Requests never name ``num_frames``: each model answers its default (one frame for images).
 
 With ``--url``, the engine must have been started with ``--weight-root DIR`` (weight
 updates are refused otherwise) and DIR given here as ``--work-dir``; a key in
@@ -43,6 +51,33 @@ from router.client import EngineClient  # noqa: E402
 
 PROMPTS = ["a fox at dawn", "a red kite over the sea", "two cats on a sofa", "a lighthouse in fog"]
 
+# Per family (the binding's short name), what a flag left out means; steps and guidance None: the model's
+# default. lr: full fine-tuning's, lora_lr: with --lora.
+FAMILY_SETTINGS = {
+    # Wan's tiny video model: 6 steps, the SDE on steps 1 and 2, CFG 4.0.
+    "wan": dict(steps=6, window=[1, 2], guidance=4.0, noise_level=0.7, lr=3e-3, lora_lr=2e-2),
+    # Flow-GRPO's SD3.5 recipe (guidance 4.5, noise level 0.7, an SDE window on the early steps), scaled down:
+    # the model's own steps, size and max_sequence_length (tiny-sd3: 4 steps at 64x64). Full fine-tuning at
+    # 3e-3 left the second inner step 90% clipped (ratio 0.35) on tiny-sd3; 1e-3 keeps it near the trust region.
+    "sd3": dict(steps=None, window=[1, 2], guidance=4.5, noise_level=0.7, lr=1e-3, lora_lr=2e-2),
+}
+# Another family: its model's defaults, the SDE on early steps.
+OTHER_FAMILY = dict(steps=None, window=[1, 2], guidance=None, noise_level=0.7, lr=1e-3, lora_lr=2e-2)
+
+
+def family_settings(args, policy: TrainerPolicy) -> None:
+    """Fill the flags left out (None) from the served model's family and defaults."""
+    settings = FAMILY_SETTINGS.get(policy.family.family, OTHER_FAMILY)
+    defaults = policy.info.defaults
+    for key, default_key in (("steps", "num_inference_steps"), ("guidance", "guidance_scale")):
+        if getattr(args, key) is None:
+            setattr(args, key, settings[key] if settings[key] is not None else defaults[default_key])
+    for key in ("window", "noise_level"):
+        if getattr(args, key) is None:
+            setattr(args, key, settings[key])
+    if args.lr is None:
+        args.lr = settings["lora_lr" if args.lora else "lr"]
+
 
 def toy_reward(latents: torch.Tensor) -> float:
     """Brightness-like score: the mean of the first latent channel (the policy learns to raise it)."""
@@ -63,16 +98,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--launch", action="store_true", help="start an engine for the run")
+    ap.add_argument("--model", default="tiny",
+                    help="with --launch: the model to serve, a built-in name (tiny, tiny-sd3, ...) or a directory")
     ap.add_argument("--work-dir", default=None,
                     help="where the trainer saves weights: the engine's --weight-root (default: a fresh temp dir)")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="rollouts per prompt")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--window", type=int, nargs="+", default=[1, 2], help="SDE step indices")
-    ap.add_argument("--lr", type=float, default=None, help="default: 3e-3, with --lora 2e-2")
+    ap.add_argument("--steps", type=int, default=None, help="default: the family's (Wan 6; SD3 the model's)")
+    ap.add_argument("--window", type=int, nargs="+", default=None, help="SDE step indices (default: 1 2)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="default: the family's (Wan 3e-3, SD3 1e-3; with --lora 2e-2)")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--inner-steps", type=int, default=2, help="policy updates per batch of rollouts")
-    ap.add_argument("--guidance", type=float, default=4.0)
+    ap.add_argument("--guidance", type=float, default=None, help="default: the family's (Wan 4.0, SD3 4.5)")
+    ap.add_argument("--noise-level", type=float, default=None, help="the SDE's noise level (default 0.7)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of the full transformer")
     ap.add_argument("--lora-rank", type=int, default=4)
@@ -81,8 +120,6 @@ def main() -> None:
     ap.add_argument("--lora-sync", choices=["memory", "disk"], default="memory",
                     help="push the adapter's tensors, or save it below the work dir and load it by path")
     args = ap.parse_args()
-    if args.lr is None:
-        args.lr = 2e-2 if args.lora else 3e-3
 
     import transformers
 
@@ -92,14 +129,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     engine = None
     if args.launch:
-        engine = EngineProcess("tiny", extra=["--weight-root", str(work)])
+        engine = EngineProcess(args.model, extra=["--weight-root", str(work)])
         args.url = engine.url
     client = EngineClient(args.url, api_key=os.environ.get("DISAGG_ADMIN_KEY") or os.environ.get("DISAGG_API_KEY"))
     try:
         model_dir = client.health()["model"]
         policy = TrainerPolicy(model_dir)
+        family_settings(args, policy)
         rollout_kw = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, sde_step_indices=args.window,
-                          return_trajectory=True, noise_level=0.7)
+                          return_trajectory=True, noise_level=args.noise_level)
         embeds = {p: policy.embeddings(p, "", args.guidance) for p in PROMPTS}
         base_sum = state_dict_checksum(policy.transformer)
         assert client.weights_checksum()["sha256"] == base_sum, "start from the same weights"
@@ -134,7 +172,7 @@ def main() -> None:
                 losses, ratios, clipped = [], [], 0
                 for prompt, s, adv, _ in batch:
                     new_lp = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], prompt, "",
-                                              args.guidance, noise_level=0.7, embeddings=embeds[prompt])
+                                              args.guidance, noise_level=args.noise_level, embeddings=embeds[prompt])
                     ratio = torch.exp(new_lp - s["log_probs"])
                     clipped_obj = torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv
                     loss = -torch.minimum(ratio * adv, clipped_obj).mean() / len(batch)
@@ -167,7 +205,7 @@ def main() -> None:
                 ok = ok and probe["lora_name"] == args.lora_name and probe["lora_version"] == version
             with torch.no_grad():
                 mine = policy.log_probs(Trajectory.from_sample(probe), probe["log_prob_steps"], PROMPTS[0], "",
-                                        args.guidance, noise_level=0.7, embeddings=embeds[PROMPTS[0]])
+                                        args.guidance, noise_level=args.noise_level, embeddings=embeds[PROMPTS[0]])
             gap = (mine - probe["log_probs"]).abs().max().item()
             rewards = torch.tensor([b[3] for b in batch])
             r = torch.cat(ratios)
