@@ -90,7 +90,8 @@ def _request(role: str, rid: str, kind=None):
 
 def _declared(kind) -> dict[str, torch.Tensor]:
     """Tensors that satisfy a message kind's contract (its required fields, of their rank)."""
-    return {f.name: torch.zeros((2,) * f.rank) for f in kind.carries if f.required}
+    return {f.name: torch.zeros((2,) * (f.rank if isinstance(f.rank, int) else f.rank[0])) for f in kind.carries
+            if f.required}
 
 
 def _valid(role: str, rid: str) -> list[bytes]:
