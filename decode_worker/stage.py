@@ -18,21 +18,23 @@ class DecodeStage(QueuedBatchStage):
         info = read_model(self.config.model)
         self.decoder = info.family.load_decoder(info, self.dtype, self.device)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.decoder.decode(latents)
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return self.decoder.decode(latents, height, width)
 
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
-        """The samples of every queued request whose latents have the same shape are decoded together,
-        ``max_batch`` samples per VAE call (which bounds its memory); other shapes in their own calls."""
+        """The samples of every queued request whose latents have the same shape and size are decoded together
+        (packed latents of two sizes can share a shape), ``max_batch`` samples per VAE call (which bounds its
+        memory); others in their own calls."""
         groups: dict[tuple, list[int]] = {}
         out: list[Forward | BaseException] = [None] * len(items)
-        for i, (_, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
-            groups.setdefault(tuple(tensors[LATENTS.name].shape[1:]), []).append(i)
-        for idx in groups.values():
+        for i, (msg, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
+            size = (msg.params.height, msg.params.width)
+            groups.setdefault((tuple(tensors[LATENTS.name].shape[1:]), size), []).append(i)
+        for (_, size), idx in groups.items():
             t0 = time.perf_counter()
             try:
                 latents = torch.cat([items[i][1][LATENTS.name] for i in idx])
-                video = torch.cat([self.decode(part) for part in latents.split(self.max_batch)])
+                video = torch.cat([self.decode(part, *size) for part in latents.split(self.max_batch)])
             except Exception as e:
                 for i in idx:
                     out[i] = e

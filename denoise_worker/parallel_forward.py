@@ -93,11 +93,12 @@ class ParallelForward:
         loras = [None if lo is None else [self._key(lo[0]), lo[1]] for lo in rows.loras]
         split = rows.n if self.cfg == 1 else rows.cond_rows
         inputs = {"hidden_states": rows.hidden_states, "timestep": rows.timestep,
-                  **{TEXT_PREFIX + k: v for k, v in rows.texts.items()}}
+                  **{TEXT_PREFIX + k: v for k, v in rows.texts.items()},
+                  **({} if rows.guidance is None else {"guidance": rows.guidance})}
         dropped = self._dropped[:]
         self._dropped.clear()  # (not a new list: the finalizers append to this one)
         send_call(FORWARD, inputs, device=self.device, expert=expert, text_of=rows.text_of, loras=loras, split=split,
-                  dropped=dropped)
+                  dropped=dropped, grid=list(rows.grid))
         mine = settled(self.policy.local(expert, rows, 0, split))
         if split == rows.n:
             return mine
@@ -169,7 +170,7 @@ class Follower:
         loras = [None if lo is None else (self.adapters[lo[0]], lo[1]) for lo in f["loras"]]
         texts = {k.removeprefix(TEXT_PREFIX): v for k, v in tensors.items() if k.startswith(TEXT_PREFIX)}
         rows = Rows(tensors["hidden_states"], tensors["timestep"], texts, f["text_of"], loras,
-                    f["split"])
+                    f["split"], tuple(f["grid"]), tensors.get("guidance"))
         start, stop = (0, f["split"]) if self.layout.cfg_rank == 0 else (f["split"], rows.n)
         if start == stop:
             return  # nothing for this CFG group (no unconditional rows)

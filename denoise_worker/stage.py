@@ -114,7 +114,7 @@ class DenoiseStage(Stage):
         cond = self.texts.conditioning(self._text(tensors, {f.name: f.name for f in self.family.text_fields}),
                                        p.max_sequence_length)
         uncond = None
-        if uses_guidance(p.guidance_scale):
+        if uses_guidance(self.family.cfg_scale(p)):
             negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text_fields})
             uncond = self.texts.conditioning(negative, p.max_sequence_length)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
@@ -141,12 +141,13 @@ class DenoiseStage(Stage):
     def _next_batch(self) -> list[_Active]:
         """The oldest request plus others that can share its forward, up to ``max_batch`` samples in all.
 
-        Sharing needs the same latent shape and the same expert; each request
+        Sharing needs the same latent shape, size (packed latents of two sizes may share a shape) and expert; each request
         keeps its own timestep, text embeddings and guidance scale. A request
         larger than ``max_batch`` runs alone, its forward in parts.
         """
         def key(a: _Active):
-            return tuple(a.task.latents.shape[1:]), self.policy.expert_for(a.task.timestep)
+            p = a.task.params
+            return tuple(a.task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(a.task.timestep)
 
         oldest = min(self.active, key=lambda a: a.seq)
         batch, samples = [], 0
@@ -164,8 +165,9 @@ class DenoiseStage(Stage):
         for part in forward_parts([t.model_input() for t in tasks], self.max_batch):
             inputs = [x for _, x in part]
             if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the count
+                p = tasks[0].params  # the tasks of one forward have one size
                 size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
-                             self.max_threads, self.info.patch_size)
+                             self.max_threads, self.family.image_seq_len(self.info, p.height, p.width, p.num_frames))
             for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
                 outs[i].append(v)
         return [v[0] if len(v) == 1 else torch.cat(v) for v in outs]

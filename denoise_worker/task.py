@@ -26,6 +26,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.diffusion import schedulers
+from common.diffusion.binding import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
@@ -33,8 +34,10 @@ from common.diffusion.policy import ModelInput, sigma_max
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
-    shape = info.latent_shape(params.height, params.width, params.num_frames)
-    return torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+    family = info.family
+    shape = family.noise_shape(info, params.height, params.width, params.num_frames)
+    noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+    return family.pack(noise, info, params.height, params.width)
 
 
 def sde_settings(params: GenerationParams) -> RolloutParams | None:
@@ -46,11 +49,12 @@ def sde_settings(params: GenerationParams) -> RolloutParams | None:
 @dataclass
 class DenoiseTask:
     params: GenerationParams
-    cond: torch.Tensor
-    uncond: torch.Tensor | None
+    info: ModelInfo
+    cond: Conditioning
+    uncond: Conditioning | None
     scheduler: object
     generators: list[torch.Generator]  # one per sample
-    latents: torch.Tensor  # [n, C, F', H', W']
+    latents: torch.Tensor  # [n, *latent] (the family's: Binding.latent_shape)
     sde: RolloutParams | None  # None: the serving scheduler steps this request
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     step: int = 0
@@ -61,12 +65,14 @@ class DenoiseTask:
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None):
         sde = sde_settings(params)
-        scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device)
+        seq_len = info.family.image_seq_len(info, params.height, params.width, params.num_frames)
+        scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
+                                     image_seq_len=seq_len, default_sigmas=info.family.default_sigmas)
         if sde is not None:
             schedulers.check_flow_match_convention(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
-        task = cls(params, cond, uncond, scheduler, generators, latents, sde, lora)
+        task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -88,9 +94,10 @@ class DenoiseTask:
         return self.scheduler.timesteps[self.step]
 
     def model_input(self) -> ModelInput:
-        p = self.params
-        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, p.guidance_scale, p.guidance_scale_2,
-                          self.lora)
+        p, family = self.params, self.info.family
+        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, family.cfg_scale(p), p.guidance_scale_2,
+                          self.lora, family.token_grid(self.info, p.height, p.width),
+                          family.embedded_guidance(self.info, p.guidance_scale))
 
     def sde_type_now(self) -> str:
         """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""

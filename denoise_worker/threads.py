@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-import math
-
 from common.diffusion.binding import HIDDEN, text_kwargs
 from common.diffusion.policy import ModelInput
 
@@ -13,8 +11,7 @@ from common.diffusion.policy import ModelInput
 SMALL_FORWARD = 5e7
 
 
-def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: int,
-                 patch_size: tuple[int, ...]) -> None:
+def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: int, image_tokens: int) -> None:
     """All of the worker's threads for forwards big enough to gain from them, one for small ones.
 
     On a small forward, waking threads costs more than it saves: measured on
@@ -25,8 +22,7 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
         return
     cfg = model.config
     width = cfg.num_attention_heads * cfg.attention_head_dim
-    grid = inputs[0].latents.shape[2:]  # [F', H', W'] or [H', W'], patched by the model's patch_size
-    tokens = math.prod(n // p for n, p in zip(grid, patch_size)) + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
+    tokens = image_tokens + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
     rows = sum(x.n * (2 if x.uncond is not None else 1) for x in inputs)
     threads = max_threads if rows * tokens * width * width >= SMALL_FORWARD else 1
     if threads != torch.get_num_threads():

@@ -16,6 +16,7 @@ class EncoderStage(QueuedBatchStage):
 
     def load(self) -> None:
         info = read_model(self.config.model)
+        self.family = info.family
         self.text_encoder = info.family.load_text_encoder(info, self.dtype, self.device)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
 
@@ -27,7 +28,7 @@ class EncoderStage(QueuedBatchStage):
         for msg, _ in items:
             p = msg.params
             texts.add((p.prompt, p.max_sequence_length))
-            if uses_guidance(p.guidance_scale):
+            if uses_guidance(self.family.cfg_scale(p)):
                 texts.add((p.negative_prompt, p.max_sequence_length))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
         for budget in sorted({length for (_, length), e in embeds.items() if e is None}):
@@ -37,13 +38,14 @@ class EncoderStage(QueuedBatchStage):
                 embeds[key] = {name: t.clone() for name, t in wire.items()}
                 self.cache.put(key, embeds[key])
         elapsed = time.perf_counter() - t0
-        return [self._forward(msg, embeds, elapsed) for msg, _ in items]
+        return [self._forward(msg, embeds, elapsed, uses_guidance(self.family.cfg_scale(msg.params)))
+                for msg, _ in items]
 
     @staticmethod
-    def _forward(msg: EncodeRequest, embeds: dict, elapsed: float) -> Forward:
+    def _forward(msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool) -> Forward:
         p = msg.params
         tensors = dict(embeds[(p.prompt, p.max_sequence_length)])
-        if uses_guidance(p.guidance_scale):
+        if guided:
             negative = embeds[(p.negative_prompt, p.max_sequence_length)]
             tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,

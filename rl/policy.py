@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -53,16 +54,30 @@ class TrainerPolicy:
     def embeddings(self, prompt: str, negative_prompt: str, guidance_scale: float,
                    max_sequence_length: int | None = None) -> tuple[Conditioning, Conditioning | None]:
         """(cond, uncond) conditioning, exactly as the encoder + denoise workers build it (uncond None: no
-        guidance); ``max_sequence_length`` left out takes the model's default, as a request does."""
+        guidance, i.e. ``guidance_scale``, the classifier-free one (:meth:`cfg_scale`), at most 1);
+        ``max_sequence_length`` left out takes the model's default, as a request does."""
         length = max_sequence_length or self.info.defaults["max_sequence_length"]
         texts = [prompt, negative_prompt] if uses_guidance(guidance_scale) else [prompt]
         conds = [cond_to(self.family.conditioning(w, length), self.device, self.policy.dtype)
                  for w in self.text_encoder.wire_tensors(texts, length)]
         return conds[0], conds[1] if len(conds) > 1 else None
 
-    def velocity(self, latents, t, cond, uncond, guidance_scale, guidance_scale_2=None) -> torch.Tensor:
-        x = ModelInput(latents.to(self.device), t.to(self.device), cond, uncond, guidance_scale, guidance_scale_2)
+    def velocity(self, latents, t, cond, uncond, guidance_scale, guidance_scale_2=None, *,
+                 true_cfg_scale: float | None = None, height: int | None = None,
+                 width: int | None = None) -> torch.Tensor:
+        """The guided velocity as the denoise worker computes it for a request with these fields (``height``
+        and ``width`` left out: the model's defaults; packed families need them for their position ids)."""
+        d = self.info.defaults
+        fields = SimpleNamespace(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale)
+        grid = self.family.token_grid(self.info, height or d["height"], width or d["width"])
+        x = ModelInput(latents.to(self.device), t.to(self.device), cond, uncond, self.family.cfg_scale(fields),
+                       guidance_scale_2, grid=grid, embedded_guidance=self.family.embedded_guidance(
+                           self.info, guidance_scale))
         return self.policy.velocity(x)
+
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float | None = None) -> float:
+        """The classifier-free guidance scale of a request's fields (FLUX, Qwen-Image: ``true_cfg_scale``)."""
+        return self.family.cfg_scale(SimpleNamespace(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
 
     def log_probs(
         self,
@@ -76,17 +91,23 @@ class TrainerPolicy:
         noise_level: float = 0.7,
         embeddings=None,
         max_sequence_length: int | None = None,
+        true_cfg_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
     ) -> torch.Tensor:
-        """Recompute log p(x_{i+1} | x_i) for each step i in ``steps``: [K] float32.
+        """Recompute log p(x_{i+1} | x_i) for each step i in ``steps``: [K] float32, for a request with
+        these fields (those left out: the model's defaults, as a request).
 
         Differentiable w.r.t. the transformer's parameters unless called under
         ``torch.no_grad()``.
         """
-        cond, uncond = embeddings or self.embeddings(prompt, negative_prompt, guidance_scale, max_sequence_length)
+        cfg = self.cfg_scale(guidance_scale, true_cfg_scale)
+        cond, uncond = embeddings or self.embeddings(prompt, negative_prompt, cfg, max_sequence_length)
         out = []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
-            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, guidance_scale, guidance_scale_2)
+            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, guidance_scale, guidance_scale_2,
+                              true_cfg_scale=true_cfg_scale, height=height, width=width)
             step = step_at(trajectory.sigmas, i, v, x, sde_type=sde_type, noise_level=noise_level,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device))
             out.append(step.log_prob[0])

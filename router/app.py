@@ -31,10 +31,10 @@ from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
-    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, check_family_fields,
-    checked_module,
-    checked_weight_path, to_params,
+    UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module,
+    checked_weight_path,
 )
+from router.request_params import check_family_fields, check_model_fields, to_params
 from router.weight_sync import MemorySync
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
@@ -155,6 +155,7 @@ class Routes:
     def params_for(self, body: GenerateBody):
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
         check_family_fields(body, self.info.family)
+        check_model_fields(body, self.info)
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)

@@ -74,8 +74,8 @@ class OpenAIRoutes:
 
     def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
         extra = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
-                                                "guidance_scale_2", "seed", "lora_name", "lora_scale", "timeout_s",
-                                                "max_sequence_length")}
+                                                "guidance_scale_2", "true_cfg_scale", "seed", "lora_name",
+                                                "lora_scale", "timeout_s", "max_sequence_length")}
         return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
                             output_type=output_type, **extra)
 

@@ -21,10 +21,11 @@ class EngineFields(BaseModel):
     """What the engine takes beyond OpenAI's fields (extra body fields of the official client); each means
     what the served family's diffusers pipeline means by it."""
 
-    negative_prompt: str = ""
+    negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN)
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0)

@@ -25,7 +25,8 @@ from router.http_errors import install_error_handlers
 from router.join import Pending, PendingTable
 from router.openapi import inline_refs
 from router.registry import WorkerRegistry
-from router.schemas import FieldError, GenerateBody, RolloutBody, to_params
+from router.request_params import to_params
+from router.schemas import FieldError, GenerateBody, RolloutBody
 
 from conftest import ROOT
 

@@ -43,7 +43,8 @@ from denoise_worker.task import DenoiseTask
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
 from rl import TrainerPolicy, Trajectory
-from router.schemas import FieldError, GenerateBody, to_params
+from router.request_params import to_params
+from router.schemas import FieldError, GenerateBody
 
 TOL = 1e-4  # against diffusers: other batch layouts of the same maths (the text encoders batch both prompts)
 RECOMPUTE_TOL = 1e-5

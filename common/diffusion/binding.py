@@ -13,10 +13,15 @@ buckets, compile, context parallel, tensor contracts) is shared and knows nothin
 - **decode worker**: :meth:`Binding.load_decoder` (latents to frames ``[n, F, H, W, 3]`` in [0, 1]);
 - **router**: :attr:`Binding.defaults` (the pipeline's own), :attr:`Binding.fields` (the optional
   request fields it takes), :attr:`Binding.size_multiple`, :attr:`Binding.video`.
+
+Latents are what the family's pipeline steps on: ``[C, F', H', W']`` (Wan), ``[C, H', W']`` (SD3), or
+packed tokens ``[seq, C * 4]`` (FLUX, Qwen-Image), drawn as :meth:`Binding.noise_shape` and packed
+by :meth:`Binding.pack`; the decoder unpacks them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
@@ -90,8 +95,50 @@ class Binding:
     # transformer's Linear paths): the attention projections unless the family's training recipes say otherwise.
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
+    # The request field that scales classifier-free guidance: ``guidance_scale`` (Wan, SD3), or
+    # ``true_cfg_scale`` (FLUX, Qwen-Image, whose ``guidance_scale`` is the transformer's embedded guidance).
+    cfg_field: str = "guidance_scale"
+    # The pipeline hands its scheduler ``sigmas = linspace(1, 1/N, N)`` when a request gives none (FLUX,
+    # Qwen-Image); else the scheduler spaces its own steps.
+    default_sigmas: bool = False
+
     def geometry(self, path: Path, transformer_config: dict) -> Geometry:
         raise NotImplementedError
+
+    def cfg_scale(self, params) -> float:
+        """The request's classifier-free guidance scale (guidance runs above 1)."""
+        value = getattr(params, self.cfg_field)
+        return 1.0 if value is None else float(value)
+
+    def embedded_guidance(self, info: "ModelInfo", guidance_scale: float) -> float | None:
+        """The transformer's guidance-embedding input for a request's ``guidance_scale`` (guidance-distilled
+        models: their config's ``guidance_embeds``), else None."""
+        return None
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance of one request's two passes, in its pipeline's order of operations."""
+        return uncond + scale * (cond - uncond)
+
+    def noise_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """One sample's initial noise as the pipeline draws it, before :meth:`pack` (leading 1)."""
+        return self.latent_shape(info, height, width, num_frames)
+
+    def pack(self, noise: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+        """Drawn noise [n, *noise_shape] as the latents the pipeline steps on (identity: not packed)."""
+        return noise
+
+    def token_grid(self, info: "ModelInfo", height: int, width: int) -> tuple[int, int]:
+        """Packed families: the (rows, columns) of a size's image tokens, which their position ids need."""
+        return (0, 0)
+
+    def image_seq_len(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> int:
+        """The transformer's image tokens for a size (the dynamic shift's ``mu`` depends on it)."""
+        shape = self.latent_shape(info, height, width, num_frames)
+        return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
+
+    def stack_texts(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Distinct texts' keyword tensors ([1, ...] each) as one [U, ...] tensor per keyword."""
+        return {k: torch.cat([t[k] for t in texts]) for k in texts[0]}
 
     def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
         """The pipeline's defaults for this directory (some depend on its config, e.g. SD3's sample size)."""
@@ -114,8 +161,9 @@ class Binding:
         raise NotImplementedError
 
     def forward(self, model: torch.nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                text: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The transformer's output for batched rows (``text``: each keyword's [B, ...] tensor)."""
+                text: dict[str, torch.Tensor], grid: tuple[int, int], guidance: torch.Tensor | None) -> torch.Tensor:
+        """The transformer's output for batched rows of one size (``grid``: :meth:`token_grid`); ``text``:
+        each keyword's [B, ...] tensor; ``guidance``: the rows' embedded guidance [B] (or None)."""
         return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
 
     def example_text(self, model: torch.nn.Module, max_sequence_length: int, generator: torch.Generator,
@@ -124,5 +172,5 @@ class Binding:
         raise NotImplementedError
 
     def load_decoder(self, info: "ModelInfo", dtype: torch.dtype, device):
-        """An object whose ``decode(latents)`` gives float32 frames [n, F, H, W, 3] in [0, 1]."""
+        """An object whose ``decode(latents, height, width)`` gives float32 frames [n, F, H, W, 3] in [0, 1]."""
         raise NotImplementedError

@@ -124,9 +124,12 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
             with torch.no_grad():
                 if policy is not None:
                     policy.share_text()  # its processors now, or their later install would recompile
-                    policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0))
+                    info, d = policy.info, policy.info.defaults
+                    extra = dict(grid=policy.family.token_grid(info, d["height"], d["width"]),
+                                 embedded_guidance=policy.family.embedded_guidance(info, d["guidance_scale"]))
+                    policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
                     if batch > 1:
-                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0)])
+                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
                 else:
                     for n in (1, batch) if batch > 1 else (1,):
                         model(hidden_states=latents(n), timestep=t.expand(n),

@@ -11,7 +11,7 @@ reads the rest with :meth:`ModelInfo.read_with`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.diffusion.binding import Binding
@@ -47,6 +47,12 @@ class ModelInfo:
     num_train_timesteps: int
     flow_shift: float
     fps: int = 16  # frames per second of the videos it makes (MP4 output)
+    transformer_config: dict = field(default_factory=dict)  # e.g. FLUX.1-dev's guidance_embeds
+
+    @property
+    def dynamic_shifting(self) -> bool:
+        """The scheduler shifts by ``mu`` (a request's, or the one of its image size): FLUX, Qwen-Image."""
+        return bool(self.scheduler_config.get("use_dynamic_shifting", False))
 
     @classmethod
     def read_with(cls, family: Binding, path: str | Path) -> "ModelInfo":
@@ -77,6 +83,7 @@ class ModelInfo:
             num_train_timesteps=int(scfg.get("num_train_timesteps", 1000)),
             flow_shift=flow_shift_of(scfg),
             fps=int(defaults.pop("fps", family.fps)),
+            transformer_config=tcfg,
         )
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:

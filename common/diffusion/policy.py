@@ -50,9 +50,11 @@ class ModelInput:
     timestep: torch.Tensor  # 0-d, or one per sample of ``latents``
     cond: Conditioning  # Wan: [1, L, D]; else a TextCond of [1, ...] tensors
     uncond: Conditioning | None  # None: no guidance
-    guidance_scale: float
+    guidance_scale: float  # classifier-free guidance's (the family's cfg field: Binding.cfg_scale)
     guidance_scale_2: float | None = None
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
+    grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), which [seq, C] hides
+    embedded_guidance: float | None = None  # guidance-distilled transformers' guidance input (FLUX.1-dev)
 
     @property
     def n(self) -> int:
@@ -62,6 +64,12 @@ class ModelInput:
         """Samples ``start:stop`` alone (a forward that takes only part of a large request)."""
         t = self.timestep if self.timestep.dim() == 0 else self.timestep[start:stop]
         return replace(self, latents=self.latents[start:stop], timestep=t)
+
+    def guidance_rows(self, rows: int) -> torch.Tensor | None:
+        """The embedded guidance of ``rows`` of this input's passes, float32 as the pipelines make it."""
+        if self.embedded_guidance is None:
+            return None
+        return torch.full((rows,), self.embedded_guidance, dtype=torch.float32, device=self.latents.device)
 
 
 class Policy:
@@ -135,30 +143,35 @@ class Policy:
         # float32, as in batched_velocity: the same values (timesteps are at most 1000, and the model's time
         # embedding takes floats), and one dtype for compiled forwards to guard on.
         t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float()
+        forward = self.family.forward
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
         elif x.uncond is not None and self.family.guidance_in_one_forward:
             with self.lora_hooks[name].rows([x.lora] * (2 * x.n)):
-                both = self.family.forward(model, torch.cat([h, h]), torch.cat([t, t]),
-                                           _joined_rows(x.uncond, x.cond, x.n))
+                both = forward(model, torch.cat([h, h]), torch.cat([t, t]), _joined_rows(x.uncond, x.cond, x.n),
+                               x.grid, x.guidance_rows(2 * x.n))
             v_u, v = both.chunk(2)
         else:
+            g = x.guidance_rows(x.n)
             with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
-                v = self.family.forward(model, h, t, _text_rows(x.cond, x.n))
-                v_u = None if x.uncond is None else self.family.forward(model, h, t, _text_rows(x.uncond, x.n))
-        return v if v_u is None else v_u + self.guidance_scale(name, x) * (v - v_u)
+                v = forward(model, h, t, _text_rows(x.cond, x.n), x.grid, g)
+                v_u = None if x.uncond is None else forward(model, h, t, _text_rows(x.uncond, x.n), x.grid, g)
+        return v if v_u is None else self.family.guide(v, v_u, self.guidance_scale(name, x))
 
     def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):
         """:meth:`velocity`'s two passes on a multi-device worker's ranks: at once with CFG parallel (each on
         its group), else one after the other."""
-        cond = Rows.of(h, t, [x.cond] * x.n, [x.lora] * x.n)
+        f, g = self.family, x.guidance_rows(x.n)
+        cond = Rows.of(f, h, t, [x.cond] * x.n, [x.lora] * x.n, grid=x.grid, guidance=g)
         if x.uncond is None:
             return self.ranks(name, cond), None
         if self.ranks.cfg == 2:
-            both = self.ranks(name, Rows.of(torch.cat([h, h]), torch.cat([t, t]), [x.cond] * x.n + [x.uncond] * x.n,
-                                            [x.lora] * (2 * x.n), cond_rows=x.n))
+            both = self.ranks(name, Rows.of(f, torch.cat([h, h]), torch.cat([t, t]), [x.cond] * x.n + [x.uncond] * x.n,
+                                            [x.lora] * (2 * x.n), cond_rows=x.n, grid=x.grid,
+                                            guidance=x.guidance_rows(2 * x.n)))
             return both[: x.n], both[x.n :]
-        return self.ranks(name, cond), self.ranks(name, Rows.of(h, t, [x.uncond] * x.n, [x.lora] * x.n))
+        return self.ranks(name, cond), self.ranks(name, Rows.of(f, h, t, [x.uncond] * x.n, [x.lora] * x.n,
+                                                                grid=x.grid, guidance=g))
 
     def run(self, name: str, rows: Rows) -> torch.Tensor:
         """The expert's output for every row: on this process, or on the worker's ranks."""
@@ -173,7 +186,7 @@ class Policy:
         """Guided model outputs (one [n, ...] per input) for inputs at (possibly) different timesteps,
         in one forward.
 
-        All inputs must map to the same expert. An input's conditional rows are followed by its
+        All inputs must map to the same expert and size. An input's conditional rows are followed by its
         unconditional rows when it uses guidance, and inputs with the same LoRA adapter are
         consecutive, so that each adapter's delta goes into one slice of every Linear's output.
         Guidance is applied per input, on all its samples at once, as in :meth:`velocity`. A single
@@ -189,7 +202,10 @@ class Policy:
         texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
         loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
         cond_rows = sum(inputs[i].n for i, uncond in blocks if not uncond)
-        out = self.run(name, Rows.of(h, ts, texts, loras, cond_rows))
+        guidance = None
+        if inputs[0].embedded_guidance is not None:
+            guidance = torch.cat([inputs[i].guidance_rows(inputs[i].n) for i, _ in blocks])
+        out = self.run(name, Rows.of(self.family, h, ts, texts, loras, cond_rows, inputs[0].grid, guidance))
         at, start = {}, 0
         for block in blocks:
             at[block] = out[start : start + inputs[block[0]].n]
@@ -198,8 +214,7 @@ class Policy:
         for i, x in enumerate(inputs):
             v = at[(i, False)]
             if x.uncond is not None:
-                v_u = at[(i, True)]
-                v = v_u + self.guidance_scale(name, x) * (v - v_u)
+                v = self.family.guide(v, at[(i, True)], self.guidance_scale(name, x))
             result.append(v)
         return result
 

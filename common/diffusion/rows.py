@@ -32,14 +32,17 @@ class Rows:
     text_of: list[int]  # [B]: which of ``texts`` each row has
     loras: list[LoraChoice]  # [B]
     cond_rows: int  # rows [0, cond_rows) are conditional passes, the rest unconditional ones
+    grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), the same for every row
+    guidance: torch.Tensor | None = None  # [B] embedded guidance (guidance-distilled models), else None
 
     @property
     def n(self) -> int:
         return self.hidden_states.shape[0]
 
     @classmethod
-    def of(cls, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[Conditioning],
-           loras: list[LoraChoice], cond_rows: int | None = None) -> "Rows":
+    def of(cls, family: Binding, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[Conditioning],
+           loras: list[LoraChoice], cond_rows: int | None = None, grid: tuple[int, int] = (0, 0),
+           guidance: torch.Tensor | None = None) -> "Rows":
         """Rows from one conditioning per row; the same object on two rows is one text."""
         index: dict[int, int] = {}
         distinct: list[Conditioning] = []
@@ -49,10 +52,9 @@ class Rows:
                 index[id(t)] = len(distinct)
                 distinct.append(t)
             text_of.append(index[id(t)])
-        kwargs = [text_kwargs(t) for t in distinct]
-        stacked = {k: torch.cat([kw[k] for kw in kwargs]) for k in kwargs[0]}
+        stacked = family.stack_texts([text_kwargs(t) for t in distinct])
         return cls(hidden_states, timestep, stacked, text_of, loras,
-                   hidden_states.shape[0] if cond_rows is None else cond_rows)
+                   hidden_states.shape[0] if cond_rows is None else cond_rows, grid, guidance)
 
 
 def forward_rows(family: Binding, model: torch.nn.Module, hooks: LoraHooks, shared: SharedText | None, rows: Rows,
@@ -69,7 +71,9 @@ def forward_rows(family: Binding, model: torch.nn.Module, hooks: LoraHooks, shar
     text = {k: _pick(v, which) for k, v in rows.texts.items()}
     text_loras = None if plan is None else [loras[r] for r in plan.first]
     with hooks.rows(loras, text_loras), (shared.active(plan) if shared is not None else nullcontext()):
-        return family.forward(model, rows.hidden_states[start:stop], rows.timestep[start:stop], text)
+        guidance = None if rows.guidance is None else rows.guidance[start:stop]
+        return family.forward(model, rows.hidden_states[start:stop], rows.timestep[start:stop], text, rows.grid,
+                              guidance)
 
 
 def _pick(texts: torch.Tensor, which: list[int]) -> torch.Tensor:

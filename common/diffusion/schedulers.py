@@ -35,7 +35,13 @@ def load_serving_template(info: ModelInfo):
 
 
 def rollout_template_for(serving) -> FlowMatchEulerDiscreteScheduler:
-    """First-order flow-match Euler with the serving scheduler's shift and training steps."""
+    """First-order flow-match Euler with the serving scheduler's shift and training steps; with its whole
+    config when it shifts dynamically (FLUX, Qwen-Image: the base / max shift and sequence lengths, the
+    terminal sigma), so that a request's ``mu`` shifts both schedules alike."""
+    if serving.config.get("use_dynamic_shifting", False):
+        return FlowMatchEulerDiscreteScheduler.from_config(
+            {**serving.config, "stochastic_sampling": False, "use_karras_sigmas": False,
+             "use_exponential_sigmas": False, "use_beta_sigmas": False})
     return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=serving.config.num_train_timesteps,
         shift=flow_shift_of(serving.config),
@@ -51,23 +57,48 @@ def _unshift(sigmas: np.ndarray, shift: float) -> np.ndarray:
     return sigmas / (shift - (shift - 1.0) * sigmas)
 
 
-def build(template, params: GenerationParams, device: torch.device | str = "cpu"):
+def calculate_shift(image_seq_len: int, config) -> float:
+    """The dynamic shift ``mu`` for an image sequence length: linear between the config's base and max
+    shift over its base and max sequence lengths, as diffusers' FLUX, Qwen-Image and SD3 pipelines do."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
+def dynamic(config) -> bool:
+    """The scheduler shifts by a request's ``mu`` (else ``mu`` means nothing to it)."""
+    return bool(config.get("use_dynamic_shifting", False))
+
+
+def build(template, params: GenerationParams, device: torch.device | str = "cpu", *, image_seq_len: int = 0,
+          default_sigmas: bool = False):
     """A fresh scheduler for one request: sigmas first, else timesteps, else the step count.
 
     ``timesteps`` name the exact timesteps to run; the scheduler's sigmas become
     ``timesteps / num_train_timesteps`` (the flow-match convention), which for
     a statically shifted scheduler means handing it the un-shifted sigmas.
+    A dynamically shifted scheduler takes the request's ``mu``, else the one of
+    ``image_seq_len`` (:func:`calculate_shift`); ``default_sigmas``: the step count
+    becomes ``sigmas = linspace(1, 1/N, N)``, as the family's pipeline passes them.
     """
     scheduler = type(template).from_config(template.config)
     accepts = inspect.signature(scheduler.set_timesteps).parameters
     kwargs: dict = {"device": device}
     if params.mu is not None:
         kwargs["mu"] = params.mu
-    if params.sigmas is not None:
+    elif dynamic(scheduler.config):
+        kwargs["mu"] = calculate_shift(image_seq_len, scheduler.config)
+    sigmas = params.sigmas
+    if sigmas is None and params.timesteps is None and default_sigmas and "sigmas" in accepts \
+            and not scheduler.config.get("use_flow_sigmas", False):
+        n = params.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / n, n)
+    if sigmas is not None:
         if "sigmas" not in accepts:
             raise RequestError(f"sigmas: {type(scheduler).__name__} does not take custom sigmas")
         # float64 arrays: what diffusers' flow schedulers compute their shift in.
-        scheduler.set_timesteps(sigmas=np.asarray(params.sigmas, dtype=np.float64), **kwargs)
+        scheduler.set_timesteps(sigmas=np.asarray(sigmas, dtype=np.float64), **kwargs)
     elif params.timesteps is not None:
         shift = _static_shift(scheduler.config)
         if shift is None or "sigmas" not in accepts:

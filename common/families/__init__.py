@@ -10,10 +10,13 @@ from pathlib import Path
 
 from common.diffusion.binding import Binding
 from common.diffusion.model_info import ModelInfo, read_index
+from common.families.flux.binding import FluxBinding
+from common.families.qwen_image.binding import QwenImageBinding
 from common.families.sd3.binding import SD3Binding
 from common.families.wan.binding import WanBinding
 
-BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), SD3Binding())}
+BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), SD3Binding(), FluxBinding(),
+                                                        QwenImageBinding())}
 
 
 class UnknownFamily(ValueError):

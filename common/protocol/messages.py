@@ -60,12 +60,13 @@ NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLO
 # A prompt's text tensor -> the same tensor of the negative prompt.
 NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
 TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
-# Latents as the transformer sees them: [n, C, F', H', W'] (video families) or [n, C, H', W'] (image families).
-LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4))
-OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
+# Latents as the transformer sees them: [n, C, F', H', W'] (video families), [n, C, H', W'] (image families) or
+# packed tokens [n, seq, C * 4] (FLUX, Qwen-Image).
+LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
+OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4, 3))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
-TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, (6, 5), required=False)  # [n, T+1, *latent]
+TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, (6, 5, 4), required=False)  # [n, T+1, *latent]
 TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T], shared
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
@@ -185,6 +186,9 @@ class GenerationParams(_Strict):
     n: Annotated[int, msgspec.Meta(ge=1)] = 1  # samples, one unit of work through every stage
     output_type: OutputType = "frames"
     guidance_scale_2: float | None = None
+    # FLUX / Qwen-Image: the classifier-free scale (1 without a negative prompt); guidance_scale is then the
+    # transformer's embedded guidance. None: the family's guidance_scale is its classifier-free scale.
+    true_cfg_scale: float | None = None
     sigmas: list[float] | None = None
     timesteps: list[float] | None = None
     mu: float | None = None

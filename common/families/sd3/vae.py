@@ -16,7 +16,7 @@ class SD3Decoder:
         return cls(vae.to(device).eval().requires_grad_(False), device)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, height: int = 0, width: int = 0) -> torch.Tensor:
         """Latents [n, 16, H', W'] -> float32 frames [n, 1, H, W, 3] in [0, 1] (one frame: an image)."""
         cfg = self.vae.config
         latents = latents.to(self.device, self.vae.dtype)

@@ -25,7 +25,7 @@ class WanDecoder:
         return cls(vae.to(device).eval().requires_grad_(False), device)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, height: int = 0, width: int = 0) -> torch.Tensor:
         dtype = self.vae.dtype
         latents = latents.to(self.device, dtype)
         # Same order of operations as diffusers: x / (1 / std) + mean, in the VAE's dtype.

@@ -1,0 +1,97 @@
+"""Qwen-Image (``QwenImagePipeline``).
+
+- encoder: Qwen2.5-VL's last hidden state of the prompt in diffusers' template, the template's prefix tokens
+  dropped (:mod:`common.families.qwen_image.text`); a prompt travels as ``prompt_embeds`` [L, D], its own
+  length (no padding);
+- denoise: ``QwenImageTransformer2DModel`` on packed latents (:mod:`common.diffusion.packed`) with its
+  ``img_shapes`` and the timestep / 1000; texts of different lengths in one forward are zero-padded with
+  an ``encoder_hidden_states_mask``, as the pipeline batches prompts; true classifier-free guidance is
+  ``true_cfg_scale`` with a negative prompt, two forwards and the pipeline's norm rescale;
+- schedule: flow-match Euler with dynamic shifting (``mu`` from the image sequence length unless the request
+  gives one), sigmas ``linspace(1, 1/N, N)`` stretched to the config's ``shift_terminal``;
+- decode: ``AutoencoderKLQwenImage``, unpacked, de-normalised by the VAE's latents mean and std.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from common.diffusion.binding import HIDDEN, Geometry, TextCond
+from common.diffusion.packed import PackedBinding
+from common.protocol.messages import PROMPT_EMBEDS
+
+MASK = "encoder_hidden_states_mask"
+
+
+class QwenImageBinding(PackedBinding):
+    family = "qwen-image"
+    pipeline = "QwenImagePipeline"
+    # QwenImagePipeline's own defaults. guidance_scale is the guidance-distilled models' embedded guidance
+    # (their config's guidance_embeds); the others take none and refuse the field.
+    defaults = {"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 50, "guidance_scale": 1.0,
+                "true_cfg_scale": 4.0, "max_sequence_length": 512}
+    fields = frozenset({"max_sequence_length", "true_cfg_scale"})
+    max_sequence_length_limit = 1024  # QwenImagePipeline.check_inputs
+    text_fields = (PROMPT_EMBEDS,)
+    context_parallel = True  # QwenImageTransformer2DModel has a _cp_plan
+    # Both streams' attention projections (the recipes' LoRA targets for Qwen-Image).
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                    "attn.to_out.0", "attn.to_q", "attn.to_v")
+
+    def geometry(self, path: Path, transformer_config: dict) -> Geometry:
+        vcfg = json.loads((path / "vae" / "config.json").read_text())
+        return Geometry(latent_channels=int(transformer_config.get("in_channels", 64)) // 4,
+                        vae_scale_spatial=2 ** len(vcfg.get("temperal_downsample", [False, True, True])),
+                        patch_size=(2, 2))
+
+    def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
+        size = 128 * geometry.vae_scale_spatial  # QwenImagePipeline.default_sample_size
+        return {**self.defaults, "height": size, "width": size}
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """True CFG, then rescaled to the conditional prediction's norm per token (QwenImagePipeline)."""
+        combined = uncond + scale * (cond - uncond)
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def stack_texts(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        embeds = [t[HIDDEN] for t in texts]
+        longest = max(e.shape[1] for e in embeds)
+        if all(e.shape[1] == longest for e in embeds):
+            return {HIDDEN: torch.cat(embeds)}  # no mask: what the pipeline passes for one prompt
+        padded = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embeds])
+        mask = torch.zeros(len(embeds), longest, dtype=torch.int64, device=padded.device)
+        for i, e in enumerate(embeds):
+            mask[i, : e.shape[1]] = 1
+        return {HIDDEN: padded, MASK: mask}
+
+    def load_expert(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel.from_pretrained(path, dtype=dtype)
+
+    def load_text_encoder(self, info, dtype: torch.dtype, device):
+        from common.families.qwen_image.text import QwenImageTextEncoder
+
+        return QwenImageTextEncoder.load(info.path, dtype, device)
+
+    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
+        return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None]})
+
+    def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        return model(hidden_states=hidden_states, timestep=timestep.to(hidden_states.dtype) / 1000,
+                     guidance=guidance, encoder_hidden_states=text[HIDDEN], encoder_hidden_states_mask=text.get(MASK),
+                     img_shapes=[[(1, *grid)]] * n, return_dict=False)[0]
+
+    def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+        width = model.config.joint_attention_dim
+        return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
+                                             device=device, dtype=dtype)})
+
+    def load_decoder(self, info, dtype: torch.dtype, device):
+        from common.families.qwen_image.vae import QwenImageDecoder
+
+        return QwenImageDecoder.load(info, dtype, device)

@@ -1,0 +1,30 @@
+"""Qwen-Image's VAE decode: packed tokens unpacked, de-normalised, ``AutoencoderKLQwenImage`` as the pipeline."""
+
+from __future__ import annotations
+
+import torch
+
+from common.diffusion.packed import unpack
+
+
+class QwenImageDecoder:
+    def __init__(self, info, vae, device):
+        self.info, self.vae, self.device = info, vae, device
+
+    @classmethod
+    def load(cls, info, dtype: torch.dtype, device) -> "QwenImageDecoder":
+        from diffusers import AutoencoderKLQwenImage
+
+        vae = AutoencoderKLQwenImage.from_pretrained(info.path / "vae", dtype=dtype)
+        return cls(info, vae.to(device).eval().requires_grad_(False), device)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents [n, seq, 64] -> float32 frames [n, 1, H, W, 3] in [0, 1]."""
+        grid = self.info.family.token_grid(self.info, height, width)
+        latents = unpack(latents.to(self.device), grid)[:, :, None].to(self.vae.dtype)  # [n, C, 1, H', W']
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        image = self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return (image / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 1).unsqueeze(1).contiguous()
