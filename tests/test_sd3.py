@@ -26,33 +26,24 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from common.config.engine import Limits
 from common.diffusion import schedulers
 from common.diffusion.model_info import ModelInfo
-from common.diffusion.policy import ModelInput, Policy, uses_guidance
+from common.diffusion.policy import ModelInput, Policy
 from common.families import read_model
 from common.families.builtin import ensure_builtin
-from common.families.sd3.text import SD3TextEncoder
 from common.families.sd3.tiny_model import build_tiny_sd3
 from common.families.sd3.tiny_specs import SPECS
-from common.families.sd3.vae import SD3Decoder
 from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,
 )
-from denoise_worker.joint_step import advance_all
-from denoise_worker.packing import forward_parts
-from denoise_worker.task import DenoiseTask
-from denoise_worker.texts import TextTable
-from denoise_worker.threads import size_threads
 from rl import TrainerPolicy, Trajectory
 from router.request_params import to_params
 from router.schemas import FieldError, GenerateBody
+from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 
 TOL = 1e-4  # against diffusers: other batch layouts of the same maths (the text encoders batch both prompts)
 RECOMPUTE_TOL = 1e-5
 BATCH_TOL = 1e-5
 COMPILE_TOL = 1e-4
-DTYPE = torch.float32
-CPU = torch.device("cpu")
-MAX_BATCH = 8  # the denoise worker's --max-batch-size default is larger; 8 still packs every test's rows
 
 BASE = SPECS["tiny-sd3"]
 # SD3.5-style: dual attention in the first block, RMS query/key norms; other widths, heads and layers, other
@@ -71,11 +62,6 @@ SPEC_Y = dataclasses.replace(
     clip_g_intermediate_size=48, clip_g_projection_dim=16, t5_d_model=64, t5_d_kv=8, t5_d_ff=96, t5_num_layers=1,
     t5_num_heads=4, t5_vocab_size=300, vae_block_out_channels=(8, 8, 16, 16), vae_norm_num_groups=8, shift=3.0,
     seed=11, height=80, width=48, num_inference_steps=3, guidance_scale=3.0, max_sequence_length=24)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a.float() - b.float()).abs().max().item()
 
 
 # --- the model directories, the pipelines and the in-process engine --------------------------------------
@@ -125,66 +111,7 @@ def diffusers_sd3(model_dir: Path, p: GenerationParams, output_type: str) -> tor
     return out if output_type == "latent" else torch.from_numpy(out)
 
 
-class InProcessSD3:
-    """The encoder, denoise and decode workers' SD3 path on one directory, without processes or sockets:
-    ``wire_tensors`` -> ``TextTable.conditioning`` -> ``DenoiseTask.create`` -> batched forwards in
-    ``forward_parts`` (denoise_worker/stage.py ``batched_velocity``) -> ``advance_all`` -> ``SD3Decoder``."""
-
-    def __init__(self, model_dir: Path):
-        self.info: ModelInfo = read_model(model_dir)
-        self.encoder = SD3TextEncoder.load(model_dir, DTYPE, CPU)
-        self.policy = Policy.load(self.info, DTYPE, CPU)
-        self.texts = TextTable(self.info.family, CPU, self.policy.dtype)
-        self.serving_template = schedulers.load_serving_template(self.info)
-        self.rollout_template = schedulers.rollout_template_for(self.serving_template)
-        self.decoder = SD3Decoder.load(self.info.path, DTYPE, CPU)
-        self.max_threads = torch.get_num_threads()
-        self.shared_forwards = 0  # forwards that held more than one task (batching test)
-
-    def params(self, **over) -> GenerationParams:
-        """A request as the router fills it: the model's serving defaults for whatever ``over`` leaves out."""
-        d = self.info.defaults
-        fields = dict(prompt="a red fox in the snow", negative_prompt="", height=d["height"], width=d["width"],
-                      num_frames=1, num_inference_steps=d["num_inference_steps"],
-                      guidance_scale=float(d["guidance_scale"]), seed=0,
-                      max_sequence_length=d["max_sequence_length"])
-        return GenerationParams(**{**fields, **over})
-
-    def task(self, p: GenerationParams) -> DenoiseTask:
-        """The encoder worker's wire tensors (prompt and negative in one call), then the denoise worker's task."""
-        guided = uses_guidance(p.guidance_scale)
-        texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
-        wires = [{k: t.clone() for k, t in w.items()} for w in self.encoder.wire_tensors(texts, p.max_sequence_length)]
-        cond = self.texts.conditioning(wires[0], p.max_sequence_length)
-        uncond = self.texts.conditioning(wires[1], p.max_sequence_length) if guided else None
-        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU)
-
-    @torch.no_grad()
-    def step(self, tasks: list[DenoiseTask]) -> None:
-        """One step of the worker's loop for ``tasks`` (each at its own step): their forwards, then their steps."""
-        outs: list[list[torch.Tensor]] = [[] for _ in tasks]
-        for part in forward_parts([t.model_input() for t in tasks], MAX_BATCH):
-            inputs = [x for _, x in part]
-            self.shared_forwards += len(part) > 1
-            # As the eager CPU worker: one thread for a small forward (every one of these tiny models').
-            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads,
-                         self.info.patch_size)
-            for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
-                outs[i].append(v)
-        velocities = [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
-        assert advance_all(tasks, velocities) == [None] * len(tasks)
-
-    def run(self, p: GenerationParams) -> DenoiseTask:
-        """Request ``p`` alone, to its last step."""
-        task = self.task(p)
-        while not task.done:
-            self.step([task])
-        return task
-
-    def frames(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.decoder.decode(latents)
-
-
+InProcessSD3 = InProcess  # the generic path on an SD3 directory
 _ENGINES: dict[str, InProcessSD3] = {}
 
 
@@ -229,10 +156,10 @@ def test_serving_equals_diffusers(case, dir_x, dir_y, record_property):
     latents = task.latents
     assert latents.shape == (1, 16, p.height // 8, p.width // 8)
     ref_latents = diffusers_sd3(model_dir, p, "latent")
-    frames = eng.frames(latents)
+    frames = eng.frames(latents, p)
     ref_frames = diffusers_sd3(model_dir, p, "np")
     assert frames.shape == (1, 1, p.height, p.width, 3) and ref_frames.shape == (1, p.height, p.width, 3)
-    d_lat, d_img = _max_diff(latents, ref_latents), _max_diff(frames[:, 0], ref_frames)
+    d_lat, d_img = max_diff(latents, ref_latents), max_diff(frames[:, 0], ref_frames)
     record_property("max_diff", {"latents": d_lat, "frames": d_img})
     print(f"\n[{case}] latents {d_lat:.3g} frames {d_img:.3g}")
     assert frames.std() > 1e-3  # a picture, not a constant
@@ -290,25 +217,13 @@ def test_rollout_log_probs_equal_trainer_recompute(case, eng_x, trainer_x, recor
     with torch.no_grad():
         again = trainer_x.log_probs(traj, steps, p.prompt, p.negative_prompt, p.guidance_scale, sde_type=r.sde_type,
                                     noise_level=r.noise_level, max_sequence_length=p.max_sequence_length)
-    d = _max_diff(again, log_probs[0])
+    d = max_diff(again, log_probs[0])
     record_property("max_diff", d)
     print(f"\n[{case}] log-probs {d:.3g} (values {log_probs[0].tolist()})")
     assert d <= RECOMPUTE_TOL
 
 
 # --- 3. batching -------------------------------------------------------------------------------------------
-
-def _compare(a: DenoiseTask, b: DenoiseTask) -> float:
-    """The largest difference between two tasks' latents, log-probs and trajectories."""
-    ea, eb = a.extras(), b.extras()
-    diffs = [_max_diff(a.latents, b.latents)]
-    for name in (LOG_PROBS.name, TRAJECTORY_LATENTS.name):
-        if name in ea:
-            diffs.append(_max_diff(ea[name], eb[name]) if ea[name].numel() else 0.0)
-    if LOG_PROB_STEPS.name in ea:
-        assert torch.equal(ea[LOG_PROB_STEPS.name], eb[LOG_PROB_STEPS.name])
-    return max(diffs)
-
 
 MODES = {
     "serving": (None, 2.0),
@@ -331,10 +246,10 @@ def test_requests_at_different_steps_share_forwards_and_equal_their_runs_alone(m
     while not (a.done and b.done):
         eng_x.step([t for t in (a, b) if not t.done])
     assert eng_x.shared_forwards - before == 3  # steps 2-4 of a with steps 0-2 of b
-    diffs = [_compare(a, eng_x.run(pa)), _compare(b, eng_x.run(pb))]
+    diffs = [compare_tasks(a, eng_x.run(pa)), compare_tasks(b, eng_x.run(pb))]
     record_property("max_diff", diffs)
     print(f"\n[{mode}] batched vs alone {diffs}")
-    assert _max_diff(a.latents, b.latents) > 1e-2
+    assert max_diff(a.latents, b.latents) > 1e-2
     assert max(diffs) <= BATCH_TOL
 
 
@@ -350,14 +265,14 @@ def test_a_group_equals_each_seed_alone(mode, eng_x, record_property):
     for i in range(3):
         alone = eng_x.run(msgspec.structs.replace(p, seed=p.seed + i, n=1))
         one = alone.extras()
-        d = [_max_diff(group.latents[i : i + 1], alone.latents)]
+        d = [max_diff(group.latents[i : i + 1], alone.latents)]
         for name in (LOG_PROBS.name, TRAJECTORY_LATENTS.name):
             if name in one:
-                d.append(_max_diff(ext[name][i : i + 1], one[name]))
+                d.append(max_diff(ext[name][i : i + 1], one[name]))
         diffs.append(max(d))
     record_property("max_diff", diffs)
     print(f"\n[{mode}] group vs alone {diffs}")
-    assert _max_diff(group.latents[0], group.latents[1]) > 1e-2
+    assert max_diff(group.latents[0], group.latents[1]) > 1e-2
     assert max(diffs) <= BATCH_TOL
 
 
@@ -413,19 +328,19 @@ def test_compiled_forwards_equal_eager(compiled_y, record_property):
     other, _ = _texts(eager, "a boat on a calm lake", "blurry")
     single = ModelInput(latents(1), torch.tensor(900.0), prompt, negative, 4.5)  # one forward of [uncond, cond]
     got, graphs = _no_grad(compiled.velocity, single)
-    d_single = _max_diff(got, _no_grad(eager.policy.velocity, single)[0])
+    d_single = max_diff(got, _no_grad(eager.policy.velocity, single)[0])
     assert graphs == 0  # the warm-up compiled it
     batched = [ModelInput(latents(2), torch.tensor(900.0), prompt, negative, 4.0),
                ModelInput(latents(1), torch.tensor(600.0), other, None, 1.0),
                ModelInput(latents(1), torch.tensor(700.0), other, negative, 5.0)]
     got, graphs = _no_grad(compiled.batched_velocity, batched)
     want = _no_grad(eager.policy.batched_velocity, batched)[0]
-    d_batched = max(_max_diff(a, b) for a, b in zip(got, want))
+    d_batched = max(max_diff(a, b) for a, b in zip(got, want))
     assert graphs == 0  # 7 rows: the warm-up's graph of any batch above 1
     record_property("max_diff", {"guided": d_single, "batched": d_batched})
     print(f"\n[compile] guided {d_single:.3g} batched {d_batched:.3g}")
     assert d_single <= COMPILE_TOL and d_batched <= COMPILE_TOL
-    assert _max_diff(got[0], got[2][:1].expand_as(got[0])) > 1e-3  # the rows are not all the same
+    assert max_diff(got[0], got[2][:1].expand_as(got[0])) > 1e-3  # the rows are not all the same
 
 
 # --- 5. the router's field rules for an image family ---------------------------------------------------------

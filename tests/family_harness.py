@@ -1,0 +1,108 @@
+"""The encoder, denoise and decode workers' path for any model family, in one process and without sockets.
+
+``wire_tensors`` (the encoder worker) -> ``TextTable.conditioning`` -> ``DenoiseTask.create`` -> batched
+forwards in ``forward_parts`` (denoise_worker/stage.py ``batched_velocity``) -> ``advance_all`` -> the
+family's decoder: the same objects the workers run, so that the family tests compare the engine's own maths
+against diffusers' pipelines and the trainer's recompute fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.diffusion import schedulers
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import Policy, uses_guidance
+from common.families import read_model
+from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
+from denoise_worker.joint_step import advance_all
+from denoise_worker.packing import forward_parts
+from denoise_worker.task import DenoiseTask
+from denoise_worker.texts import TextTable
+from denoise_worker.threads import size_threads
+
+DTYPE = torch.float32
+CPU = torch.device("cpu")
+MAX_BATCH = 8  # the denoise worker's --max-batch-size default is larger; 8 still packs every test's rows
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+class InProcess:
+    """One model directory's engine path (see the module docstring)."""
+
+    def __init__(self, model_dir: Path):
+        self.info: ModelInfo = read_model(model_dir)
+        self.family = self.info.family
+        self.encoder = self.family.load_text_encoder(self.info, DTYPE, CPU)
+        self.policy = Policy.load(self.info, DTYPE, CPU)
+        self.texts = TextTable(self.family, CPU, self.policy.dtype)
+        self.serving_template = schedulers.load_serving_template(self.info)
+        self.rollout_template = schedulers.rollout_template_for(self.serving_template)
+        self.decoder = self.family.load_decoder(self.info, DTYPE, CPU)
+        self.max_threads = torch.get_num_threads()
+        self.shared_forwards = 0  # forwards that held more than one task (batching tests)
+
+    def params(self, **over) -> GenerationParams:
+        """A request as the router fills it: the model's serving defaults for whatever ``over`` leaves out."""
+        d = self.info.defaults
+        fields = dict(prompt="a red fox in the snow", negative_prompt="", height=d["height"], width=d["width"],
+                      num_frames=1, num_inference_steps=d["num_inference_steps"],
+                      guidance_scale=float(d["guidance_scale"]), seed=0, max_sequence_length=d["max_sequence_length"])
+        if self.family.cfg_field == "true_cfg_scale":
+            fields["true_cfg_scale"] = float(d.get("true_cfg_scale", 1.0))
+        return GenerationParams(**{**fields, **over})
+
+    def task(self, p: GenerationParams, lora=None) -> DenoiseTask:
+        """The encoder worker's wire tensors (prompt and negative in one call), then the denoise worker's task."""
+        guided = uses_guidance(self.family.cfg_scale(p))
+        texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
+        wires = [{k: t.clone() for k, t in w.items()} for w in self.encoder.wire_tensors(texts, p.max_sequence_length)]
+        cond = self.texts.conditioning(wires[0], p.max_sequence_length)
+        uncond = self.texts.conditioning(wires[1], p.max_sequence_length) if guided else None
+        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
+                                  lora=lora)
+
+    @torch.no_grad()
+    def step(self, tasks: list[DenoiseTask]) -> None:
+        """One step of the worker's loop for ``tasks`` (each at its own step): their forwards, then their steps."""
+        outs: list[list[torch.Tensor]] = [[] for _ in tasks]
+        p = tasks[0].params
+        tokens = self.family.image_seq_len(self.info, p.height, p.width, p.num_frames)
+        for part in forward_parts([t.model_input() for t in tasks], MAX_BATCH):
+            inputs = [x for _, x in part]
+            self.shared_forwards += len(part) > 1
+            # As the eager CPU worker: one thread for a small forward (every one of these tiny models').
+            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads,
+                         tokens)
+            for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
+                outs[i].append(v)
+        velocities = [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
+        assert advance_all(tasks, velocities) == [None] * len(tasks)
+
+    def run(self, p: GenerationParams, lora=None) -> DenoiseTask:
+        """Request ``p`` alone, to its last step."""
+        task = self.task(p, lora)
+        while not task.done:
+            self.step([task])
+        return task
+
+    def frames(self, latents: torch.Tensor, p: GenerationParams) -> torch.Tensor:
+        return self.decoder.decode(latents, p.height, p.width)
+
+
+def compare_tasks(a: DenoiseTask, b: DenoiseTask) -> float:
+    """The largest difference between two tasks' latents, log-probs and trajectories."""
+    ea, eb = a.extras(), b.extras()
+    diffs = [max_diff(a.latents, b.latents)]
+    for name in (LOG_PROBS.name, TRAJECTORY_LATENTS.name):
+        if name in ea:
+            diffs.append(max_diff(ea[name], eb[name]) if ea[name].numel() else 0.0)
+    if LOG_PROB_STEPS.name in ea:
+        assert torch.equal(ea[LOG_PROB_STEPS.name], eb[LOG_PROB_STEPS.name])
+    return max(diffs)
