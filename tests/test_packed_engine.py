@@ -1,0 +1,181 @@
+"""FLUX.1 and Qwen-Image end to end: a launched engine per family (tiny-flux, tiny-qwen-image; real processes,
+ZeroMQ, HTTP on loopback) against diffusers' pipelines and the trainer.
+
+Serving frames and packed latents equal the pipeline (true CFG with a negative prompt, an explicit ``mu``);
+requests at different steps batched and a group equal each alone; rollout log-probs equal the trainer's
+recompute; PNG answers and the official openai client's images; the family in /health; the model-dependent
+fields refused; weight sync through shared memory; CFG parallel (true CFG) equal to one device.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from PIL import Image
+
+from common.diffusion.weights import state_dict_checksum
+from common.families import read_model
+from common.families.builtin import ensure_builtin
+from conftest import Engine, solo_then_concurrent
+from rl import TrainerPolicy, Trajectory
+from router.client import EngineClient
+
+TOL = 1e-4
+REQ = dict(prompt="a fox at dawn", negative_prompt="blurry", true_cfg_scale=2.5, seed=3, num_inference_steps=4)
+
+
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-qwen-image"])
+def model(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(model):
+    return ensure_builtin(model)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    e = Engine(tmp_path_factory.mktemp(model), model, "encoder=1,denoise=1,decode=1", ["--weight-sync-from-memory"])
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with EngineClient(engine.url) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir):
+    import diffusers
+
+    p = getattr(diffusers, read_model(model_dir).family.pipeline).from_pretrained(model_dir, dtype=torch.float32)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _reference(pipe, model_dir, output_type, **over) -> torch.Tensor:
+    r = {**REQ, **over}
+    info = read_model(model_dir)
+    d = info.defaults
+    template = pipe.scheduler
+    if r.get("mu") is not None:  # the pipelines take no mu: base and max shift both mu give it at every length
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            {**template.config, "base_shift": r["mu"], "max_shift": r["mu"]})
+    kwargs = dict(prompt=r["prompt"], negative_prompt=r.get("negative_prompt"), true_cfg_scale=r["true_cfg_scale"],
+                  height=r.get("height", d["height"]), width=r.get("width", d["width"]),
+                  num_inference_steps=r["num_inference_steps"], max_sequence_length=d["max_sequence_length"],
+                  generator=torch.Generator("cpu").manual_seed(r["seed"]), output_type=output_type)
+    if info.transformer_config.get("guidance_embeds"):
+        kwargs["guidance_scale"] = r.get("guidance_scale", d["guidance_scale"])
+    try:
+        out = pipe(**kwargs).images
+    finally:
+        pipe.scheduler = template
+    return torch.as_tensor(np.asarray(out))[0]
+
+
+def _diff(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _scaled(a, b) -> float:
+    return _diff(a, b) / max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("over", [{}, {"mu": 0.9, "height": 48, "width": 80}], ids=["true-cfg", "mu-non-square"])
+def test_frames_and_packed_latents_equal_diffusers(client, pipe, model_dir, over):
+    req = {**REQ, **over}
+    frames = client.generate(**req)["samples"][0]["output"]
+    ref = _reference(pipe, model_dir, "np", **over)
+    assert frames.shape == (1, *ref.shape) and frames.std() > 1e-3
+    assert _diff(frames[0], ref) <= TOL
+    latents = client.generate(**req, output_type="latent")["samples"][0]["output"]
+    h, w = req.get("height", 64), req.get("width", 64)
+    assert latents.shape == ((h // 16) * (w // 16), 64)  # packed, as the pipeline returns them
+    assert _diff(latents, _reference(pipe, model_dir, "latent", **over)) <= TOL
+
+
+def test_batched_requests_a_group_and_the_trainers_recompute(client, model_dir):
+    reqs = [("/generate", {**REQ, "output_type": "latent", "num_inference_steps": 8, "seed": 10}),
+            ("/generate", {"prompt": "a red kite over a long beach", "output_type": "latent", "seed": 11,
+                           "num_inference_steps": 4, "mu": 1.0}),
+            ("/rollout/generate", {**REQ, "prompt": "two cats", "seed": 12})]
+    solo, together = solo_then_concurrent(client, reqs)
+    for a, b in zip(solo, together):
+        assert _scaled(a["output"], b["output"]) <= 1e-5
+    assert max(s["batch"] for s in together) > 1
+    group = client.rollout(**REQ, n=3, return_trajectory=True, mu=0.8)["samples"]
+    trainer = TrainerPolicy(model_dir)
+    for i, s in enumerate(group):
+        alone = client.rollout(**{**REQ, "seed": REQ["seed"] + i}, return_trajectory=True, mu=0.8)["samples"][0]
+        assert _scaled(s["log_probs"], alone["log_probs"]) <= 1e-5
+        tr = Trajectory.from_sample(s)
+        assert tr.latents.shape == (REQ["num_inference_steps"] + 1, 16, 64)
+        with torch.no_grad():
+            again = trainer.log_probs(tr, s["log_prob_steps"], REQ["prompt"], REQ["negative_prompt"],
+                                      read_model(model_dir).defaults["guidance_scale"],
+                                      true_cfg_scale=REQ["true_cfg_scale"])
+        assert _diff(again, s["log_probs"]) <= 1e-5
+
+
+def test_png_openai_images_health_and_refused_fields(client, engine, model):
+    import openai
+
+    frames = client.generate(**REQ)["samples"][0]["output"]
+    r = engine.http.post("/generate", json={**REQ, "output_type": "png"})
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    png = torch.from_numpy(np.asarray(Image.open(io.BytesIO(r.content)))).float() / 255
+    assert _diff(png, frames[0]) <= 1 / 255 + 1e-6
+    with openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0) as c:
+        assert c.models.list().data[0].model_extra["family"] == read_model(ensure_builtin(model)).family.family
+        out = c.images.generate(prompt=REQ["prompt"], size="64x32", n=2,
+                                extra_body={"negative_prompt": "blurry", "true_cfg_scale": 2.0})
+        assert len(out.data) == 2 and Image.open(io.BytesIO(__import__("base64").b64decode(out.data[0].b64_json))
+                                                 ).size == (64, 32)
+    health = engine.http.get("/health").json()
+    assert health["pipeline"] in ("FluxPipeline", "QwenImagePipeline")
+    refused = [({"num_frames": 9}, "num_frames"), ({"guidance_scale_2": 2.0}, "guidance_scale_2"),
+               ({"true_cfg_scale": 3.0}, "true_cfg_scale"), ({"mu": 1e9}, "mu")]
+    if model == "tiny-qwen-image":  # no guidance embedding
+        refused.append(({"guidance_scale": 3.0}, "guidance_scale"))
+    for body, field in refused:
+        r = engine.http.post("/generate", json={"prompt": "a fox", **body})
+        assert r.status_code == 400 and r.json()["error"]["field"] == field, (body, r.text)
+
+
+def test_weight_sync_through_shared_memory(client, model_dir):
+    base = client.generate(**REQ, output_type="latent")["samples"][0]
+    trainer = TrainerPolicy(model_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.transformer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    new = {k: v.detach().clone() for k, v in trainer.transformer.state_dict().items()}
+    assert client.update_weights_from_tensors(new)["sha256"] == state_dict_checksum(new)
+    changed = client.generate(**REQ, output_type="latent")["samples"][0]
+    assert _diff(changed["output"], base["output"]) > 1e-3
+    original = TrainerPolicy(model_dir).transformer.state_dict()
+    client.update_weights_from_tensors(original)
+    assert torch.equal(client.generate(**REQ, output_type="latent")["samples"][0]["output"], base["output"])
+
+
+@pytest.mark.heavy
+def test_cfg_parallel_equals_one_device(client, model, tmp_path_factory):
+    e = Engine(tmp_path_factory.mktemp(model + "-cfg"), model, "encoder=1,denoise=1:cfg,decode=1", [])
+    try:
+        with EngineClient(e.url) as c:
+            for path, body in (("/generate", {**REQ, "output_type": "latent"}),
+                               ("/rollout/generate", {**REQ, "n": 2, "return_trajectory": True})):
+                got, want = c._post(path, body)["samples"], client._post(path, body)["samples"]
+                for a, b in zip(got, want):
+                    assert _scaled(a["output"], b["output"]) <= 1e-5
+    finally:
+        e.stop()
