@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.families.flux.tiny_specs import SPECS as FLUX_SPECS
+from common.families.qwen_image.tiny_specs import SPECS as QWEN_IMAGE_SPECS
 from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
 from common.families.tiny_cache import ensure
 from common.families.wan.tiny_specs import SPECS as WAN_SPECS
 
-BUILTINS: dict = {**WAN_SPECS, **SD3_SPECS, **FLUX_SPECS}
+BUILTINS: dict = {**WAN_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS}
 
 
 def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:

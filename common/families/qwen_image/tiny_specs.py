@@ -1,0 +1,194 @@
+"""The tiny Qwen-Image models' specs: :class:`TinyQwenImageSpec` (one configuration plus the request it
+serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.qwen_image.tiny_model`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.families.wan.tiny_specs import WEIGHT_DTYPES
+
+# AutoencoderKLQwenImage: four levels (three 2x downsamplings, 8x as Qwen-Image's VAE), 16 latent channels.
+VAE_LEVELS = 4
+VAE_TEMPORAL_DOWNSAMPLE = (False, True, True)
+VAE_SPATIAL_STRIDE = 2 ** len(VAE_TEMPORAL_DOWNSAMPLE)
+LATENT_CHANNELS = 16
+# QwenImagePipeline packs the latents into 2x2 patches, so images come in whole 16-pixel cells.
+PATCH_SIZE = 2
+PIXEL_MULTIPLE = VAE_SPATIAL_STRIDE * PATCH_SIZE
+# Qwen-Image's VAE latent statistics (those of Wan 2.1's VAE, which it shares).
+LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+               3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+# The FlowMatchEulerDiscreteScheduler config Qwen/Qwen-Image ships (resolution-dependent shift).
+SCHEDULER_CONFIG = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    invert_sigmas=False,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    stochastic_sampling=False,
+    time_shift_type="exponential",
+    use_beta_sigmas=False,
+    use_dynamic_shifting=True,
+    use_exponential_sigmas=False,
+    use_karras_sigmas=False,
+)
+# QwenImagePipeline.check_inputs refuses longer prompts.
+MAX_SEQUENCE_LENGTH = 1024
+# Qwen2.5-VL's multimodal RoPE splits each text head's rotary half into temporal / height / width sections
+# of 16 / 24 / 24 (of 64, head dim 128); the tiny encoders keep those proportions.
+MROPE_PROPORTIONS = (2, 3, 3)
+TEXT_HEAD_DIM_MULTIPLE = 2 * sum(MROPE_PROPORTIONS)
+
+
+@dataclass(frozen=True)
+class TinyQwenImageSpec:
+    """One tiny Qwen-Image text-to-image configuration plus the request it is meant to serve."""
+
+    name: str
+    # Transformer (QwenImageTransformer2DModel, no guidance embedding); its joint_attention_dim is the text
+    # encoder's hidden size.
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    # Rotary dims of the frame / height / width axes (Qwen-Image: 16, 56, 56 of 128).
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    # Text encoder: Qwen2_5_VLForConditionalGeneration (the pipeline uses its language model's last hidden
+    # states); grouped-query attention as Qwen2.5-VL-7B.
+    text_hidden_size: int = 32
+    text_num_layers: int = 2
+    text_num_heads: int = 2
+    text_num_kv_heads: int = 1
+    text_intermediate_size: int = 64
+    # Its vision tower (part of the checkpoint, unused for text-to-image).
+    vision_depth: int = 1
+    vision_hidden_size: int = 16
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 32
+    # VAE (AutoencoderKLQwenImage): widths base_dim * vae_dim_mult per level.
+    vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    vae_num_res_blocks: int = 1
+    seed: int = 0
+    # How the safetensors files store the weights (they are generated in float32 either way).
+    weights_dtype: str = "float32"
+    # Default request for this model.
+    height: int = 64
+    width: int = 64
+    num_inference_steps: int = 4
+    true_cfg_scale: float = 4.0
+    max_sequence_length: int = 64
+
+    @property
+    def joint_attention_dim(self) -> int:
+        # The transformer reads the text encoder's hidden states as they are.
+        return self.text_hidden_size
+
+    @property
+    def text_head_dim(self) -> int:
+        return self.text_hidden_size // self.text_num_heads
+
+    @property
+    def mrope_section(self) -> tuple[int, int, int]:
+        """The text encoder's multimodal RoPE sections (they sum to half its head dim)."""
+        unit = self.text_head_dim // TEXT_HEAD_DIM_MULTIPLE
+        return tuple(unit * p for p in MROPE_PROPORTIONS)
+
+    def __post_init__(self) -> None:
+        # Lists would leave the spec unhashable.
+        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "vae_dim_mult", tuple(self.vae_dim_mult))
+        self._check_transformer()
+        self._check_text_encoder()
+        self._check_vae()
+        self._check_request()
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+
+    def _check_transformer(self) -> None:
+        if min(self.num_layers, self.num_attention_heads, self.attention_head_dim) < 1:
+            raise ValueError("transformer sizes must be positive")
+        if len(self.axes_dims_rope) != 3 or any(d < 2 or d % 2 for d in self.axes_dims_rope):
+            raise ValueError("axes_dims_rope must be three positive even sizes (frame, height, width)")
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError("axes_dims_rope must sum to attention_head_dim")
+
+    def _check_text_encoder(self) -> None:
+        if min(self.text_num_layers, self.text_num_heads, self.text_num_kv_heads, self.text_intermediate_size) < 1:
+            raise ValueError("text encoder sizes must be positive")
+        if self.text_hidden_size < 1 or self.text_hidden_size % self.text_num_heads:
+            raise ValueError("text_hidden_size must be a positive multiple of text_num_heads")
+        if self.text_num_heads % self.text_num_kv_heads:
+            raise ValueError("text_num_heads must be a multiple of text_num_kv_heads")
+        if self.text_head_dim % TEXT_HEAD_DIM_MULTIPLE:
+            raise ValueError(f"text_hidden_size / text_num_heads must be a multiple of {TEXT_HEAD_DIM_MULTIPLE} "
+                             "(multimodal RoPE sections)")
+        if min(self.vision_depth, self.vision_num_heads, self.vision_intermediate_size) < 1:
+            raise ValueError("vision tower sizes must be positive")
+        # The vision rotary embedding splits each head's half in two (height, width).
+        if self.vision_hidden_size < 1 or self.vision_hidden_size % (4 * self.vision_num_heads):
+            raise ValueError("vision_hidden_size must be a positive multiple of 4 * vision_num_heads")
+
+    def _check_vae(self) -> None:
+        if len(self.vae_dim_mult) != VAE_LEVELS:
+            raise ValueError(f"vae_dim_mult must have {VAE_LEVELS} entries (8x downsampling)")
+        if self.vae_base_dim < 1 or min(self.vae_dim_mult) < 1:
+            raise ValueError("vae_base_dim and vae_dim_mult must be positive")
+        if self.vae_num_res_blocks < 1:
+            raise ValueError("vae_num_res_blocks must be >= 1")
+
+    def _check_request(self) -> None:
+        if self.height % PIXEL_MULTIPLE or self.width % PIXEL_MULTIPLE or min(self.height, self.width) < 1:
+            raise ValueError(f"height and width must be positive multiples of {PIXEL_MULTIPLE}")
+        if not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"max_sequence_length must be in [1, {MAX_SEQUENCE_LENGTH}]")
+        # With Qwen-Image's terminal shift a single step's schedule is 0 / 0 (NaN sigmas).
+        if self.num_inference_steps < 2:
+            raise ValueError("num_inference_steps must be >= 2")
+        if self.true_cfg_scale < 1.0:
+            raise ValueError("true_cfg_scale must be >= 1 (1 disables classifier-free guidance)")
+
+    def build(self, out_dir: str | Path) -> Path:
+        """Write this model's diffusers directory into ``out_dir`` and return it."""
+        from common.families.qwen_image.tiny_model import build_tiny_qwen_image
+
+        return build_tiny_qwen_image(self, out_dir)
+
+
+SPECS: dict[str, TinyQwenImageSpec] = {
+    spec.name: spec
+    for spec in (
+        # Tiny everything; pipeline calls take well under a second on a CPU.
+        TinyQwenImageSpec(name="tiny-qwen-image"),
+        # A compute-bound transformer for CPU benchmarks (about 19M parameters, head dim 64 split as
+        # Qwen-Image's 16 / 56 / 56 of 128); text encoder and VAE stay small.
+        TinyQwenImageSpec(
+            name="small-qwen-image",
+            num_layers=8,
+            num_attention_heads=4,
+            attention_head_dim=64,
+            axes_dims_rope=(8, 28, 28),
+            text_hidden_size=128,
+            text_num_layers=2,
+            text_num_heads=4,
+            text_num_kv_heads=2,
+            text_intermediate_size=256,
+            vision_depth=1,
+            vision_hidden_size=32,
+            vision_num_heads=2,
+            vision_intermediate_size=64,
+            vae_base_dim=16,
+            seed=1,
+            height=256,
+            width=256,
+            num_inference_steps=10,
+            true_cfg_scale=4.0,
+            max_sequence_length=64,
+        ),
+    )
+}
