@@ -360,3 +360,55 @@ def test_router_rules_for_the_packed_families(dirs):
     with pytest.raises(FieldError) as e:
         _params(qwen, height=40)
     assert e.value.field == "height"
+
+
+# --- 5. LoRA -------------------------------------------------------------------------------------------------
+
+# A peft adapter on other modules: the single-stream MLP (FLUX), the feed-forwards (Qwen-Image), the
+# modulations and the text input projection.
+PEFT_TARGETS = {"flux-x": ["attn.to_q", "attn.add_v_proj", "proj_mlp", "norm1.linear", "context_embedder"],
+                "qwen-x": ["attn.to_q", "attn.add_v_proj", "img_mlp.net.2", "txt_mod.1", "txt_in"]}
+
+
+@pytest.mark.parametrize("which", ["flux-x", "qwen-x"])
+def test_lora_equals_diffusers_and_mixed_adapters_share_a_forward(which, dirs, tmp_path, record_property):
+    import lora_fixtures as lf
+    from common.diffusion.lora import build_adapter
+    from common.diffusion.lora_format import read_lora
+
+    eng, model_dir = engine(dirs, which), dirs(which)
+    a = lf.make_diffusers_lora(model_dir, tmp_path / "a", rank=4, alpha=8, target_modules=eng.family.lora_targets,
+                               seed=1)
+    b = lf.make_peft_lora(model_dir, tmp_path / "b", rank=2, alpha=2, target_modules=PEFT_TARGETS[which], seed=2)
+    adapters = {}
+    for name, ad in (("a", a), ("b", b)):
+        adapters[name] = build_adapter(name, 1, read_lora(str(ad.path), None), eng.policy.experts, 64)
+        eng.policy.cover(adapters[name])
+    p = eng.params(seed=3, negative_prompt="blurry", true_cfg_scale=2.0)
+    pipe = pipe_for(model_dir)
+    diffs = {}
+    # diffusers reads the peft folder's twin in its own format (its loader takes base_model.model. keys for BFL's).
+    twins = {"a": a.path, "b": lf.diffusers_twin(b, tmp_path / "b-twin")}
+    for name, scale in (("a", 0.8), ("b", 1.0)):
+        got = eng.run(p, lora=(adapters[name], scale)).latents
+        pipe.load_lora_weights(str(twins[name]), adapter_name=name)
+        try:
+            pipe.set_adapters([name], [scale])
+            want = diffusers_output(model_dir, p, "latent")
+        finally:
+            pipe.unload_lora_weights()
+        assert max_diff(got, eng.run(p).latents) > 1e-3  # the adapter changes the output
+        diffs[name] = max_diff(got, want)
+    # Mixed in one batch at different steps: adapter a, adapter b, the base model.
+    jobs = [(eng.params(seed=5, num_inference_steps=5), (adapters["a"], 1.0)),
+            (eng.params(seed=6, num_inference_steps=5, negative_prompt="x", true_cfg_scale=2.0), (adapters["b"], 0.5)),
+            (eng.params(seed=7, num_inference_steps=5), None)]
+    tasks = [eng.task(jp, lo) for jp, lo in jobs[:1]]
+    eng.step(tasks)
+    tasks += [eng.task(jp, lo) for jp, lo in jobs[1:]]
+    while not all(t.done for t in tasks):
+        eng.step([t for t in tasks if not t.done])
+    diffs["mixed"] = max(max_diff(t.latents, eng.run(jp, lo).latents) for t, (jp, lo) in zip(tasks, jobs))
+    record_property("max_diff", diffs)
+    print(f"\n[{which}] LoRA {diffs}")
+    assert diffs["a"] <= TOL and diffs["b"] <= TOL and diffs["mixed"] <= BATCH_TOL
