@@ -179,3 +179,18 @@ def test_cfg_parallel_equals_one_device(client, model, tmp_path_factory):
                     assert _scaled(a["output"], b["output"]) <= 1e-5
     finally:
         e.stop()
+
+
+@pytest.mark.heavy
+def test_ulysses_over_two_ranks_equals_one_device(client, model, tmp_path_factory):
+    """diffusers' context-parallel plan of the transformer (FLUX's splits the position ids too; Qwen-Image's
+    the text mask), two gloo ranks on the CPU."""
+    e = Engine(tmp_path_factory.mktemp(model + "-ulysses"), model, "encoder=1,denoise=1:ulysses=2,decode=1", [])
+    try:
+        with EngineClient(e.url) as c:
+            body = {**REQ, "output_type": "latent", "n": 2}
+            got, want = c._post("/generate", body)["samples"], client._post("/generate", body)["samples"]
+            for a, b in zip(got, want):
+                assert _scaled(a["output"], b["output"]) <= 1e-5
+    finally:
+        e.stop()
