@@ -4,13 +4,15 @@
     python examples/grpo_tiny.py --url http://127.0.0.1:8000 --work-dir DIR
     python examples/grpo_tiny.py --launch --lora     # train a LoRA adapter instead of the full transformer
     python examples/grpo_tiny.py --launch --model tiny-sd3 [--lora]   # an SD3 text-to-image model
+    python examples/grpo_tiny.py --launch --model tiny-flux [--lora]  # FLUX.1 with Flow-GRPO's FLUX settings
 
 ``--model`` (with ``--launch``): a built-in model or a model directory (default ``tiny``). Steps, SDE
 window, guidance, noise level and learning rate left out follow the served model's family
 (:data:`FAMILY_SETTINGS`): for Wan 6 steps, the SDE on steps 1 and 2, guidance 4.0, noise level 0.7; for
 SD3 Flow-GRPO's SD3.5 recipe scaled down: the model's own size, steps and max_sequence_length (tiny-sd3:
 64x64, 4 steps, 32 tokens), guidance 4.5, noise level 0.7, the SDE on early steps (1 and 2), groups of
-``--group``. Requests never name ``num_frames``: each model answers its default (one frame for images).
+``--group``; for FLUX Flow-GRPO's FLUX.1-dev recipe: 6 steps, noise level 0.9, embedded guidance 3.5, the
+model's own size. Requests never name ``num_frames``: each model answers its default (one frame for images).
 
 With ``--url``, the engine must have been started with ``--weight-root DIR`` (weight
 updates are refused otherwise) and DIR given here as ``--work-dir``; a key in
@@ -60,6 +62,9 @@ FAMILY_SETTINGS = {
     # the model's own steps, size and max_sequence_length (tiny-sd3: 4 steps at 64x64). Full fine-tuning at
     # 3e-3 left the second inner step 90% clipped (ratio 0.35) on tiny-sd3; 1e-3 keeps it near the trust region.
     "sd3": dict(steps=None, window=[1, 2], guidance=4.5, noise_level=0.7, lr=1e-3, lora_lr=2e-2),
+    # Flow-GRPO's FLUX.1-dev recipe (6 steps, noise level 0.9, embedded guidance 3.5, no true CFG), at the
+    # model's own size and max_sequence_length (tiny-flux: 64x64, 32 tokens).
+    "flux": dict(steps=6, window=[1, 2], guidance=3.5, noise_level=0.9, lr=1e-3, lora_lr=2e-2),
 }
 # Another family: its model's defaults, the SDE on early steps.
 OTHER_FAMILY = dict(steps=None, window=[1, 2], guidance=None, noise_level=0.7, lr=1e-3, lora_lr=2e-2)
@@ -138,7 +143,8 @@ def main() -> None:
         family_settings(args, policy)
         rollout_kw = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, sde_step_indices=args.window,
                           return_trajectory=True, noise_level=args.noise_level)
-        embeds = {p: policy.embeddings(p, "", args.guidance) for p in PROMPTS}
+        # The classifier-free scale of the rollouts' fields (FLUX: guidance_scale is embedded, so none).
+        embeds = {p: policy.embeddings(p, "", policy.cfg_scale(args.guidance)) for p in PROMPTS}
         base_sum = state_dict_checksum(policy.transformer)
         assert client.weights_checksum()["sha256"] == base_sum, "start from the same weights"
         if args.lora:

@@ -28,7 +28,7 @@ def _run_grpo(*flags: str) -> list[dict]:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("model", ["tiny", "tiny-sd3"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux"])
 def test_grpo_example_raises_the_reward(model):
     rows = _run_grpo("--model", model)
     assert [r["iter"] for r in rows] == list(range(8))
