@@ -4,6 +4,7 @@
     python bench/serve.py --preset small                    # single-request latency of the ~17M model
     python bench/serve.py --preset wan-1.3b                 # Wan2.1-1.3B-shaped model, bf16 on a GPU (bench/gpu.sh)
     python bench/serve.py --preset small-sd3                # SD3: the ~19.5M transformer, 256x256, c=1 and 16
+    python bench/serve.py --preset small-flux               # FLUX (embedded guidance); small-qwen-image (true CFG)
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -106,6 +107,13 @@ PRESETS = {
     # in-process (target: engine p50 <= 1.05x diffusers'), and 16 in flight (16 requests, so that all are).
     "small-sd3": dict(model="small-sd3", height=256, width=256, num_frames=None, steps=10, guidance=4.5,
                       concurrency=[1, 16], requests=16, warmup=1, target_p50_ratio=1.05),
+    # FLUX.1-dev-like: embedded guidance 3.5, no true CFG (one forward per step), as FLUX.1-dev is served.
+    "small-flux": dict(model="small-flux", height=256, width=256, num_frames=None, steps=10, guidance=3.5,
+                       concurrency=[1, 16], requests=16, warmup=1, target_p50_ratio=1.05),
+    # Qwen-Image: no embedded guidance; true CFG 4.0 with the empty negative prompt (two forwards per step).
+    "small-qwen-image": dict(model="small-qwen-image", height=256, width=256, num_frames=None, steps=10,
+                             guidance=None, true_cfg=4.0, concurrency=[1, 16], requests=16, warmup=1,
+                             target_p50_ratio=1.05),
 }
 # Used where a preset does not say.
 PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4}
@@ -123,11 +131,12 @@ class Workload:
     width: int
     num_frames: int
     steps: int
-    guidance: float
+    guidance: float | None  # None: not sent (Qwen-Image's transformer takes no embedded guidance)
     output_type: str  # "frames" | "latent"
     n: int
     seed: int
     video: bool = True  # False: an image family, sent no num_frames (it answers one frame)
+    true_cfg: float | None = None  # FLUX / Qwen-Image: true CFG with the empty negative prompt
 
     def body(self, i: int) -> dict:
         """Request ``i`` of the mix (deterministic from the workload seed)."""
@@ -138,6 +147,10 @@ class Workload:
                 "output_type": self.output_type}
         if not self.video:
             del body["num_frames"]
+        if self.guidance is None:
+            del body["guidance_scale"]
+        if self.true_cfg is not None:
+            body["true_cfg_scale"] = self.true_cfg
         return body
 
 
@@ -373,9 +386,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
             # A CPU generator, as the engine draws its initial noise on the CPU whatever the device.
             kw = dict(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
                       width=body["width"], num_inference_steps=body["num_inference_steps"],
-                      guidance_scale=body["guidance_scale"],
                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k), output_type=output_type,
-                      **fixed)
+                      **fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale") if k2 in body})
             if family.video:
                 out = pipe(**kw, num_frames=body["num_frames"]).frames[0]  # [F, H, W, 3] or latents [C, F', ...]
             else:  # images [1, H, W, 3], as the engine answers one frame; latents [C, H', W']
@@ -672,7 +684,8 @@ def main(argv: list[str] | None = None) -> dict:
         work = Workload(height=args.height or defaults["height"], width=args.width or defaults["width"],
                         num_frames=(args.num_frames or defaults["num_frames"]) if video else 1,
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
-                        output_type=args.output_type, n=args.n, seed=args.seed, video=video)
+                        output_type=args.output_type, n=args.n, seed=args.seed, video=video,
+                        true_cfg=PRESETS[args.preset].get("true_cfg"))
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)
