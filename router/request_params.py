@@ -57,6 +57,10 @@ def check_model_fields(body: GenerateBody, info) -> None:
     if body.mu is not None and not info.dynamic_shifting:
         raise FieldError("mu", f"this model's scheduler has no dynamic shifting (use_dynamic_shifting is false), "
                                f"so {family.pipeline} takes no mu")
+    if info.scheduler_config.get("shift_terminal") and body.num_inference_steps == 1 and body.sigmas is None:
+        # linspace(1, 1, 1) stretched to the terminal sigma divides 0 by 0 (diffusers gives NaN images).
+        raise FieldError("num_inference_steps", "this model's scheduler stretches its schedule to shift_terminal, "
+                                                "which needs at least 2 steps")
     if (body.guidance_scale is not None and family.cfg_field != "guidance_scale"
             and family.embedded_guidance(info, body.guidance_scale) is None):
         raise FieldError("guidance_scale", f"this {family.pipeline} transformer has no guidance embedding (its "

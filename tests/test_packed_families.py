@@ -353,6 +353,11 @@ def test_router_rules_for_the_packed_families(dirs):
         with pytest.raises(FieldError) as e:
             _params(info, guidance_scale=5.0)
         assert e.value.field == "guidance_scale"
+    # Qwen-Image's terminal sigma needs two steps at least (one gives diffusers NaN).
+    with pytest.raises(FieldError) as e:
+        _params(qwen, num_inference_steps=1)
+    assert e.value.field == "num_inference_steps"
+    assert _params(flux, num_inference_steps=1).num_inference_steps == 1
     # Image families: one frame; sizes in multiples of 16.
     with pytest.raises(FieldError) as e:
         _params(flux, num_frames=5)
