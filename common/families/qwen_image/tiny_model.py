@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from common.families.qwen_image.tiny_specs import (
     LATENT_CHANNELS,
@@ -43,11 +43,10 @@ from common.families.qwen_image.tiny_tokenizer import (
     build_tokenizer,
 )
 from common.families.tiny_cache import save_built
-from common.families.wan.tiny_model import _component_seed, _reinit_
+from common.families.wan.tiny_model import _seeded
 from common.families.wan.tiny_specs import WEIGHT_DTYPES
 
 if TYPE_CHECKING:
-    import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
@@ -143,21 +142,6 @@ def text_encoder_config(spec: TinyQwenImageSpec, tokenizer: Qwen2Tokenizer) -> d
         vision_end_token_id=ids(VISION_END_TOKEN),
         tie_word_embeddings=False,
     )
-
-
-def _seeded(spec: TinyQwenImageSpec, component: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``make()`` under the component's seed, then all its weights overwritten from that seed.
-
-    The overwrite (the Wan builder's rule: fan-in scaled matrices, norm gains near 1) keeps activations
-    O(1) and replaces the zero inits some diffusers layers get, so outputs depend on the prompt.
-    """
-    import torch
-
-    seed = _component_seed(spec, component)
-    torch.manual_seed(seed)
-    model = make()
-    _reinit_(model, seed)
-    return model.eval()
 
 
 def _build_transformer(spec: TinyQwenImageSpec) -> QwenImageTransformer2DModel:

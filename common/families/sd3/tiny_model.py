@@ -21,17 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from common.families.tiny_cache import save_built
 from common.families.sd3.tiny_specs import SPECS, VAE_LEVELS, VAE_SPATIAL_STRIDE, TinySD3Spec
 from common.families.sd3.tiny_tokenizer import CLIP_G_PAD_TOKEN, CLIP_L_PAD_TOKEN, build_clip_tokenizer
-from common.families.wan.tiny_model import _component_seed, _reinit_
+from common.families.wan.tiny_model import _seeded
 from common.families.wan.tiny_specs import WEIGHT_DTYPES
 from common.families.wan.tiny_tokenizer import build_tokenizer as build_t5_tokenizer
 
 if TYPE_CHECKING:
-    import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
 
@@ -123,22 +122,6 @@ def t5_config(spec: TinySD3Spec) -> dict:
         eos_token_id=1,
         decoder_start_token_id=0,
     )
-
-
-def _seeded(spec: TinySD3Spec, component: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``make()`` under the component's seed, then all its weights overwritten from that seed.
-
-    The overwrite (the Wan builder's rule: fan-in scaled matrices, norm gains near 1) keeps
-    activations O(1) and replaces the zero inits some diffusers layers get, so outputs depend on the
-    prompt.
-    """
-    import torch
-
-    seed = _component_seed(spec, component)
-    torch.manual_seed(seed)
-    model = make()
-    _reinit_(model, seed)
-    return model.eval()
 
 
 def _build_transformer(spec: TinySD3Spec) -> SD3Transformer2DModel:

@@ -128,8 +128,9 @@ def vae_config(spec: TinyWanSpec) -> dict:
     )
 
 
-def _seeded(spec: TinyWanSpec, component: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``make()`` under the component's seed, then its weights overwritten from that seed (``_reinit_``)."""
+def _seeded(spec, component: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``make()`` under the component's seed, then its weights overwritten from that seed (``_reinit_``); every
+    family's tiny builder makes its components with it."""
     import torch
 
     seed = _component_seed(spec, component)
