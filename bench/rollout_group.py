@@ -4,41 +4,55 @@
     python bench/rollout_group.py --preset tiny --repeats 1    # quick: one timed run of each row
     python bench/rollout_group.py --preset small --n 4
     python bench/rollout_group.py --preset tiny-sd3 small-sd3  # SD3: num_images_per_prompt=N
+    python bench/rollout_group.py --preset tiny-flux tiny-qwen-image   # FLUX.1, Qwen-Image (packed latents)
+    python bench/rollout_group.py --preset small-flux small-qwen-image
     python bench/rollout_group.py --preset tiny --url http://127.0.0.1:8000   # a running engine (one preset)
     python bench/rollout_group.py --max-batch-size 16 --json bench/results/rollout-group.json
 
 An RL trainer (Flow-GRPO and the like) asks for a *group*: N samples of one prompt with seeds seed, seed+1, ...,
-with the SDE step's log-probs. This measures what one group (and, on tiny, four groups) costs through the
-engine against doing the same work in this process, side by side in one run; the machine is noisy, so read
-the ratios rather than the seconds.
+with the SDE step's log-probs. This measures what one group (and, on the tiny presets, four groups) costs
+through the engine against doing the same work in this process, side by side in one run; the machine is
+noisy, so read the ratios rather than the seconds.
 
-Per preset (``tiny``: the tiny model, 32x32, 5 frames, 8 steps, n=16; ``small``: the ~17M model, 128x128,
-9 frames, 10 steps, n=8; both CFG with guidance 4.0 and latent output; SD3, images, no ``num_frames``,
-CFG with guidance 4.5: ``tiny-sd3``, 64x64, 4 steps, n=16, and ``small-sd3``, the ~19.5M transformer,
-256x256, 10 steps, n=16):
+Per preset (latent output throughout; ``tiny``: the tiny model, 32x32, 5 frames, 8 steps, n=16; ``small``:
+the ~17M model, 128x128, 9 frames, 10 steps, n=8; both CFG with guidance 4.0 and the empty negative prompt;
+images, no ``num_frames``, from here on: SD3, CFG with guidance 4.5: ``tiny-sd3``, 64x64, 4 steps, n=16, and
+``small-sd3``, the ~19.5M transformer, 256x256, 10 steps, n=16; FLUX.1 as Flow-GRPO's FLUX.1-dev settings
+scaled down, embedded guidance 3.5 (``guidance_scale``), no true CFG, no negative prompt: ``tiny-flux``,
+64x64, 4 steps, n=16, and ``small-flux``, 256x256, 10 steps, n=16; Qwen-Image as verl-omni's recipe, true CFG
+4.0 (``true_cfg_scale``) with the negative prompt " ", no ``guidance_scale`` (its transformer has no guidance
+embedding): ``tiny-qwen-image``, 64x64, 4 steps, n=16, and ``small-qwen-image``, 256x256, 10 steps, n=16;
+each the built-in model of the preset's name):
 
 1. Starts an engine (``launch.py --model M --max-batch-size B --dtype float32``, the engine's own thread
    settings) on a free loopback port, or uses ``--url``; loads the family's diffusers pipeline
-   (``WanPipeline``, ``StableDiffusion3Pipeline``) from the directory the engine serves into this process,
-   float32 on the CPU, ``torch.set_num_threads(os.cpu_count())``.
+   (``WanPipeline``, ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``) from the
+   directory the engine serves into this process, float32 on the CPU, ``torch.set_num_threads(os.cpu_count())``.
 2. Rows, each once untimed (warm-up), then ``--repeats`` timed rounds (median reported); a round runs every
    row once, one after another, so that machine noise hits them alike, and nothing else runs meanwhile:
-   - ``engine rollout n=N (sde)``: ``POST /rollout/generate`` with ``sde_type "sde"``, ``noise_level 0.7``:
-     wall time of the HTTP call (msgpack response);
+   - ``engine rollout n=N (sde)``: ``POST /rollout/generate`` with ``sde_type "sde"``, ``noise_level 0.7``
+     and the preset's guidance fields (``negative_prompt``, ``guidance_scale``, ``true_cfg_scale``: those it
+     sets): wall time of the HTTP call (msgpack response);
    - ``engine rollout n=N (rollout=false, UniPC)``: the same with ``"rollout": false`` (the serving scheduler:
-     UniPC for Wan, flow-match Euler for SD3, named in the row);
-   - ``diffusers batch``: ``pipe(..., num_videos_per_prompt=N`` (SD3: ``num_images_per_prompt=N``)
-     ``, generator=[one per seed], output_type="latent")``;
-   - ``flow-grpo loop``: an in-process rollout loop as Flow-GRPO writes it: ``encode_prompt`` (CFG,
-     N videos / images per prompt), ``prepare_latents`` with one generator per seed, the flow-match Euler
-     schedule with the model's shift (``common.diffusion.schedulers``), and per step one batched transformer
-     forward of N for the conditional and one for the unconditional pass (SD3: one forward of 2N, [uncond,
-     cond], as Flow-GRPO's SD3 pipeline and diffusers' batch them), ``v_u + g (v_c - v_u)``, then the project's
+     UniPC for Wan, flow-match Euler for the image families, named in the row);
+   - ``diffusers batch``: ``pipe(..., num_videos_per_prompt=N`` (images: ``num_images_per_prompt=N``)
+     ``, generator=[one per seed], output_type="latent")`` with the same guidance fields;
+   - ``flow-grpo loop``: an in-process rollout loop as Flow-GRPO writes it: ``encode_prompt`` (N videos /
+     images per prompt; the negative prompt's too with guidance), ``prepare_latents`` with one generator per
+     seed (FLUX, Qwen-Image: packed, with FLUX's ``latent_image_ids`` / Qwen-Image's ``img_shapes``), the
+     flow-match Euler schedule with the model's shift (``common.diffusion.schedulers``; FLUX, Qwen-Image: the
+     pipeline's ``mu`` of the packed sequence length from the scheduler config and sigmas
+     ``linspace(1, 1/N, N)``), and per step one batched transformer forward of N for the conditional and one for
+     the unconditional pass (SD3: one forward of 2N, [uncond, cond], as Flow-GRPO's SD3 pipeline and diffusers'
+     batch them; FLUX without true CFG: the conditional one alone, with the embedded guidance; FLUX and
+     Qwen-Image take ``timestep / 1000``), ``v_u + g (v_c - v_u)`` (Qwen-Image: then rescaled to the
+     conditional output's norm per token, as ``QwenImagePipeline``), then the project's
      ``common.diffusion.sde.sde_step`` collecting the log-probs. Each sample's step noise is drawn from its own
-     generator (passed as ``noise=``), as the engine draws it, so the loop's trajectory is the engine's;
-   - tiny and tiny-sd3 only: ``4 groups concurrent``: 4 prompts' SDE groups POSTed at once, wall time until all 4 are
-     answered; ``4 groups sequential (engine)`` one after another; and in-process the flow-grpo loop and the
-     diffusers batch for the same 4 prompts, one after another.
+     generator (passed as ``noise=``) in one sample's latent shape (packed for FLUX and Qwen-Image), as the
+     engine draws it, so the loop's trajectory is the engine's;
+   - the tiny presets only (tiny, tiny-sd3, tiny-flux, tiny-qwen-image): ``4 groups concurrent``: 4 prompts'
+     SDE groups POSTed at once, wall time until all 4 are answered; ``4 groups sequential (engine)`` one after
+     another; and in-process the flow-grpo loop and the diffusers batch for the same 4 prompts, one after another.
    Every timed call has a prompt of its own (the encoder's prompt cache never answers one); the engine row 2
    and the diffusers batch of a round share theirs, as do engine row 1 and the flow-grpo loop, for the checks.
    Each run also records the CPU other processes took meanwhile (/proc, ``bench/serve.py``'s ``CpuMeter``);
@@ -48,7 +62,8 @@ CFG with guidance 4.5: ``tiny-sd3``, 64x64, 4 steps, n=16, and ``small-sd3``, th
 
 Prints a table per preset (seconds; ratio to the diffusers batch; for the 4-group rows, ratios to the 4
 sequential flow-grpo loops and to the 4 sequential diffusers batches), the targets (one group <= 1.0x the
-diffusers batch and the flow-grpo loop; on tiny, 4 concurrent groups <= 0.7x 4 sequential in-process) and
+diffusers batch and the flow-grpo loop; on the tiny presets, 4 concurrent groups <= 0.7x 4 sequential
+in-process) and
 whether they are met. ``--json`` writes every number, every timed run included.
 """
 
@@ -65,6 +80,7 @@ from pathlib import Path
 
 import httpx
 import msgpack
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -84,16 +100,31 @@ SDE_TYPE, NOISE_LEVEL = "sde", 0.7
 TOLERANCE = 1e-4  # float32: batched or not, engine and diffusers agree to rounding
 GROUPS = 4  # prompts in the multi-group rows (tiny)
 
+# guidance: the request's guidance_scale (None: not sent): Wan's and SD3's classifier-free scale, the embedded
+# guidance of the families whose classifier-free scale is true_cfg (FLUX, Qwen-Image: their presets name it;
+# None: no true CFG, not sent); negative_prompt: sent with them (None: not sent).
 PRESETS = {
-    "tiny": dict(model="tiny", height=32, width=32, num_frames=5, steps=8, guidance=4.0, n=16, repeats=3,
-                 multi_group=True),
-    "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=4.0, n=8, repeats=1,
-                  multi_group=False),
+    "tiny": dict(model="tiny", height=32, width=32, num_frames=5, steps=8, guidance=4.0, negative_prompt="",
+                 n=16, repeats=3, multi_group=True),
+    "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=4.0, negative_prompt="",
+                  n=8, repeats=1, multi_group=False),
     # SD3 (images: no num_frames; diffusers' num_images_per_prompt), Flow-GRPO's SD3.5 guidance 4.5.
-    "tiny-sd3": dict(model="tiny-sd3", height=64, width=64, num_frames=None, steps=4, guidance=4.5, n=16,
-                     repeats=3, multi_group=True),
-    "small-sd3": dict(model="small-sd3", height=256, width=256, num_frames=None, steps=10, guidance=4.5, n=16,
-                      repeats=1, multi_group=False),
+    "tiny-sd3": dict(model="tiny-sd3", height=64, width=64, num_frames=None, steps=4, guidance=4.5,
+                     negative_prompt="", n=16, repeats=3, multi_group=True),
+    "small-sd3": dict(model="small-sd3", height=256, width=256, num_frames=None, steps=10, guidance=4.5,
+                      negative_prompt="", n=16, repeats=1, multi_group=False),
+    # FLUX.1-dev as Flow-GRPO rolls it out, scaled down: embedded guidance 3.5, no true CFG (one forward of N
+    # per step), packed latents; the models' default sizes.
+    "tiny-flux": dict(model="tiny-flux", height=64, width=64, num_frames=None, steps=4, guidance=3.5,
+                      negative_prompt=None, true_cfg=None, n=16, repeats=3, multi_group=True),
+    "small-flux": dict(model="small-flux", height=256, width=256, num_frames=None, steps=10, guidance=3.5,
+                       negative_prompt=None, true_cfg=None, n=16, repeats=1, multi_group=False),
+    # Qwen-Image as verl-omni's recipe rolls it out: true CFG 4.0 with the negative prompt " " (two forwards of
+    # N per step, the pipeline's norm rescale); its transformer takes no embedded guidance.
+    "tiny-qwen-image": dict(model="tiny-qwen-image", height=64, width=64, num_frames=None, steps=4, guidance=None,
+                            negative_prompt=" ", true_cfg=4.0, n=16, repeats=3, multi_group=True),
+    "small-qwen-image": dict(model="small-qwen-image", height=256, width=256, num_frames=None, steps=10,
+                             guidance=None, negative_prompt=" ", true_cfg=4.0, n=16, repeats=1, multi_group=False),
 }
 
 PROMPTS = [
@@ -135,10 +166,9 @@ class Prompts:
 
 
 def rollout_body(cfg: dict, prompt: str, seed: int, rollout: bool) -> dict:
-    body = {"prompt": prompt, "negative_prompt": "", "seed": seed, "n": cfg["n"], "height": cfg["height"],
-            "width": cfg["width"], "num_frames": cfg["num_frames"], "num_inference_steps": cfg["steps"],
-            "guidance_scale": cfg["guidance"], "output_type": "latent", "rollout": rollout,
-            "sde_type": SDE_TYPE, "noise_level": NOISE_LEVEL}
+    body = {"prompt": prompt, "seed": seed, "n": cfg["n"], "height": cfg["height"], "width": cfg["width"],
+            "num_frames": cfg["num_frames"], "num_inference_steps": cfg["steps"], **guidance_fields(cfg),
+            "output_type": "latent", "rollout": rollout, "sde_type": SDE_TYPE, "noise_level": NOISE_LEVEL}
     if cfg["num_frames"] is None:  # an image family: one frame, and no num_frames field
         del body["num_frames"]
     return body
@@ -194,9 +224,184 @@ def post_sequential(http: httpx.Client, bodies: list[dict]) -> tuple[float, list
 # --------------------------------------------------------------------------
 
 
+def guidance_fields(cfg: dict) -> dict:
+    """The preset's guidance fields, under the names both the request body and the family's pipeline call take
+    them: ``negative_prompt`` and ``guidance_scale`` (Wan, SD3: classifier-free guidance; FLUX.1-dev: the
+    embedded guidance), ``true_cfg_scale`` (FLUX, Qwen-Image: true CFG with the negative prompt). A field the
+    preset leaves None is not sent (Qwen-Image's transformer takes no guidance_scale; FLUX without true CFG
+    takes no negative prompt)."""
+    fields = {"negative_prompt": cfg["negative_prompt"], "guidance_scale": cfg["guidance"],
+              "true_cfg_scale": cfg.get("true_cfg")}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class LoopFamily:
+    """What the flow-grpo loop does the family's own way: the text of the two passes, the initial latents, the
+    schedule's request fields and one guided velocity. ``pipe``: the family's diffusers pipeline."""
+
+    def __init__(self, pipe, cfg: dict, max_sequence_length: int):
+        self.pipe, self.cfg, self.n = pipe, cfg, cfg["n"]
+        self.max_sequence_length = max_sequence_length
+
+    def text(self, prompt: str, device) -> tuple[dict, dict | None]:
+        """(cond, uncond) transformer keywords for the N samples, in the form the family's :meth:`velocity` takes
+        them (uncond None without guidance)."""
+        raise NotImplementedError
+
+    def latents(self, generators: list[torch.Generator], device) -> tuple[torch.Tensor, dict]:
+        """The initial latents [N, ...], one generator per sample, and the keywords every forward takes besides."""
+        raise NotImplementedError
+
+    def schedule(self, latents: torch.Tensor) -> dict:
+        """The request fields that set the rollout schedule beyond the step count (none: the template's own)."""
+        return {}
+
+    def velocity(self, model, latents: torch.Tensor, t: torch.Tensor, cond: dict, uncond: dict | None,
+                 extra: dict) -> torch.Tensor:
+        """The guided model output at timestep ``t`` for the N samples."""
+        raise NotImplementedError
+
+
+class WanLoop(LoopFamily):
+    """WanPipeline: CFG with ``guidance_scale``, one batched forward of N for each pass."""
+
+    def text(self, prompt, device):
+        cond, uncond = self.pipe.encode_prompt(
+            prompt=prompt, negative_prompt=self.cfg["negative_prompt"],
+            do_classifier_free_guidance=self.cfg["guidance"] > 1.0, num_videos_per_prompt=self.n,
+            max_sequence_length=self.max_sequence_length, device=device)
+        return {"encoder_hidden_states": cond}, (None if uncond is None else {"encoder_hidden_states": uncond})
+
+    def latents(self, generators, device):
+        c = self.cfg
+        return self.pipe.prepare_latents(self.n, self.pipe.transformer.config.in_channels, c["height"], c["width"],
+                                         c["num_frames"], torch.float32, device, generators), {}
+
+    def velocity(self, model, latents, t, cond, uncond, extra):
+        h, ts, g = latents.to(model.dtype), t.expand(self.n), self.cfg["guidance"]
+        v = model(hidden_states=h, timestep=ts, **cond, return_dict=False)[0]
+        if uncond is not None:
+            v_u = model(hidden_states=h, timestep=ts, **uncond, return_dict=False)[0]
+            v = v_u + g * (v - v_u)
+        return v
+
+
+class SD3Loop(LoopFamily):
+    """StableDiffusion3Pipeline: CFG with ``guidance_scale``, one forward of 2N rows, [uncond, cond], as
+    Flow-GRPO's SD3 pipeline (and diffusers') batch them: the text's uncond is both halves, joined once."""
+
+    def text(self, prompt, device):
+        cfg_on = self.cfg["guidance"] > 1.0
+        embeds, neg, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, negative_prompt=self.cfg["negative_prompt"],
+            do_classifier_free_guidance=cfg_on, num_images_per_prompt=self.n,
+            max_sequence_length=self.max_sequence_length, device=device)
+        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        if not cfg_on:
+            return cond, None
+        uncond = {"encoder_hidden_states": neg, "pooled_projections": neg_pooled}
+        return cond, {k: torch.cat([uncond[k], cond[k]]) for k in cond}
+
+    def latents(self, generators, device):
+        c = self.cfg
+        return self.pipe.prepare_latents(self.n, self.pipe.transformer.config.in_channels, c["height"], c["width"],
+                                         torch.float32, device, generators), {}
+
+    def velocity(self, model, latents, t, cond, uncond, extra):
+        h, g = latents.to(model.dtype), self.cfg["guidance"]
+        if uncond is None:
+            return model(hidden_states=h, timestep=t.expand(self.n), **cond, return_dict=False)[0]
+        v_u, v = model(hidden_states=torch.cat([h, h]), timestep=t.expand(2 * self.n), **uncond,
+                       return_dict=False)[0].chunk(2)
+        return v_u + g * (v - v_u)
+
+
+class PackedLoop(LoopFamily):
+    """FLUX and Qwen-Image: packed latents from the pipeline's ``prepare_latents``; flow-match Euler with the
+    pipeline's dynamic shift (``mu`` of the image sequence length from the scheduler config) and sigmas
+    ``linspace(1, 1/N, N)``; the transformer on ``timestep / 1000``, with the embedded guidance when the
+    transformer has ``guidance_embeds``; true CFG (``true_cfg_scale`` with a negative prompt) as two forwards
+    of N, cond then uncond, as the pipelines run them."""
+
+    @property
+    def true_cfg(self) -> bool:
+        """True CFG runs with a scale above 1 and a negative prompt, as in the pipelines."""
+        return (self.cfg.get("true_cfg") or 1.0) > 1.0 and self.cfg["negative_prompt"] is not None
+
+    def encode(self, prompt: str, device) -> dict:
+        raise NotImplementedError
+
+    def text(self, prompt, device):
+        return self.encode(prompt, device), (self.encode(self.cfg["negative_prompt"], device) if self.true_cfg
+                                             else None)
+
+    def schedule(self, latents):
+        steps = self.cfg["steps"]
+        config = self.pipe.scheduler.config
+        seq_len = latents.shape[1]  # the packed tokens, as the pipelines take it
+        return {"mu": schedulers.calculate_shift(seq_len, config) if schedulers.dynamic(config) else None,
+                "sigmas": np.linspace(1.0, 1 / steps, steps).tolist()}
+
+    def guide(self, v: torch.Tensor, v_u: torch.Tensor) -> torch.Tensor:
+        return v_u + self.cfg["true_cfg"] * (v - v_u)
+
+    def velocity(self, model, latents, t, cond, uncond, extra):
+        h = latents.to(model.dtype)
+        ts = t.expand(self.n).to(h.dtype) / 1000
+        guidance = None
+        if model.config.guidance_embeds:
+            guidance = torch.full([1], self.cfg["guidance"], device=h.device, dtype=torch.float32).expand(self.n)
+        v = model(hidden_states=h, timestep=ts, guidance=guidance, **cond, **extra, return_dict=False)[0]
+        if uncond is None:
+            return v
+        v_u = model(hidden_states=h, timestep=ts, guidance=guidance, **uncond, **extra, return_dict=False)[0]
+        return self.guide(v, v_u)
+
+
+class FluxLoop(PackedLoop):
+    """FluxPipeline: CLIP's pooled output and T5's sequence with their ``txt_ids``, the latents' ``img_ids``."""
+
+    def encode(self, prompt, device):
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, device=device, num_images_per_prompt=self.n,
+            max_sequence_length=self.max_sequence_length)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled, "txt_ids": text_ids}
+
+    def latents(self, generators, device):
+        c = self.cfg
+        latents, image_ids = self.pipe.prepare_latents(self.n, self.pipe.transformer.config.in_channels // 4,
+                                                       c["height"], c["width"], torch.float32, device, generators)
+        return latents, {"img_ids": image_ids}
+
+
+class QwenImageLoop(PackedLoop):
+    """QwenImagePipeline: Qwen2.5-VL's hidden states with their mask (None when no token is padding), the
+    latents' ``img_shapes``, and true CFG rescaled to the conditional prediction's norm per token."""
+
+    def encode(self, prompt, device):
+        embeds, mask = self.pipe.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=self.n,
+                                               max_sequence_length=self.max_sequence_length)
+        return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+
+    def latents(self, generators, device):
+        c, pipe = self.cfg, self.pipe
+        latents = pipe.prepare_latents(self.n, pipe.transformer.config.in_channels // 4, c["height"], c["width"],
+                                       torch.float32, device, generators)
+        grid = (c["height"] // pipe.vae_scale_factor // 2, c["width"] // pipe.vae_scale_factor // 2)
+        return latents, {"img_shapes": [[(1, *grid)]] * self.n}
+
+    def guide(self, v, v_u):
+        combined = v_u + self.cfg["true_cfg"] * (v - v_u)
+        return combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+
+# The flow-grpo loop's family parts, by the binding's family name.
+LOOPS = {"wan": WanLoop, "sd3": SD3Loop, "flux": FluxLoop, "qwen-image": QwenImageLoop}
+
+
 class InProcess:
-    """The family's diffusers pipeline (WanPipeline, StableDiffusion3Pipeline) loaded once; the two in-process
-    ways of producing a group."""
+    """The family's diffusers pipeline (WanPipeline, StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline)
+    loaded once; the two in-process ways of producing a group."""
 
     def __init__(self, model_dir: Path, cfg: dict):
         import diffusers
@@ -214,77 +419,46 @@ class InProcess:
         self.pipe = getattr(diffusers, self.info.family.pipeline).from_pretrained(model_dir, dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)
         self.load_s = time.perf_counter() - t0
-        # Flow-match Euler with the serving scheduler's shift and training steps, as the engine's rollouts.
+        self.loop = LOOPS[self.info.family.family](self.pipe, cfg, self.max_sequence_length)
+        # Flow-match Euler with the serving scheduler's shift and training steps (FLUX, Qwen-Image: its whole
+        # dynamic-shift config), as the engine's rollouts.
         self.rollout_template = schedulers.rollout_template_for(schedulers.load_serving_template(self.info))
 
     def generators(self, seed: int) -> list[torch.Generator]:
         return [torch.Generator("cpu").manual_seed(seed + i) for i in range(self.cfg["n"])]
 
     def diffusers_batch(self, prompt: str, seed: int) -> torch.Tensor:
-        """[N, C, F', H', W'] (images: [N, C, H', W']) latents of the group through the pipeline's own call
-        (its serving scheduler: UniPC for Wan, flow-match Euler for SD3)."""
+        """[N, C, F', H', W'] (SD3: [N, C, H', W']; FLUX, Qwen-Image: packed [N, seq, C * 4]) latents of the group
+        through the pipeline's own call (its serving scheduler: UniPC for Wan, flow-match Euler for the others)."""
         c = self.cfg
-        kw = dict(prompt=prompt, negative_prompt="", height=c["height"], width=c["width"],
-                  num_inference_steps=c["steps"], guidance_scale=c["guidance"], generator=self.generators(seed),
-                  output_type="latent", max_sequence_length=self.max_sequence_length)
+        kw = dict(prompt=prompt, height=c["height"], width=c["width"], num_inference_steps=c["steps"],
+                  generator=self.generators(seed), output_type="latent", max_sequence_length=self.max_sequence_length,
+                  **guidance_fields(c))
         if self.video:
             return self.pipe(**kw, num_frames=c["num_frames"], num_videos_per_prompt=c["n"]).frames
         return self.pipe(**kw, num_images_per_prompt=c["n"]).images
 
-    def _text(self, prompt: str, cfg_on: bool, device):
-        """(cond, uncond) transformer keywords for N samples (uncond None without CFG)."""
-        pipe, n = self.pipe, self.cfg["n"]
-        if self.video:
-            cond, uncond = pipe.encode_prompt(prompt=prompt, negative_prompt="", do_classifier_free_guidance=cfg_on,
-                                              num_videos_per_prompt=n, max_sequence_length=self.max_sequence_length,
-                                              device=device)
-            return {"encoder_hidden_states": cond}, (None if uncond is None else {"encoder_hidden_states": uncond})
-        embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-            prompt=prompt, prompt_2=None, prompt_3=None, negative_prompt="", do_classifier_free_guidance=cfg_on,
-            num_images_per_prompt=n, max_sequence_length=self.max_sequence_length, device=device)
-        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
-        return cond, ({"encoder_hidden_states": neg, "pooled_projections": neg_pooled} if cfg_on else None)
-
     def flow_grpo_loop(self, prompt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A Flow-GRPO-style rollout of the group: final latents [N, ...] and log-probs [N, steps]."""
-        c, pipe, n = self.cfg, self.pipe, self.cfg["n"]
-        g = c["guidance"]
-        cfg_on = g > 1.0
+        c, pipe, n, loop = self.cfg, self.pipe, self.cfg["n"], self.loop
         device = pipe._execution_device
-        cond, uncond = self._text(prompt, cfg_on, device)
+        cond, uncond = loop.text(prompt, device)
         model = pipe.transformer
         gens = self.generators(seed)
-        frames = c["num_frames"] if self.video else 1
-        if self.video:
-            latents = pipe.prepare_latents(n, model.config.in_channels, c["height"], c["width"], frames,
-                                           torch.float32, device, gens)
-        else:
-            latents = pipe.prepare_latents(n, model.config.in_channels, c["height"], c["width"], torch.float32,
-                                           device, gens)
-        if uncond is not None and not self.video:
-            # SD3 as Flow-GRPO's SD3 pipeline (and diffusers') runs it: one forward of 2N rows, [uncond, cond].
-            both = {k: torch.cat([uncond[k], cond[k]]) for k in cond}
-        params = GenerationParams(prompt=prompt, negative_prompt="", height=c["height"], width=c["width"],
-                                  num_frames=frames, num_inference_steps=c["steps"], guidance_scale=g,
-                                  seed=seed, output_type="latent")
+        latents, extra = loop.latents(gens, device)
+        params = GenerationParams(prompt=prompt, negative_prompt=c["negative_prompt"] or "", height=c["height"],
+                                  width=c["width"], num_frames=c["num_frames"] if self.video else 1,
+                                  num_inference_steps=c["steps"], guidance_scale=c["guidance"] or 1.0, seed=seed,
+                                  output_type="latent", **loop.schedule(latents))
         scheduler = schedulers.build(self.rollout_template, params, device)
         sigmas = scheduler.sigmas
         s_max = sigma_max(sigmas)
         one = (1, *latents.shape[1:])
         log_probs = []
         for i, t in enumerate(scheduler.timesteps):
-            h = latents.to(model.dtype)
-            if cfg_on and not self.video:
-                v_u, v = model(hidden_states=torch.cat([h, h]), timestep=t.expand(2 * n), **both,
-                               return_dict=False)[0].chunk(2)
-                v = v_u + g * (v - v_u)
-            else:
-                ts = t.expand(n)
-                v = model(hidden_states=h, timestep=ts, **cond, return_dict=False)[0]
-                if cfg_on:
-                    v_u = model(hidden_states=h, timestep=ts, **uncond, return_dict=False)[0]
-                    v = v_u + g * (v - v_u)
-            # Each sample's noise from its own generator (after its initial noise), as the engine draws it.
+            v = loop.velocity(model, latents, t, cond, uncond, extra)
+            # Each sample's noise from its own generator (after its initial noise), as the engine draws it: in
+            # the shape of one sample's latents (FLUX, Qwen-Image: packed).
             noise = torch.cat([torch.randn(one, generator=gen, dtype=torch.float32) for gen in gens])
             step = sde_step(v, latents, sigmas[i], sigmas[i + 1], s_max, sde_type=SDE_TYPE, noise_level=NOISE_LEVEL,
                             noise=noise)
@@ -301,6 +475,16 @@ class InProcess:
 
 def _frames(cfg: dict) -> str:
     return "image" if cfg["num_frames"] is None else f"{cfg['num_frames']} frames"
+
+
+def _guidance(cfg: dict) -> str:
+    """The preset's guidance in words: ``guidance 4.0``, ``embedded guidance 3.5``, ``true CFG 4.0``."""
+    parts = []
+    if cfg["guidance"] is not None:
+        parts.append(f"{'embedded ' if 'true_cfg' in cfg else ''}guidance {cfg['guidance']}")
+    if cfg.get("true_cfg") is not None:
+        parts.append(f"true CFG {cfg['true_cfg']} (negative prompt {cfg['negative_prompt']!r})")
+    return ", ".join(parts) or "no guidance"
 
 
 def _max_diff(engine: dict, ref: torch.Tensor, seed: int, key: str = "output") -> float:
@@ -323,7 +507,7 @@ def run_preset(name: str, args) -> dict:
     load_start = os.getloadavg()
     engine = None
     print(f"\n== preset {name}: model {cfg['model']}, {cfg['height']}x{cfg['width']}, {_frames(cfg)}, "
-          f"{cfg['steps']} steps, guidance {cfg['guidance']}, n={n}, repeats {repeats}", flush=True)
+          f"{cfg['steps']} steps, {_guidance(cfg)}, n={n}, repeats {repeats}", flush=True)
     if args.url:
         url = args.url.rstrip("/")
     else:
@@ -460,7 +644,7 @@ def _f(v, digits: int = 2) -> str:
 def print_report(res: dict) -> None:
     c, eng = res["config"], res["engine"]
     print(f"\npreset {res['preset']}: model {Path(eng['model_dir']).name}, {c['height']}x{c['width']}, "
-          f"{_frames(c)}, {c['steps']} steps, guidance {c['guidance']}, latent output, n={c['n']}; "
+          f"{_frames(c)}, {c['steps']} steps, {_guidance(c)}, latent output, n={c['n']}; "
           f"engine {'flags ' + ' '.join(eng['extra']) if eng['extra'] else eng['url'] + ' (external)'}, "
           f"largest denoise batch seen {eng['largest_batch_seen']}; in-process torch threads "
           f"{res['in_process']['torch_threads']}; median of {c['repeats']} timed run(s); CPU cores "
@@ -496,9 +680,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["tiny", "small"],
                     help="presets to run, in order (default: tiny small)")
-    ap.add_argument("--repeats", type=int, help="timed rounds per preset, median reported (tiny, tiny-sd3: 3; "
-                                                "small, small-sd3: 1)")
-    ap.add_argument("--n", type=int, help="samples per group (tiny, tiny-sd3, small-sd3: 16; small: 8)")
+    ap.add_argument("--repeats", type=int, help="timed rounds per preset, median reported (tiny, tiny-sd3, "
+                                                "tiny-flux, tiny-qwen-image: 3; small, small-sd3, small-flux, "
+                                                "small-qwen-image: 1)")
+    ap.add_argument("--n", type=int, help="samples per group (small: 8; the others: 16)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="engine's launch.py --max-batch-size")
     ap.add_argument("--url", help="a running engine instead of starting one (only with one preset; its model "
                                   "must be the preset's, and its own flags apply)")
