@@ -102,6 +102,10 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker to load")
     p.add_argument("--max-pending", type=int, default=d.max_pending, help="samples in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes,
+                   help="image-to-video: the largest encoded image (image, last_image) a request may carry")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="image-to-video: larger images are refused from their header, before decoding")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest ZeroMQ message part a socket accepts")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters each denoise worker holds")
@@ -234,6 +238,8 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             max_attempts=args.max_attempts,
             worker_wait_s=args.worker_wait,
             max_body_bytes=args.max_body_bytes,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
             max_message_bytes=args.max_message_bytes,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,

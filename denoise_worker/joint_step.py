@@ -42,11 +42,13 @@ def advance_all(tasks: list[DenoiseTask], velocities: list[torch.Tensor]) -> lis
 def _sde_step_together(tasks: list[DenoiseTask], velocities: list[torch.Tensor]) -> None:
     first = tasks[0]  # equal keys: every task's sigmas at its step equal the first one's
     one = len(tasks) == 1
+    masks = [t.log_prob_mask() for t in tasks]  # equal keys: all None, or all tensors
+    mask = None if masks[0] is None else torch.cat([m.expand(t.n, *m.shape[1:]) for m, t in zip(masks, tasks)])
     out = step_at(first.scheduler.sigmas, first.step,
                   velocities[0] if one else torch.cat(velocities),
                   first.latents if one else torch.cat([t.latents for t in tasks]),
                   sde_type=first.sde_type_now(), noise_level=first.sde.noise_level,
-                  generator=[g for t in tasks for g in t.generators])
+                  generator=[g for t in tasks for g in t.generators], log_prob_mask=mask)
     start = 0
     for task in tasks:
         rows = slice(start, start + task.n)

@@ -11,6 +11,7 @@ import torch
 
 from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, check_deadline
 from common.protocol.messages import (
+    IMAGE_CONDITION,
     LATENTS,
     NEGATIVE_OF,
     OUTPUT,
@@ -94,7 +95,7 @@ class DenoiseStage(Stage):
     def _compile(self) -> None:
         """Every expert through torch.compile, compiled now at the default request's shape (the followers'
         too: the warm-up's forwards reach them)."""
-        compile_experts(self.policy.experts)
+        compile_experts(self.policy)
         seconds = warm_up(self.policy)
         log.info("compiled %s", ", ".join(f"{name} in {s:.1f}s" for name, s in seconds.items()))
 
@@ -117,15 +118,24 @@ class DenoiseStage(Stage):
         if uses_guidance(self.family.cfg_scale(p)):
             negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text_fields})
             uncond = self.texts.conditioning(negative, p.max_sequence_length)
+        image = self.family.image_conditioning({f.name: tensors[f.name] for f in self.family.image_fields
+                                                if f.name in tensors})
+        if image is None and self.family.image_input(self.info) == "required":
+            raise RequestError(f"{self.family.pipeline} needs the image tensors {IMAGE_CONDITION.name}")
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
-                                  self.device, lora=self.adapters.choice(p))
+                                  self.device, lora=self.adapters.choice(p),
+                                  image=None if image is None else image.to(self.device))
 
     def _text(self, tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
-        """A prompt's text tensors (by their cond names) from the message's ``names`` (the family's contract)."""
+        """A prompt's text tensors (by their cond names) from the message's ``names`` (the family's contract),
+        with the image tensors the transformer's cross-attention takes beside the text (image embeds)."""
         missing = [wire for wire in names.values() if wire not in tensors]
         if missing:
             raise RequestError(f"{self.family.pipeline} needs the text tensors {', '.join(missing)}")
-        return {name: tensors[wire] for name, wire in names.items()}
+        text = {name: tensors[wire] for name, wire in names.items()}
+        text.update({f.name: tensors[f.name] for f in self.family.image_fields
+                     if f.name in tensors and f.name in self.family.image_text_fields})
+        return text
 
     # --- continuous batching ----------------------------------------------
     def accept(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> None:
@@ -226,10 +236,10 @@ class DenoiseStage(Stage):
         extras = task.extras()
         if msg.params.output_type == "latent":
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
-            return Forward("router", out, {OUTPUT.name: task.latents.float(), **extras})
+            return Forward("router", out, {OUTPUT.name: task.output_latents().float(), **extras})
         nxt = DecodeRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=msg.params,
                             timings=timings, info=info)
-        return Forward("decode", nxt, {LATENTS.name: task.latents, **extras})
+        return Forward("decode", nxt, {LATENTS.name: task.output_latents(), **extras})
 
     # --- weight sync and adapters ---------------------------------------------
     def applies_between_steps(self, msg: ControlRequest) -> bool:

@@ -57,13 +57,15 @@ class DenoiseTask:
     latents: torch.Tensor  # [n, *latent] (the family's: Binding.latent_shape)
     sde: RolloutParams | None  # None: the serving scheduler steps this request
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
+    image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
     log_prob_steps: list[int] = field(default_factory=list)
 
     @classmethod
-    def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None):
+    def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
+               image: torch.Tensor | None = None):
         sde = sde_settings(params)
         seq_len = info.family.image_seq_len(info, params.height, params.width, params.num_frames)
         scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
@@ -72,7 +74,7 @@ class DenoiseTask:
             schedulers.check_flow_match_convention(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
-        task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora)
+        task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -97,7 +99,7 @@ class DenoiseTask:
         p, family = self.params, self.info.family
         return ModelInput(self.latents, self.timestep, self.cond, self.uncond, family.cfg_scale(p), p.guidance_scale_2,
                           self.lora, family.token_grid(self.info, p.height, p.width),
-                          family.embedded_guidance(self.info, p.guidance_scale))
+                          family.embedded_guidance(self.info, p.guidance_scale), self.image)
 
     def sde_type_now(self) -> str:
         """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""
@@ -111,7 +113,15 @@ class DenoiseTask:
             return None
         s = self.scheduler.sigmas
         return (self.sde_type_now(), self.sde.noise_level, float(s[self.step]), float(s[self.step + 1]),
-                float(sigma_max(s)))
+                float(sigma_max(s)), self.log_prob_mask() is not None)
+
+    def log_prob_mask(self) -> torch.Tensor | None:
+        """Which latent elements this request's log-probs average over (None: all; see Binding.log_prob_mask)."""
+        return self.info.family.log_prob_mask(self.info, self.latents, self.image)
+
+    def output_latents(self) -> torch.Tensor:
+        """The final latents as the family's pipeline returns them."""
+        return self.info.family.final_latents(self.info, self.latents, self.image)
 
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""

@@ -1,12 +1,17 @@
-"""Encoder stage: the queued requests' prompts through the family's text encoder(s), with a prompt cache."""
+"""Encoder stage: the queued requests' prompts through the family's text encoder(s), and their images through
+its image side (image-to-video), with a cache of both."""
 
 from __future__ import annotations
 
 import time
 
+import torch
+
 from common.diffusion.policy import uses_guidance
 from common.families import read_model
-from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
+from common.protocol.errors import RequestError
+from common.protocol.images import image_digest, image_from_array
+from common.protocol.messages import IMAGE, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
 from common.runtime.stage import Forward, QueuedBatchStage
 from encoder_worker.prompt_cache import EmbeddingCache
 
@@ -18,6 +23,9 @@ class EncoderStage(QueuedBatchStage):
         info = read_model(self.config.model)
         self.family = info.family
         self.text_encoder = info.family.load_text_encoder(info, self.dtype, self.device)
+        self.images = None  # image-to-video models: the image encoder and the VAE's encoder half
+        if info.family.image_input(info) is not None:
+            self.images = info.family.load_image_conditioner(info, self.dtype, self.device)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
 
     def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
@@ -38,16 +46,48 @@ class EncoderStage(QueuedBatchStage):
                 embeds[key] = {name: t.clone() for name, t in wire.items()}
                 self.cache.put(key, embeds[key])
         elapsed = time.perf_counter() - t0
-        return [self._forward(msg, embeds, elapsed, uses_guidance(self.family.cfg_scale(msg.params)))
-                for msg, _ in items]
+        out: list[Forward | BaseException] = []
+        for msg, pixels in items:
+            t1 = time.perf_counter()
+            try:
+                image = self._image_tensors(msg, pixels)
+            except Exception as e:  # one request's image fails that request alone
+                out.append(e)
+                continue
+            out.append(self._forward(msg, embeds, elapsed, uses_guidance(self.family.cfg_scale(msg.params)), image,
+                                     time.perf_counter() - t1))
+        return out
+
+    def _image_tensors(self, msg: EncodeRequest, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A request's image tensors for the denoise worker (none without an image), cached by the pixels and
+        the request's size: a group, and a re-run, encode their image once."""
+        if IMAGE.name not in pixels:
+            return {}
+        if self.images is None:  # the router refuses this first
+            raise RequestError("image: this model takes no image")
+        p = msg.params
+        last = pixels.get(LAST_IMAGE.name)
+        key = ("image", image_digest(pixels[IMAGE.name]), None if last is None else image_digest(last), p.height,
+               p.width, p.num_frames)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.images.wire_tensors(image_from_array(pixels[IMAGE.name]),
+                                           None if last is None else image_from_array(last),
+                                           p.height, p.width, p.num_frames)
+            hit = {name: t.clone() for name, t in hit.items()}
+            self.cache.put(key, hit)
+        return hit
 
     @staticmethod
-    def _forward(msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool) -> Forward:
+    def _forward(msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool, image: dict,
+                 image_s: float) -> Forward:
         p = msg.params
         tensors = dict(embeds[(p.prompt, p.max_sequence_length)])
+        tensors.update(image)
         if guided:
             negative = embeds[(p.negative_prompt, p.max_sequence_length)]
             tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
-                             timings={**msg.timings, "encode_s": elapsed})
+                             timings={**msg.timings, "encode_s": elapsed,
+                                      **({"image_encode_s": image_s} if image else {})})
         return Forward("denoise", nxt, tensors)

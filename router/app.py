@@ -12,12 +12,14 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.config.engine import EngineConfig
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
+from common.protocol.messages import REQUEST_IMAGES
 from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
@@ -34,7 +36,8 @@ from router.schemas import (
     UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module,
     checked_weight_path,
 )
-from router.request_params import check_family_fields, check_model_fields, to_params
+from router.images import decode_image
+from router.request_params import check_family_fields, check_image_fields, check_model_fields, to_params
 from router.weight_sync import MemorySync
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
@@ -71,10 +74,30 @@ class Routes:
                             status_code=200 if ok else 503)
 
     async def generate(self, request: Request) -> Response:
-        return await self._run_samples(await self._body(request, GenerateBody), request)
+        return await self._run_samples(await self._sample_body(request, GenerateBody), request)
 
     async def rollout_generate(self, request: Request) -> Response:
-        return await self._run_samples(await self._body(request, RolloutBody), request)
+        return await self._run_samples(await self._sample_body(request, RolloutBody), request)
+
+    async def _sample_body(self, request: Request, schema):
+        """A generation body; on an image-to-video model it may be larger by its images' base64."""
+        limits = self.config.limits
+        limit = limits.max_body_bytes
+        if self.info.family.image_input(self.info) is not None:
+            limit += 2 * (4 * -(-limits.max_image_bytes // 3))
+        return schema.model_validate(await parse_body(request, limit))
+
+    async def images_of(self, body: GenerateBody) -> dict[str, torch.Tensor]:
+        """The request's images as RGB pixels (decoded off the event loop), by field; checked already by
+        :meth:`params_for` against what the model takes."""
+        limits, out = self.config.limits, {}
+        for field in REQUEST_IMAGES:
+            value = getattr(body, field.name)
+            if value is not None:
+                pixels = await asyncio.to_thread(decode_image, value, field.name, max_bytes=limits.max_image_bytes,
+                                                 max_pixels=limits.max_image_pixels)
+                out[field.name] = torch.from_numpy(pixels)
+        return out
 
     async def update_weights_from_disk(self, request: Request) -> JSONResponse:
         if not self.config.weight_roots:  # refused here: nothing reaches a worker
@@ -140,10 +163,11 @@ class Routes:
         """The request body as ``schema``; a bad one becomes a 400 naming the field."""
         return schema.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
 
-    async def submit(self, params, rid: str, timeout_s: float | None):
-        """Run one admitted request; its answer (and its metrics)."""
+    async def submit(self, params, rid: str, timeout_s: float | None, images: dict | None = None):
+        """Run one admitted request (``images``: its pixels, image-to-video); its answer (and its metrics)."""
         t0 = time.perf_counter()
-        outcome = await self.dispatcher.submit(params, rid, timeout_s, versions=lambda: self._versions(params))
+        outcome = await self.dispatcher.submit(params, rid, timeout_s, versions=lambda: self._versions(params),
+                                               images=images)
         self.metrics.generated(outcome.timings, outcome.info, params.n, params.num_inference_steps,
                                time.perf_counter() - t0)
         return outcome
@@ -156,6 +180,7 @@ class Routes:
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
         check_family_fields(body, self.info.family)
         check_model_fields(body, self.info)
+        check_image_fields(body, self.info)
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)
@@ -169,10 +194,11 @@ class Routes:
                 if media_type in accept:
                     body = body.model_copy(update={"output_type": kind})
         params = self.params_for(body)
+        images = await self.images_of(body)
         self.dispatcher.admit(params.n)
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        outcome = await self.submit(params, rid, body.timeout_s)  # the n samples as one unit
+        outcome = await self.submit(params, rid, body.timeout_s, images)  # the n samples as one unit
         if body.output_type in MEDIA_TYPES:
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,

@@ -20,6 +20,7 @@ import time
 import uuid
 
 import msgspec
+import torch
 import zmq
 import zmq.asyncio
 
@@ -133,19 +134,23 @@ class Dispatcher:
         self.admission.check(self.pending.samples, count)
 
     async def submit(self, params: GenerationParams, request_id: str | None = None,
-                     timeout_s: float | None = None, versions: Versions | None = None) -> Outcome:
+                     timeout_s: float | None = None, versions: Versions | None = None,
+                     images: dict[str, torch.Tensor] | None = None) -> Outcome:
         """One request, its ``params.n`` samples as one unit through the stages; its answer. A worker that dies
-        holding it makes it run again (router/attempts.py): ``outcome.info["attempts"]`` says how many runs."""
+        holding it makes it run again (router/attempts.py): ``outcome.info["attempts"]`` says how many runs.
+        ``images``: an image-to-video request's pixels (``image``, ``last_image``), sent to the encoder."""
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s or self.config.limits.request_timeout_s
         params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
-        outcome, attempts = await with_attempts(lambda attempt: self._attempt(params, rid, attempt, timeout_s),
+        outcome, attempts = await with_attempts(lambda attempt: self._attempt(params, rid, attempt, timeout_s,
+                                                                              images or {}),
                                                 rid, self.config.limits.max_attempts, versions,
                                                 rollout=params.rollout is not None)
         outcome.info["attempts"] = attempts
         return outcome
 
-    async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float) -> Outcome:
+    async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float,
+                       images: dict[str, torch.Tensor]) -> Outcome:
         rid = attempt_id(request_id, attempt)
         chosen = await self._reserve(params)
         route = Route(**{role: w.spec.index for role, w in chosen.items()})
@@ -154,7 +159,8 @@ class Dispatcher:
                                                 samples=params.n))
         try:
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
-            await self._encoders[route.encoder].send_multipart(encode(msg), copy=False)
+            frames = encode(msg, images, shm=self.shm.sender(process_name("encoder", route.encoder)))
+            await self._encoders[route.encoder].send_multipart(frames, copy=False)
             return await asyncio.wait_for(future, timeout=max(0.0, params.deadline - time.time()))
         except asyncio.TimeoutError:
             raise EngineError(

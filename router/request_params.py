@@ -57,6 +57,12 @@ def check_model_fields(body: GenerateBody, info) -> None:
     if body.mu is not None and not info.dynamic_shifting:
         raise FieldError("mu", f"this model's scheduler has no dynamic shifting (use_dynamic_shifting is false), "
                                f"so {family.pipeline} takes no mu")
+    multiple = max(family.size_multiple, info.vae_scale_spatial * info.patch_size[-1])
+    for name in ("height", "width"):  # e.g. Wan2.2 TI2V: a 16x VAE and 2x2 patches, so multiples of 32
+        value = getattr(body, name)
+        if value is not None and value % multiple:
+            raise FieldError(name, f"must be a positive multiple of {multiple} for this model (its VAE's "
+                                   f"{info.vae_scale_spatial}x times its {info.patch_size[-1]}x patches), got {value}")
     if info.scheduler_config.get("shift_terminal") and body.num_inference_steps == 1 and body.sigmas is None:
         # linspace(1, 1, 1) stretched to the terminal sigma divides 0 by 0 (diffusers gives NaN images).
         raise FieldError("num_inference_steps", "this model's scheduler stretches its schedule to shift_terminal, "
@@ -66,6 +72,22 @@ def check_model_fields(body: GenerateBody, info) -> None:
         raise FieldError("guidance_scale", f"this {family.pipeline} transformer has no guidance embedding (its "
                                            "guidance_embeds is false); classifier-free guidance is true_cfg_scale "
                                            "with a negative_prompt")
+
+
+def check_image_fields(body: GenerateBody, info) -> None:
+    """``image`` and ``last_image`` as the model directory takes them (``info``: its ModelInfo): refused where
+    it takes none, required where it cannot run without one. The images themselves: router/images.py."""
+    family, takes = info.family, info.family.image_input(info)
+    if body.image is None and takes == "required":
+        raise FieldError("image", f"this {family.pipeline} model makes videos from an image: give image "
+                                  "(a base64 PNG, JPEG or WEBP, or a data: URL)")
+    if body.image is not None and takes is None:
+        raise FieldError("image", f"this {family.pipeline} model takes no image (it is not an image-to-video model)")
+    if body.last_image is not None:
+        if body.image is None:
+            raise FieldError("last_image", "needs image (the first frame) too")
+        if not family.takes_last_image(info):
+            raise FieldError("last_image", f"this {family.pipeline} model has no first-last-frame conditioning")
 
 
 def _true_cfg_scale(body: GenerateBody, defaults: dict, family: Binding | None) -> float | None:

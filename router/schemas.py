@@ -59,6 +59,9 @@ class GenerateBody(BaseModel):
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
                                   description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0, description="the adapter's strength")
+    image: str | None = Field(default=None, description="image-to-video models: the first frame, a base64 PNG, "
+                              "JPEG or WEBP or a data: URL (the engine fetches no URL)")
+    last_image: str | None = Field(default=None, description="first-last-frame models: the last frame, as image")
 
 
 class RolloutBody(GenerateBody):

@@ -45,6 +45,9 @@ class InProcess:
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.decoder = self.family.load_decoder(self.info, DTYPE, CPU)
+        self.images = None  # image-to-video models: the encoder worker's image side
+        if self.family.image_input(self.info) is not None:
+            self.images = self.family.load_image_conditioner(self.info, DTYPE, CPU)
         self.max_threads = torch.get_num_threads()
         self.shared_forwards = 0  # forwards that held more than one task (batching tests)
 
@@ -58,15 +61,26 @@ class InProcess:
             fields["true_cfg_scale"] = float(d.get("true_cfg_scale", 1.0))
         return GenerationParams(**{**fields, **over})
 
-    def task(self, p: GenerationParams, lora=None) -> DenoiseTask:
-        """The encoder worker's wire tensors (prompt and negative in one call), then the denoise worker's task."""
+    def image_wire(self, p: GenerationParams, image, last_image=None) -> dict[str, torch.Tensor]:
+        """The encoder worker's image tensors for a request with ``image`` (PIL images as the router's pixels
+        rebuild them; none: {})."""
+        if image is None:
+            return {}
+        return {k: t.clone() for k, t in self.images.wire_tensors(image, last_image, p.height, p.width,
+                                                                   p.num_frames).items()}
+
+    def task(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:
+        """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
+        with ``image``), then the denoise worker's task."""
         guided = uses_guidance(self.family.cfg_scale(p))
         texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
         wires = [{k: t.clone() for k, t in w.items()} for w in self.encoder.wire_tensors(texts, p.max_sequence_length)]
-        cond = self.texts.conditioning(wires[0], p.max_sequence_length)
-        uncond = self.texts.conditioning(wires[1], p.max_sequence_length) if guided else None
+        pixels = self.image_wire(p, image, last_image)
+        beside = {k: t for k, t in pixels.items() if k in self.family.image_text_fields}
+        cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
+        uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
-                                  lora=lora)
+                                  lora=lora, image=self.family.image_conditioning(pixels))
 
     @torch.no_grad()
     def step(self, tasks: list[DenoiseTask]) -> None:
@@ -85,9 +99,9 @@ class InProcess:
         velocities = [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
         assert advance_all(tasks, velocities) == [None] * len(tasks)
 
-    def run(self, p: GenerationParams, lora=None) -> DenoiseTask:
+    def run(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:
         """Request ``p`` alone, to its last step."""
-        task = self.task(p, lora)
+        task = self.task(p, lora, image, last_image)
         while not task.done:
             self.step([task])
         return task

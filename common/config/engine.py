@@ -55,6 +55,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     request_timeout_s: float = 600.0
     max_pending: int = 256  # samples in flight before the router answers 429
     max_body_bytes: int = 1 << 20
+    # Image-to-video: the largest encoded image a request may carry (each of image and last_image; its body
+    # may exceed max_body_bytes by their base64) and the most pixels one may declare (refused before decoding).
+    max_image_bytes: int = 32 << 20
+    max_image_pixels: int = 8192 * 8192
     # LoRA adapters: how many each denoise worker holds, their largest rank, the largest adapter body.
     max_loras: int = 16
     max_lora_rank: int = 128

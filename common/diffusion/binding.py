@@ -105,6 +105,10 @@ class Binding:
     def geometry(self, path: Path, transformer_config: dict) -> Geometry:
         raise NotImplementedError
 
+    def shares_text_for(self, info: "ModelInfo") -> bool:
+        """:attr:`shares_text` for this model directory (some of a family's models cannot)."""
+        return self.shares_text
+
     def cfg_scale(self, params) -> float:
         """The request's classifier-free guidance scale (guidance runs above 1)."""
         value = getattr(params, self.cfg_field)
@@ -170,6 +174,48 @@ class Binding:
                      device, dtype: torch.dtype) -> Conditioning:
         """A random conditioning of the right shapes (compile warm-ups)."""
         raise NotImplementedError
+
+    # --- image-to-video: a request's image(s), through the encoder worker's image side -----------------------
+    # The tensors the image side sends the denoise worker (their names: common.protocol.messages).
+    image_fields: tuple[TensorField, ...] = ()
+    # Those of them the transformer takes beside the text (cross-attention: image embeds); they join each
+    # prompt's conditioning (:meth:`conditioning`), the rest the latent side (:meth:`image_conditioning`).
+    image_text_fields: frozenset[str] = frozenset()
+
+    def image_input(self, info: "ModelInfo") -> str | None:
+        """Whether a request's ``image`` is ``"required"``, ``"optional"`` or refused (None) on this model."""
+        return None
+
+    def takes_last_image(self, info: "ModelInfo") -> bool:
+        """Whether this model conditions on a last frame too (``last_image``)."""
+        return False
+
+    def load_image_conditioner(self, info: "ModelInfo", dtype: torch.dtype, device):
+        """An object whose ``wire_tensors(image, last_image, height, width, num_frames)`` gives a request's
+        image tensors (PIL images in; ``last_image`` may be None)."""
+        raise NotImplementedError
+
+    def image_conditioning(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The latent-side condition of a request's image wire tensors ([1, ...]), or None (text only)."""
+        return None
+
+    def model_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        """The transformer's ``hidden_states`` from a request's latents [n, ...] and its image condition."""
+        return latents
+
+    def row_timesteps(self, info: "ModelInfo", timestep: torch.Tensor, latents: torch.Tensor,
+                      image: torch.Tensor | None) -> torch.Tensor:
+        """A request's timestep for each of its n rows: [n] float32 (per-token models: [n, tokens])."""
+        return (timestep.expand(latents.shape[0]) if timestep.dim() == 0 else timestep).float()
+
+    def final_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        """A request's latents after its last step, as its pipeline returns them (e.g. frame 0 put back)."""
+        return latents
+
+    def log_prob_mask(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None):
+        """Which latent elements a rollout's log-prob averages over (broadcastable to the latents), or None:
+        all of them."""
+        return None
 
     def load_decoder(self, info: "ModelInfo", dtype: torch.dtype, device):
         """An object whose ``decode(latents, height, width)`` gives float32 frames [n, F, H, W, 3] in [0, 1]."""

@@ -48,6 +48,17 @@ class ModelInfo:
     flow_shift: float
     fps: int = 16  # frames per second of the videos it makes (MP4 output)
     transformer_config: dict = field(default_factory=dict)  # e.g. FLUX.1-dev's guidance_embeds
+    index: dict = field(default_factory=dict)  # model_index.json: components, and e.g. Wan2.2's expand_timesteps
+
+    @property
+    def expand_timesteps(self) -> bool:
+        """Wan2.2 TI2V: a timestep per latent token (frame 0's can be 0: the image's latent)."""
+        return bool(self.index.get("expand_timesteps", False))
+
+    def has_component(self, name: str) -> bool:
+        """Whether the directory has component ``name`` (saved pipelines list absent ones as [null, null])."""
+        entry = self.index.get(name)
+        return bool(entry) and entry[0] is not None
 
     @property
     def dynamic_shifting(self) -> bool:
@@ -84,6 +95,7 @@ class ModelInfo:
             flow_shift=flow_shift_of(scfg),
             fps=int(defaults.pop("fps", family.fps)),
             transformer_config=tcfg,
+            index=index,
         )
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:

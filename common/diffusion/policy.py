@@ -55,6 +55,7 @@ class ModelInput:
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
     grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), which [seq, C] hides
     embedded_guidance: float | None = None  # guidance-distilled transformers' guidance input (FLUX.1-dev)
+    image: torch.Tensor | None = None  # image-to-video: the request's latent-side condition [1, ...] (Binding)
 
     @property
     def n(self) -> int:
@@ -91,7 +92,7 @@ class Policy:
             self._shared_text(name)
 
     def _shared_text(self, name: str) -> SharedText | None:
-        if not self.family.shares_text:
+        if not self.family.shares_text_for(self.info):
             return None
         if name not in self.shared_text:
             self.shared_text[name] = shared_text.install(self.experts[name])
@@ -139,10 +140,10 @@ class Policy:
         """
         name = self.expert_for(x.timestep)
         model = self.experts[name]
-        h = x.latents.to(self.dtypes[name])
+        h = self.family.model_latents(self.info, x.latents, x.image).to(self.dtypes[name])
         # float32, as in batched_velocity: the same values (timesteps are at most 1000, and the model's time
         # embedding takes floats), and one dtype for compiled forwards to guard on.
-        t = (x.timestep.expand(h.shape[0]) if x.timestep.dim() == 0 else x.timestep).float()
+        t = self.family.row_timesteps(self.info, x.timestep, x.latents, x.image)
         forward = self.family.forward
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
@@ -197,8 +198,11 @@ class Policy:
         name = self.expert_for(inputs[0].timestep)
         # CFG parallel splits the forward at cond_rows: every conditional row first.
         blocks = _blocks_by_adapter(inputs, guidance_last=self.ranks is not None and self.ranks.cfg == 2)
-        h = torch.cat([inputs[i].latents for i, _ in blocks]).to(self.dtypes[name])
-        ts = torch.cat([inputs[i].timestep.float().expand(inputs[i].n) for i, _ in blocks])
+        f, info = self.family, self.info
+        h = torch.cat([f.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
+        h = h.to(self.dtypes[name])
+        ts = torch.cat([f.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
+                        for i, _ in blocks])
         texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
         loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
         cond_rows = sum(inputs[i].n for i, uncond in blocks if not uncond)
@@ -253,8 +257,9 @@ def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
 
 def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, *, sde_type: SdeType,
             noise_level: float, generator: Generators = None,
-            prev_sample: torch.Tensor | None = None) -> SdeStep:
+            prev_sample: torch.Tensor | None = None, log_prob_mask: torch.Tensor | None = None) -> SdeStep:
     """Rollout step ``i`` of a flow-match schedule: the engine draws ``x_{i+1}`` (``generator``: one, or one
     per sample), a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
     return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=sde_type,
-                    noise_level=noise_level, generator=generator, prev_sample=prev_sample)
+                    noise_level=noise_level, generator=generator, prev_sample=prev_sample,
+                    log_prob_mask=log_prob_mask)

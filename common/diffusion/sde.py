@@ -213,12 +213,19 @@ def _add_noise(mean: torch.Tensor, sd: torch.Tensor, noise: torch.Tensor | None,
     return torch.addcmul(mean, noise.to(device=mean.device, dtype=torch.float32), sd)
 
 
-def _log_prob(sde_type: str, x_next: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
-    """[B] log-density of ``x_next`` averaged over the non-batch elements; ``sd`` is [B] on ``mean``'s device.
+def _log_prob(sde_type: str, x_next: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] log-density of ``x_next`` averaged over the non-batch elements (those where ``mask`` is 1, when
+    given); ``sd`` is [B] on ``mean``'s device.
 
     ``x_next`` is a constant here: gradients flow through ``mean`` only.
     """
-    sq = (x_next.detach() - mean).square().flatten(1).mean(1)
+    sq = (x_next.detach() - mean).square()
+    if mask is None:
+        sq = sq.flatten(1).mean(1)
+    else:
+        keep = mask.to(device=sq.device, dtype=torch.float32).expand_as(sq)
+        sq = (sq * keep).flatten(1).sum(1) / keep.flatten(1).sum(1)
     if sde_type == "sde":
         return -sq / (2 * sd.square()) - torch.log(sd) - _LOG_SQRT_2PI
     return -sq  # cps: constants dropped
@@ -236,6 +243,7 @@ def sde_step(
     noise: torch.Tensor | None = None,
     generator: Generators = None,
     prev_sample: torch.Tensor | None = None,
+    log_prob_mask: torch.Tensor | None = None,
 ) -> SdeStep:
     """Take (or evaluate) one flow-matching step from ``sigma`` to ``sigma_next``.
 
@@ -255,6 +263,9 @@ def sde_step(
             batch gets exactly the noise (and the step) it gets alone.
         prev_sample: evaluation mode: the observed ``x_{i+1}``; nothing is drawn and ``log_prob`` is
             that of the given tensor (treated as a constant: gradients flow through ``mean`` only).
+        log_prob_mask: 1 where an element counts in the log-prob's average, 0 where not (broadcastable to
+            the sample; e.g. Wan TI2V's frame 0, which the pipeline replaces by the image's latent); None:
+            every element counts.
 
     Returns:
         :class:`SdeStep` in float32.
@@ -274,7 +285,7 @@ def sde_step(
         return _euler_step(x, v, (s_next - s).to(device).view(view), sd_dev.view(view), prev_sample)
     mean = torch.addcmul(x * a.to(device).view(view), v, b.to(device).view(view))
     x_next = prev_sample.float() if prev_sample is not None else _add_noise(mean, sd_dev.view(view), noise, generator)
-    log_prob = _log_prob(sde_type, x_next, mean, sd_dev)
+    log_prob = _log_prob(sde_type, x_next, mean, sd_dev, log_prob_mask)
     return SdeStep(prev_sample=x_next, log_prob=log_prob, mean=mean, noise_scale=sd_dev.view(view))
 
 

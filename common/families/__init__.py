@@ -14,9 +14,10 @@ from common.families.flux.binding import FluxBinding
 from common.families.qwen_image.binding import QwenImageBinding
 from common.families.sd3.binding import SD3Binding
 from common.families.wan.binding import WanBinding
+from common.families.wan_i2v.binding import WanImageToVideoBinding
 
-BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), SD3Binding(), FluxBinding(),
-                                                        QwenImageBinding())}
+BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), WanImageToVideoBinding(), SD3Binding(),
+                                                        FluxBinding(), QwenImageBinding())}
 
 
 class UnknownFamily(ValueError):

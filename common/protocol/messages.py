@@ -60,6 +60,16 @@ NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLO
 # A prompt's text tensor -> the same tensor of the negative prompt.
 NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
 TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
+# Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
+# encoder's image side makes of them (encoder -> denoise worker; see Binding.image_fields).
+IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)
+LAST_IMAGE = TensorField("last_image", frozenset({"uint8"}), 3, required=False)
+IMAGE_EMBEDS = TensorField("image_embeds", FLOAT_DTYPES, 3, required=False)  # [k, tokens, D]: CLIP, one per image
+# The condition latents: [4 + C, F', H', W'] (mask and latents, concatenated to the noise) or [C, 1, H', W']
+# (frame 0's latent, expand_timesteps models).
+IMAGE_CONDITION = TensorField("image_condition", FLOAT_DTYPES, 4, required=False)
+REQUEST_IMAGES = (IMAGE, LAST_IMAGE)
+IMAGE_TENSORS = (IMAGE_EMBEDS, IMAGE_CONDITION)
 # Latents as the transformer sees them: [n, C, F', H', W'] (video families), [n, C, H', W'] (image families) or
 # packed tokens [n, seq, C * 4] (FLUX, Qwen-Image).
 LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
@@ -213,6 +223,10 @@ class _Header(_Strict, tag_field="kind", kw_only=True):
 
 
 class EncodeRequest(_Header, tag="encode", kw_only=True):
+    """The request's images, when it has any (image-to-video), ride along as pixels."""
+
+    carries = REQUEST_IMAGES
+
     route: Route
     params: GenerationParams
     timings: dict[str, float] = {}
@@ -222,9 +236,9 @@ class DenoiseRequest(_Header, tag="denoise", kw_only=True):
     """The prompt's text tensors as its family's binding declares them (``Binding.text_fields``). Wan's
     embeddings travel trimmed to their real token length ([L, D]); the denoise worker zero-pads them to
     ``max_sequence_length`` as diffusers does, which keeps the padding off the wire. SD3's travel whole,
-    with the pooled projections."""
+    with the pooled projections. An image-to-video request adds its image tensors (``Binding.image_fields``)."""
 
-    carries = TEXT_TENSORS
+    carries = TEXT_TENSORS + IMAGE_TENSORS
 
     route: Route
     params: GenerationParams

@@ -1,0 +1,86 @@
+"""Wan image-to-video (``WanImageToVideoPipeline``): Wan2.1 I2V (with a CLIP image encoder) and Wan2.2
+I2V-A14B (without one, two experts).
+
+- encoder: Wan's text side (:class:`~common.families.wan.binding.WanBinding`), plus the image side
+  (:mod:`common.families.wan_i2v.image`): ``image_condition`` [4 + 16, F', H', W'] (the first-frame mask and
+  the VAE latents of the image followed by empty frames, or of image ... last image) and, with CLIP,
+  ``image_embeds`` [k, 257, D];
+- denoise: the noise latents [16, F', H', W'] with the condition concatenated on the channel axis (36
+  input channels), and the image embeds as the transformer's ``encoder_hidden_states_image`` beside each
+  prompt's embeddings (the same for the conditional and the unconditional pass, as the pipeline runs them).
+  The concatenated condition is a constant of the request, so a rollout's step is the same Gaussian step as
+  text-to-video's, and trajectories carry the noise latents only;
+- decode: Wan's VAE; schedule: the directory's (UniPC), rollouts flow-match Euler, as text-to-video.
+
+A model whose transformer has ``image_dim`` takes a CLIP image encoder; with ``pos_embed_seq_len`` (the
+first-last-frame model) it embeds a last image too. Models without CLIP take a last image through the
+mask alone. ``expand_timesteps`` models (Wan2.2 TI2V-5B) are ``WanPipeline`` directories: see the Wan binding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.diffusion.binding import HIDDEN, TextCond
+from common.families.wan.binding import WanBinding
+from common.families.wan.text import pad_embeddings
+from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS, PROMPT_EMBEDS
+
+IMAGE_HIDDEN = "encoder_hidden_states_image"  # the transformer's keyword for the image embeds
+
+
+class WanImageToVideoBinding(WanBinding):
+    family = "wan-i2v"
+    pipeline = "WanImageToVideoPipeline"
+    image_fields = (IMAGE_EMBEDS, IMAGE_CONDITION)
+    image_text_fields = frozenset({IMAGE_EMBEDS.name})
+
+    def image_input(self, info) -> str | None:
+        return "required"
+
+    def takes_last_image(self, info) -> bool:
+        if info.expand_timesteps:  # the pipeline encodes frame 0 alone there
+            return False
+        return not _clip(info) or bool(info.transformer_config.get("pos_embed_seq_len"))
+
+    def shares_text_for(self, info) -> bool:
+        # The text-only cross-attention processors (shared_text.py) do not cover CLIP's image keys and values.
+        return not _clip(info)
+
+    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int):
+        text = pad_embeddings(wire[PROMPT_EMBEDS.name], max_sequence_length)
+        embeds = wire.get(IMAGE_EMBEDS.name)
+        if embeds is None:
+            return text
+        # One row's image tokens: [k, 257, D] -> [1, k * 257, D] (k = 2 with a last image).
+        return TextCond({HIDDEN: text, IMAGE_HIDDEN: embeds.reshape(1, -1, embeds.shape[-1])})
+
+    def model_latents(self, info, latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        if info.expand_timesteps:
+            return super().model_latents(info, latents, image)
+        return torch.cat([latents, image.to(latents.dtype).expand(latents.shape[0], *image.shape[1:])], dim=1)
+
+    def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
+        text = dict(text)
+        image = text.get(IMAGE_HIDDEN)
+        tokens = model.config.pos_embed_seq_len
+        if image is not None and tokens:  # the first-last-frame embedder takes [2B, 257, D] (its rows' pairs)
+            text[IMAGE_HIDDEN] = image.reshape(-1, tokens // 2, image.shape[-1])
+        return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
+
+    def example_text(self, model, max_sequence_length: int, generator, device, dtype):
+        text = super().example_text(model, max_sequence_length, generator, device, dtype)
+        dim = model.config.image_dim
+        if dim is None:
+            return text
+        tokens = 257  # CLIP ViT-H/14 at 224: 256 patches and the class token; a tiny model's own count below
+        embedder = model.condition_embedder.image_embedder
+        if getattr(embedder, "pos_embed", None) is not None:
+            tokens = embedder.pos_embed.shape[1]
+        image = torch.randn(1, tokens, dim, generator=generator, device=device, dtype=dtype)
+        return TextCond({HIDDEN: text, IMAGE_HIDDEN: image})
+
+
+def _clip(info) -> bool:
+    """The model embeds its image with a CLIP vision encoder (Wan2.1 I2V: the transformer has image_dim)."""
+    return info.transformer_config.get("image_dim") is not None
