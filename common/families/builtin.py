@@ -9,8 +9,9 @@ from common.families.qwen_image.tiny_specs import SPECS as QWEN_IMAGE_SPECS
 from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
 from common.families.tiny_cache import ensure
 from common.families.wan.tiny_specs import SPECS as WAN_SPECS
+from common.families.wan_i2v.tiny_specs import SPECS as WAN_I2V_SPECS
 
-BUILTINS: dict = {**WAN_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS}
+BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS}
 
 
 def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:

@@ -140,16 +140,20 @@ def _seeded(spec, component: str, make: Callable[[], torch.nn.Module]) -> torch.
     return model.eval()
 
 
-def _build_transformer(spec: TinyWanSpec, component: str) -> WanTransformer3DModel:
+def _build_transformer(spec: TinyWanSpec, component: str, config: dict | None = None) -> WanTransformer3DModel:
+    """The ``component`` transformer of ``spec`` with ``config`` (default: ``transformer_config(spec)``)."""
     from diffusers import WanTransformer3DModel
 
-    return _seeded(spec, component, lambda: WanTransformer3DModel(**transformer_config(spec)))
+    config = transformer_config(spec) if config is None else config
+    return _seeded(spec, component, lambda: WanTransformer3DModel(**config))
 
 
-def _build_vae(spec: TinyWanSpec) -> AutoencoderKLWan:
+def _build_vae(spec: TinyWanSpec, config: dict | None = None) -> AutoencoderKLWan:
+    """The VAE of ``spec`` with ``config`` (default: ``vae_config(spec)``)."""
     from diffusers import AutoencoderKLWan
 
-    return _seeded(spec, "vae", lambda: AutoencoderKLWan(**vae_config(spec)))
+    config = vae_config(spec) if config is None else config
+    return _seeded(spec, "vae", lambda: AutoencoderKLWan(**config))
 
 
 def _text_encoder_config(spec: TinyWanSpec) -> dict:

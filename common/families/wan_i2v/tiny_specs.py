@@ -1,0 +1,131 @@
+"""The tiny Wan image-to-video models' specs: :class:`TinyWanI2VSpec` (one configuration plus the request it
+serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.wan_i2v.tiny_model`).
+
+Three real layouts, each in tiny form:
+
+- Wan2.1 I2V (``image_encoder``): ``WanImageToVideoPipeline`` with a CLIP vision encoder and its image
+  processor; the transformer takes the CLIP states (``image_dim``) and 36 input channels (16 noise, 4 mask,
+  16 encoded first frame);
+- Wan2.2 I2V-A14B (``two_experts``): ``WanImageToVideoPipeline`` without an image encoder, two experts
+  switching at ``boundary_ratio``, 36 input channels;
+- Wan2.2 TI2V-5B (``expand_timesteps``): ``WanPipeline`` with the Wan2.2 VAE (48 latent channels, 16x
+  spatial); diffusers runs its image-to-video with ``WanImageToVideoPipeline`` on the same directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.families.wan.tiny_specs import TinyWanSpec
+
+# The VAE layouts: Wan2.1's (z_dim 16, 8x spatial) and Wan2.2's (z_dim 48, residual blocks, a 2x2 pixel
+# patchify in front of its 8x: 16x spatial).
+VAE_LAYOUTS = ("wan2.1", "wan2.2")
+VAE_Z_DIM = {"wan2.1": 16, "wan2.2": 48}
+VAE_PATCH_SIZE = {"wan2.1": None, "wan2.2": 2}
+# Wan's VAEs downsample 4x in time and 8x in space (before the Wan2.2 patchify).
+VAE_TEMPORAL_STRIDE = 4
+VAE_CONV_STRIDE = 8
+# The transformer's spatial patch (WanTransformer3DModel patch_size (1, 2, 2)).
+TRANSFORMER_PATCH = 2
+
+
+@dataclass(frozen=True)
+class TinyWanI2VSpec(TinyWanSpec):
+    """One tiny Wan image-to-video configuration plus the request it is meant to serve.
+
+    The transformer, text encoder, VAE widths, scheduler, experts and request fields are
+    :class:`~common.families.wan.tiny_specs.TinyWanSpec`'s; these add the image conditioning.
+    """
+
+    # Wan2.1 I2V's image encoder: CLIPVisionModel (gelu, as open-clip ViT-H/14) whose penultimate hidden
+    # states the transformer cross-attends to, and CLIPImageProcessor resizing and center-cropping the
+    # image to vision_image_size.
+    image_encoder: bool = False
+    vision_hidden_size: int = 32
+    vision_layers: int = 2
+    vision_heads: int = 2
+    vision_intermediate_size: int = 64
+    vision_image_size: int = 32
+    vision_patch_size: int = 8
+    # Wan2.2 TI2V: WanPipeline with expand_timesteps (the first frame's latents are given, with timestep 0)
+    # and the Wan2.2 VAE; the transformer then takes and predicts the VAE's latent channels only.
+    expand_timesteps: bool = False
+    vae_layout: str = "wan2.1"
+    # The VAE decoder's base width (Wan2.2's is 256 against an encoder's 160); None: vae_base_dim.
+    vae_decoder_base_dim: int | None = None
+
+    @property
+    def vae_z_dim(self) -> int:
+        return VAE_Z_DIM[self.vae_layout]
+
+    @property
+    def vae_spatial_stride(self) -> int:
+        return VAE_CONV_STRIDE * (VAE_PATCH_SIZE[self.vae_layout] or 1)
+
+    @property
+    def size_multiple(self) -> int:
+        """Heights and widths are multiples of this: whole transformer patches of whole latent pixels."""
+        return self.vae_spatial_stride * TRANSFORMER_PATCH
+
+    @property
+    def transformer_in_channels(self) -> int:
+        # WanImageToVideoPipeline concatenates the noise latents, a mask with one channel per frame of a
+        # VAE temporal group, and the encoded first frame; with expand_timesteps it mixes them instead.
+        if self.expand_timesteps:
+            return self.vae_z_dim
+        return 2 * self.vae_z_dim + VAE_TEMPORAL_STRIDE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.vae_layout not in VAE_LAYOUTS:
+            raise ValueError(f"vae_layout must be one of {VAE_LAYOUTS}")
+        if self.vae_decoder_base_dim is not None and self.vae_decoder_base_dim < 1:
+            raise ValueError("vae_decoder_base_dim must be positive")
+        if self.expand_timesteps != (self.vae_layout == "wan2.2"):
+            raise ValueError("expand_timesteps goes with the Wan2.2 VAE (vae_layout 'wan2.2'), as in Wan2.2 "
+                             "TI2V, and the Wan2.2 VAE with expand_timesteps")
+        if self.expand_timesteps and (self.two_experts or self.image_encoder):
+            raise ValueError("expand_timesteps (Wan2.2 TI2V) has one expert and no image encoder")
+        if self.image_encoder and self.two_experts:
+            raise ValueError("image_encoder is Wan2.1 I2V's, which has one expert (Wan2.2 I2V-A14B has none)")
+        if self.height % self.size_multiple or self.width % self.size_multiple:
+            raise ValueError(f"height and width must be multiples of {self.size_multiple} for this VAE")
+        if self.image_encoder:
+            self._check_vision()
+
+    def _check_vision(self) -> None:
+        if min(self.vision_hidden_size, self.vision_layers, self.vision_heads, self.vision_intermediate_size,
+               self.vision_patch_size) < 1:
+            raise ValueError("vision sizes must be positive")
+        if self.vision_hidden_size % self.vision_heads:
+            raise ValueError("vision_hidden_size must be a multiple of vision_heads")
+        if self.vision_image_size % self.vision_patch_size:
+            raise ValueError("vision_image_size must be a multiple of vision_patch_size")
+
+    def build(self, out_dir: str | Path) -> Path:
+        """Write this model's diffusers directory (common.families.tiny_cache calls it)."""
+        from common.families.wan_i2v.tiny_model import build_tiny_wan_i2v
+
+        return build_tiny_wan_i2v(self, out_dir)
+
+
+SPECS: dict[str, TinyWanI2VSpec] = {
+    spec.name: spec
+    for spec in (
+        # Like Wan2.1-I2V-14B-480P: a CLIP image encoder (32 px images in 8 px patches: 17 tokens, as the
+        # real 224 / 14 give 257), one expert with 36 input channels.
+        TinyWanI2VSpec(name="tiny-wan-i2v", image_encoder=True, seed=10),
+        # Like Wan2.2-I2V-A14B: no image encoder, two experts switching at t = 0.9 * 1000, flow shift 5
+        # and guidance 3.5 as Wan2.2's i2v_A14B config. With 4 steps the timesteps are 999/937 (high-noise
+        # expert) and 833/625 (low-noise expert).
+        TinyWanI2VSpec(name="tiny-wan-i2v-a14b", two_experts=True, boundary_ratio=0.9, flow_shift=5.0, seed=11,
+                       guidance_scale=3.5),
+        # Like Wan2.2-TI2V-5B: the Wan2.2 VAE (48 channels, 16x spatial: sizes are multiples of 32; its
+        # decoder wider than its encoder, 6 against 4 as 256 against 160), expand_timesteps, flow shift 5.
+        # 64x64 gives the same 2x2 patch grid per latent frame as 32x32 with the Wan2.1 VAE.
+        TinyWanI2VSpec(name="tiny-wan-ti2v", expand_timesteps=True, vae_layout="wan2.2", vae_decoder_base_dim=6,
+                       flow_shift=5.0, seed=12, height=64, width=64),
+    )
+}
