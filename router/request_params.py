@@ -83,6 +83,10 @@ def check_image_fields(body: GenerateBody, info) -> None:
                                   "(a base64 PNG, JPEG or WEBP, or a data: URL)")
     if body.image is not None and takes is None:
         raise FieldError("image", f"this {family.pipeline} model takes no image (it is not an image-to-video model)")
+    fixed = family.fixed_max_sequence_length(info)
+    if fixed is not None and body.max_sequence_length not in (None, fixed):
+        raise FieldError("max_sequence_length", f"this {family.pipeline} model's attention takes exactly {fixed} "
+                                                f"text tokens before its image tokens, got {body.max_sequence_length}")
     if body.last_image is not None:
         if body.image is None:
             raise FieldError("last_image", "needs image (the first frame) too")

@@ -186,6 +186,10 @@ class Binding:
         """Whether a request's ``image`` is ``"required"``, ``"optional"`` or refused (None) on this model."""
         return None
 
+    def fixed_max_sequence_length(self, info: "ModelInfo") -> int | None:
+        """The only text length this model directory's transformer takes (None: any within the limit)."""
+        return None
+
     def takes_last_image(self, info: "ModelInfo") -> bool:
         """Whether this model conditions on a last frame too (``last_image``)."""
         return False

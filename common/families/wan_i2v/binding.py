@@ -23,7 +23,7 @@ import torch
 
 from common.diffusion.binding import HIDDEN, TextCond
 from common.families.wan.binding import WanBinding
-from common.families.wan.text import pad_embeddings
+from common.families.wan.text import MAX_SEQUENCE_LENGTH, pad_embeddings
 from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS, PROMPT_EMBEDS
 
 IMAGE_HIDDEN = "encoder_hidden_states_image"  # the transformer's keyword for the image embeds
@@ -42,6 +42,10 @@ class WanImageToVideoBinding(WanBinding):
         if info.expand_timesteps:  # the pipeline encodes frame 0 alone there
             return False
         return not _clip(info) or bool(info.transformer_config.get("pos_embed_seq_len"))
+
+    def fixed_max_sequence_length(self, info) -> int | None:
+        # diffusers' Wan attention with image keys takes the text as the last 512 tokens of its context.
+        return MAX_SEQUENCE_LENGTH if _clip(info) else None
 
     def shares_text_for(self, info) -> bool:
         # The text-only cross-attention processors (shared_text.py) do not cover CLIP's image keys and values.

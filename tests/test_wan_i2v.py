@@ -1,0 +1,285 @@
+"""Wan image-to-video on the family layer, in process: the workers' own path (tests/family_harness.py: the
+encoder worker's image side, the denoise worker's tasks and batched forwards, the decoder) against diffusers'
+``WanImageToVideoPipeline`` / ``WanPipeline`` and the trainer's recompute.
+
+Three tiny configurations other than the built-in ones, built into pytest temp directories:
+
+- ``clip``: Wan2.1 I2V-like, a CLIP image encoder with other sizes than tiny-wan-i2v's, another flow shift;
+- ``a14b``: Wan2.2 I2V-A14B-like, no image encoder, two experts with another boundary;
+- ``ti2v``: Wan2.2 TI2V-5B-like, ``expand_timesteps`` with the 48-channel, 16x VAE, other widths.
+
+1. Serving equals the pipeline on the same directory, image and seed (latents and frames within 1e-4): CFG on
+   and off, a non-square size, an image of another size that must be resized, a last image where the model
+   takes one; TI2V's text-to-video equals ``WanPipeline(expand_timesteps=True)``.
+2. Rollouts: log-probs equal ``TrainerPolicy.log_probs`` with the image within 1e-5; trajectories hold the
+   noise latents only; TI2V leaves frame 0 out of the log-prob.
+3. Batching: requests with different images at different steps share forwards and equal their runs alone
+   within 1e-5; a group of 3 equals each seed alone.
+4. The router's rules: ``image`` required, optional or refused by model; ``last_image`` only where the model
+   conditions on one; TI2V's sizes are multiples of 32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.config.engine import Limits
+from common.families import read_model
+from common.families.builtin import ensure_builtin
+from common.families.wan_i2v.tiny_model import build_tiny_wan_i2v
+from common.families.wan_i2v.tiny_specs import SPECS as I2V_SPECS
+from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, RolloutParams
+from family_harness import InProcess, compare_tasks, max_diff
+from rl import TrainerPolicy, Trajectory
+from router.request_params import check_image_fields, check_model_fields, to_params
+from router.schemas import FieldError, GenerateBody
+
+TOL = 1e-4
+RECOMPUTE_TOL = 1e-5
+BATCH_TOL = 1e-5
+
+CLIP = dataclasses.replace(
+    I2V_SPECS["tiny-wan-i2v"], name="wan-i2v-test-clip", num_attention_heads=3, attention_head_dim=8,
+    vision_hidden_size=24, vision_heads=3, vision_layers=1, vision_intermediate_size=40, vision_image_size=48,
+    vision_patch_size=16, flow_shift=2.0, seed=21, height=32, width=48)
+A14B = dataclasses.replace(
+    I2V_SPECS["tiny-wan-i2v-a14b"], name="wan-i2v-test-a14b", num_layers=1, boundary_ratio=0.8, flow_shift=4.0,
+    seed=22, height=48, width=32)
+TI2V = dataclasses.replace(
+    I2V_SPECS["tiny-wan-ti2v"], name="wan-i2v-test-ti2v", num_attention_heads=3, attention_head_dim=8,
+    ffn_dim=40, seed=23, height=64, width=96)
+SPECS = {"clip": CLIP, "a14b": A14B, "ti2v": TI2V}
+
+
+def picture(h: int, w: int, seed: int) -> Image.Image:
+    """A smooth seeded RGB picture (the VAE sees structure, not only noise), of another size than requested."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w] / max(h, w)
+    base = np.stack([np.sin(6 * x + seed), np.cos(5 * y - seed), np.sin(4 * (x + y))], axis=-1)
+    noisy = 127.5 * (1 + base) + rng.normal(0, 12, (h, w, 3))
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+IMAGE, OTHER, LAST = picture(40, 24, 1), picture(70, 50, 2), picture(24, 40, 3)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    out = {}
+    for key, spec in SPECS.items():
+        out[key] = InProcess(build_tiny_wan_i2v(spec, tmp_path_factory.mktemp(spec.name)))
+    return out
+
+
+def _params(eng: InProcess, **over):
+    d = eng.info.defaults
+    return eng.params(num_frames=d["num_frames"], negative_prompt="blurry, still", seed=3, **over)
+
+
+def _pipe(eng: InProcess, text_to_video: bool = False):
+    import diffusers
+
+    cls = diffusers.WanPipeline if text_to_video else diffusers.WanImageToVideoPipeline
+    pipe = cls.from_pretrained(eng.info.path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _reference(eng: InProcess, p, output_type: str, image=None, last_image=None) -> torch.Tensor:
+    kwargs = dict(prompt=p.prompt, negative_prompt=p.negative_prompt, height=p.height, width=p.width,
+                  num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
+                  guidance_scale=p.guidance_scale, generator=torch.Generator("cpu").manual_seed(p.seed),
+                  output_type=output_type, max_sequence_length=p.max_sequence_length)
+    if p.guidance_scale_2 is not None:
+        kwargs["guidance_scale_2"] = p.guidance_scale_2
+    if image is None:
+        out = _pipe(eng, text_to_video=True)(**kwargs).frames
+    else:
+        out = _pipe(eng)(image=image, last_image=last_image, **kwargs).frames
+    return torch.as_tensor(out)
+
+
+PARITY = {
+    "clip-cfg": ("clip", {}, False),
+    "clip-no-cfg": ("clip", {"guidance_scale": 1.0}, False),
+    "a14b-last-image": ("a14b", {"guidance_scale_2": 2.0}, True),
+    "a14b-non-square": ("a14b", {"height": 32, "width": 64}, False),
+    "ti2v-image": ("ti2v", {}, False),
+    "ti2v-square": ("ti2v", {"height": 64, "width": 64, "guidance_scale": 1.0}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY), ids=list(PARITY))
+def test_serving_equals_diffusers(case, engines, record_property):
+    key, over, with_last = PARITY[case]
+    eng = engines[key]
+    p = _params(eng, **over)
+    last = LAST if with_last else None
+    task = eng.run(p, image=IMAGE, last_image=last)
+    latents = task.output_latents()
+    d_lat = max_diff(latents, _reference(eng, p, "latent", IMAGE, last))
+    d_frames = max_diff(eng.frames(latents, p)[0], _reference(eng, p, "np", IMAGE, last)[0])
+    record_property("max_abs_diff", max(d_lat, d_frames))
+    print(f"\n[{case}] latents {d_lat:.3g} frames {d_frames:.3g}")
+    assert d_lat <= TOL and d_frames <= TOL
+
+
+def test_the_image_conditions_the_video(engines):
+    """Another image gives another video, and frame 0 of TI2V's result is the image's latent exactly."""
+    for key, eng in engines.items():
+        p = _params(eng)
+        a, b = eng.run(p, image=IMAGE).output_latents(), eng.run(p, image=OTHER).output_latents()
+        assert max_diff(a, b) > 1e-2, key
+    eng = engines["ti2v"]
+    p = _params(eng)
+    wire = eng.image_wire(p, IMAGE)
+    assert torch.equal(eng.run(p, image=IMAGE).output_latents()[:, :, :1], wire["image_condition"][None])
+
+
+def test_ti2v_text_to_video_equals_wan_pipeline(engines):
+    eng = engines["ti2v"]
+    p = _params(eng)
+    task = eng.run(p)
+    assert max_diff(task.output_latents(), _reference(eng, p, "latent")) <= TOL
+
+
+# --- 2. rollouts --------------------------------------------------------------------------------------------
+
+
+def _rollout(p, **over):
+    return msgspec.structs.replace(p, output_type="latent", rollout=RolloutParams(
+        sde_type=over.get("sde_type", "sde"), noise_level=0.7, return_trajectory=True,
+        sde_step_indices=over.get("window")))
+
+
+ROLLOUTS = {"clip-sde": ("clip", {}), "a14b-cps-window": ("a14b", {"sde_type": "cps", "window": [0, 2]}),
+            "ti2v-sde": ("ti2v", {})}
+
+
+@pytest.mark.parametrize("case", list(ROLLOUTS), ids=list(ROLLOUTS))
+def test_rollout_log_probs_equal_trainer_recompute(case, engines, record_property):
+    key, over = ROLLOUTS[case]
+    eng = engines[key]
+    p = _rollout(_params(eng), **over)
+    task = eng.run(p, image=IMAGE)
+    ex = task.extras()
+    traj = ex[TRAJECTORY_LATENTS.name][0]
+    assert traj.shape[1:] == task.latents.shape[1:] and traj.shape[1] == eng.info.latent_channels  # noise only
+    trainer = TrainerPolicy(eng.info.path)
+    image = trainer.image(IMAGE, height=p.height, width=p.width, num_frames=p.num_frames)
+    with torch.no_grad():
+        mine = trainer.log_probs(Trajectory(traj, ex["trajectory.timesteps"], ex["trajectory.sigmas"]),
+                                 ex[LOG_PROB_STEPS.name], p.prompt, p.negative_prompt, p.guidance_scale,
+                                 sde_type=p.rollout.sde_type, noise_level=p.rollout.noise_level, image=image)
+    d = max_diff(mine, ex[LOG_PROBS.name][0])
+    record_property("max_abs_diff", d)
+    print(f"\n[{case}] recompute {d:.3g}")
+    assert ex[LOG_PROBS.name].numel() > 0 and d <= RECOMPUTE_TOL
+
+
+def test_ti2v_frame_0_is_left_out_of_the_log_prob(engines):
+    """The engine's TI2V log-prob is the Gaussian log-density averaged over frames 1.. only: recomputed here
+    from the trajectory with the same sde_step on the frames alone, and different from the all-frame average."""
+    from common.diffusion.policy import step_at
+
+    eng = engines["ti2v"]
+    p = _rollout(_params(eng))
+    task = eng.run(p, image=IMAGE)
+    ex = task.extras()
+    traj, sigmas = ex[TRAJECTORY_LATENTS.name][0], ex["trajectory.sigmas"]
+    trainer = TrainerPolicy(eng.info.path)
+    image = trainer.image(IMAGE, height=p.height, width=p.width, num_frames=p.num_frames)
+    cond, uncond = trainer.embeddings(p.prompt, p.negative_prompt, p.guidance_scale, image=image)
+    i = 1
+    with torch.no_grad():
+        v = trainer.velocity(traj[i : i + 1], ex["trajectory.timesteps"][i], cond, uncond, p.guidance_scale,
+                             image=image)
+    later = step_at(sigmas, i, v[:, :, 1:], traj[i : i + 1, :, 1:], sde_type="sde", noise_level=0.7,
+                    prev_sample=traj[i + 1 : i + 2, :, 1:]).log_prob[0]
+    every = step_at(sigmas, i, v, traj[i : i + 1], sde_type="sde", noise_level=0.7,
+                    prev_sample=traj[i + 1 : i + 2]).log_prob[0]
+    engine = ex[LOG_PROBS.name][0, i]
+    assert abs(engine - later) <= RECOMPUTE_TOL and abs(engine - every) > 1e-4, (engine, later, every)
+
+
+# --- 3. batching --------------------------------------------------------------------------------------------
+
+
+def _advance_together(eng: InProcess, tasks) -> None:
+    """The worker's loop: each round, the oldest unfinished task and those on its expert share a forward."""
+    while not all(t.done for t in tasks):
+        live = [t for t in tasks if not t.done]
+        expert = eng.policy.expert_for(live[0].timestep)
+        eng.step([t for t in live if eng.policy.expert_for(t.timestep) == expert])
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+@pytest.mark.parametrize("mode", ["serving", "sde"])
+def test_requests_with_different_images_batched_equal_their_runs_alone(key, mode, engines, record_property):
+    eng = engines[key]
+    base = _params(eng)
+    reqs = [(base, IMAGE), (msgspec.structs.replace(base, seed=8, prompt="a boat"), OTHER),
+            (msgspec.structs.replace(base, seed=9, guidance_scale=1.0), LAST)]
+    if mode == "sde":
+        reqs = [(_rollout(p), im) for p, im in reqs]
+    alone = [eng.run(p, image=im) for p, im in reqs]
+    before = eng.shared_forwards
+    tasks = [eng.task(reqs[0][0], image=reqs[0][1])]
+    eng.step(tasks)  # the first request is a step ahead of the others
+    tasks += [eng.task(p, image=im) for p, im in reqs[1:]]
+    _advance_together(eng, tasks)
+    assert eng.shared_forwards > before
+    d = max(compare_tasks(t, a) for t, a in zip(tasks, alone))
+    record_property("max_abs_diff", d)
+    assert d <= BATCH_TOL, (key, mode, d)
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_a_group_equals_each_seed_alone(key, engines):
+    eng = engines[key]
+    p = _rollout(_params(eng, n=3))
+    group = eng.run(p, image=IMAGE)
+    for i in range(3):
+        one = eng.run(msgspec.structs.replace(p, n=1, seed=p.seed + i), image=IMAGE)
+        assert max_diff(group.latents[i : i + 1], one.latents) <= BATCH_TOL
+        assert max_diff(group.extras()[LOG_PROBS.name][i], one.extras()[LOG_PROBS.name][0]) <= BATCH_TOL
+
+
+# --- 4. the router's rules --------------------------------------------------------------------------------------
+
+
+def _check(info, **body):
+    b = GenerateBody(prompt="a fox", **body)
+    check_model_fields(b, info)
+    check_image_fields(b, info)
+    return to_params(b, info.defaults, Limits(), info.num_train_timesteps, info.family)
+
+
+def _refused(info, field: str, **body) -> str:
+    with pytest.raises(FieldError) as e:
+        _check(info, **body)
+    assert e.value.field == field, (field, str(e.value))
+    return str(e.value)
+
+
+def test_router_rules_for_images(engines):
+    clip, a14b, ti2v = (engines[k].info for k in ("clip", "a14b", "ti2v"))
+    assert "makes videos from an image" in _refused(clip, "image")
+    assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/images.py
+    assert "first-last-frame" in _refused(clip, "last_image", image="x", last_image="y")
+    assert _check(a14b, image="x", last_image="y")
+    assert "needs image" in _refused(ti2v, "last_image", last_image="y")
+    assert "512" in _refused(clip, "max_sequence_length", image="x", max_sequence_length=64)
+    assert _check(a14b, image="x", max_sequence_length=64).max_sequence_length == 64
+    _check(ti2v)  # text-to-video
+    _check(ti2v, image="x")
+    _refused(ti2v, "last_image", image="x", last_image="y")
+    assert "multiple of 32" in _refused(ti2v, "height", height=48, image="x")
+    for name in ("tiny", "tiny-sd3"):  # text-only models
+        assert "takes no image" in _refused(read_model(ensure_builtin(name)), "image", image="x")
