@@ -80,21 +80,24 @@ class Routes:
         return await self._run_samples(await self._sample_body(request, RolloutBody), request)
 
     async def _sample_body(self, request: Request, schema):
-        """A generation body; on an image-to-video model it may be larger by its images' base64."""
-        limits = self.config.limits
-        limit = limits.max_body_bytes
-        if self.info.family.image_input(self.info) is not None:
-            limit += 2 * (4 * -(-limits.max_image_bytes // 3))
-        return schema.model_validate(await parse_body(request, limit))
+        return schema.model_validate(await parse_body(request, self.sample_body_limit()))
 
-    async def images_of(self, body: GenerateBody) -> dict[str, torch.Tensor]:
+    def sample_body_limit(self) -> int:
+        """A generation body's size limit; on an image-to-video model, larger by its images' base64."""
+        limits = self.config.limits
+        if self.info.family.image_input(self.info) is None:
+            return limits.max_body_bytes
+        return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3))
+
+    async def images_of(self, body: GenerateBody, names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """The request's images as RGB pixels (decoded off the event loop), by field; checked already by
-        :meth:`params_for` against what the model takes."""
+        :meth:`params_for` against what the model takes. ``names``: what the caller calls a field (errors)."""
         limits, out = self.config.limits, {}
         for field in REQUEST_IMAGES:
             value = getattr(body, field.name)
             if value is not None:
-                pixels = await asyncio.to_thread(decode_image, value, field.name, max_bytes=limits.max_image_bytes,
+                name = (names or {}).get(field.name, field.name)
+                pixels = await asyncio.to_thread(decode_image, value, name, max_bytes=limits.max_image_bytes,
                                                  max_pixels=limits.max_image_pixels)
                 out[field.name] = torch.from_numpy(pixels)
         return out

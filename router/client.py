@@ -6,7 +6,11 @@ Needs only httpx, msgpack and torch (not the engine's server dependencies).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -65,13 +69,14 @@ class EngineClient:
         return self._http.get("/health").json()
 
     def generate(self, prompt: str, **fields: Any) -> dict[str, Any]:
-        """POST /generate; ``samples[i]["output"]`` is a torch tensor."""
-        return self._post("/generate", {"prompt": prompt, **fields})
+        """POST /generate; ``samples[i]["output"]`` is a torch tensor. ``image`` / ``last_image``
+        (image-to-video) may be a PIL image, an image file's bytes or path, or a base64 string."""
+        return self._post("/generate", {"prompt": prompt, **_images(fields)})
 
     def rollout(self, prompt: str, **fields: Any) -> dict[str, Any]:
         """POST /rollout/generate; per sample: ``log_probs``, ``log_prob_steps`` and, with
         ``return_trajectory=True``, ``trajectory`` {latents, timesteps, sigmas} as torch tensors."""
-        return self._post("/rollout/generate", {"prompt": prompt, **fields})
+        return self._post("/rollout/generate", {"prompt": prompt, **_images(fields)})
 
     def update_weights_from_disk(self, path: str, module: str = "transformer", checksum: bool = True) -> dict[str, Any]:
         """Load new weights into every denoise worker; returns the new ``weight_version``."""
@@ -204,3 +209,21 @@ def _plain(struct) -> dict:
     import msgspec
 
     return msgspec.to_builtins(struct)
+
+
+def image_field(image: Any) -> str:
+    """An image as the engine's ``image`` field: a PIL image (sent as PNG, lossless), an image file's bytes
+    or path, or a string (base64 or a data: URL) as it is."""
+    if isinstance(image, str):
+        return image
+    if hasattr(image, "save"):  # a PIL image
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        image = out.getvalue()
+    elif isinstance(image, (os.PathLike,)):
+        image = Path(image).read_bytes()
+    return base64.b64encode(bytes(image)).decode("ascii")
+
+
+def _images(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: image_field(v) if k in ("image", "last_image") and v is not None else v for k, v in fields.items()}

@@ -28,6 +28,8 @@ from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size,
 from router.openapi import LIST_QUERY, VIDEO_ID_PATH, errors, request_body
 from router.schemas import FieldError, GenerateBody
 
+# OpenAI's name for the engine's image field: errors about the image name what the caller sent.
+INPUT_REFERENCE = {"image": "input_reference"}
 POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
 ENCODE_DONE, DENOISE_SPAN = 5, 85  # progress: 5 once encoded, up to 90 over the denoising steps
 
@@ -64,7 +66,8 @@ class OpenAIRoutes:
 
     def _params(self, gen: GenerateBody, from_seconds: bool = False):
         """The request's parameters; a bound that ``size`` (or ``seconds``) broke names that OpenAI field."""
-        renames = {"width": "size", "height": "size", **({"num_frames": "seconds"} if from_seconds else {})}
+        renames = {"width": "size", "height": "size", **INPUT_REFERENCE,
+                   **({"num_frames": "seconds"} if from_seconds else {})}
         try:
             return self.routes.params_for(gen)
         except FieldError as e:
@@ -76,6 +79,8 @@ class OpenAIRoutes:
         extra = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
                                                 "guidance_scale_2", "true_cfg_scale", "seed", "lora_name",
                                                 "lora_scale", "timeout_s", "max_sequence_length")}
+        if getattr(body, "image", None) is not None:
+            extra["image"] = body.image
         return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
                             output_type=output_type, **extra)
 
@@ -101,15 +106,29 @@ class OpenAIRoutes:
 
     # --- /v1/videos -----------------------------------------------------------------------
     async def _video_fields(self, request: Request) -> dict:
-        """The body as fields: multipart form (the official client) or JSON."""
-        limit = self.config.limits.max_body_bytes
+        """The body as fields: multipart form (the official client) or JSON. ``input_reference`` (image to
+        video) becomes the engine's ``image``: a file part's bytes as base64, or JSON's
+        ``{"image_url": "data:..."}``."""
+        limit = self.routes.sample_body_limit()
         if "multipart/form-data" not in request.headers.get("content-type", ""):
-            return await parse_body(request, limit)
+            fields = await parse_body(request, limit)
+            ref = fields.pop("input_reference", None) if isinstance(fields, dict) else None
+            if ref is not None:
+                if not isinstance(ref, dict) or set(ref) != {"image_url"} or not isinstance(ref["image_url"], str):
+                    raise FieldError("input_reference", 'must be {"image_url": "data:image/...;base64,..."} (or '
+                                     "a multipart file)")
+                fields["image"] = ref["image_url"]
+            return fields
         check_declared_length(request, limit, required=True)  # the form parser reads the body itself
         form = await request.form(max_files=1, max_fields=64, max_part_size=limit)
-        if "input_reference" in form:
-            raise FieldError("input_reference", "reference images and videos are not supported (text to video)")
-        return {k: v for k, v in form.items() if isinstance(v, str)}
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        ref = form.get("input_reference")
+        if ref is not None:
+            if isinstance(ref, str):
+                raise FieldError("input_reference", "must be an image file (multipart), not a text field")
+            raw = await ref.read(self.config.limits.max_image_bytes + 1)
+            fields["image"] = base64.b64encode(raw).decode("ascii")  # router/images.py checks it whole
+        return fields
 
     async def create_video(self, request: Request) -> JSONResponse:
         body = VideoBody.model_validate(await self._video_fields(request))
@@ -119,14 +138,15 @@ class OpenAIRoutes:
                              "use /v1/images/generations")
         width, height = parse_size(body.size, self.info.defaults)
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
-        params = self._params(self._generate_body(body, width, height, frames, 1, "frames"),
-                              from_seconds=body.num_frames is None and body.seconds is not None)
+        gen = self._generate_body(body, width, height, frames, 1, "frames")
+        params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
+        images = await self.routes.images_of(gen, names=INPUT_REFERENCE)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
         async def run(job: VideoJob) -> bytes:
             await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
             job.status, job.request_id = "in_progress", uuid.uuid4().hex
-            outcome = await self.routes.submit(params, job.request_id, timeout_s)
+            outcome = await self.routes.submit(params, job.request_id, timeout_s, images)
             return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
 
         job = self.jobs.create(body.prompt, self.model_id, f"{width}x{height}", seconds_of(frames, self.info.fps), run)

@@ -55,6 +55,9 @@ class VideoBody(EngineFields):
     seconds: str | None = Field(default=None, description="length; 16 * seconds + 1 frames (Wan's 16 fps)")
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of 16 (default: the model's)")
     num_frames: int | None = Field(default=None, description="4k+1 frames; replaces seconds")
+    # Image to video: OpenAI's input_reference (a multipart file, or JSON {"image_url": "data:..."}), as the
+    # engine's image field (a base64 file or data: URL; router/images.py).
+    image: str | None = Field(default=None, description="image-to-video models: input_reference's image")
 
 
 def parse_size(size: str | None, defaults: dict) -> tuple[int, int]:
