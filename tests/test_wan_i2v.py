@@ -79,7 +79,7 @@ def engines(tmp_path_factory):
 
 def _params(eng: InProcess, **over):
     d = eng.info.defaults
-    return eng.params(num_frames=d["num_frames"], negative_prompt="blurry, still", seed=3, **over)
+    return eng.params(**{"num_frames": d["num_frames"], "negative_prompt": "blurry, still", "seed": 3, **over})
 
 
 def _pipe(eng: InProcess, text_to_video: bool = False):
@@ -283,3 +283,53 @@ def test_router_rules_for_images(engines):
     assert "multiple of 32" in _refused(ti2v, "height", height=48, image="x")
     for name in ("tiny", "tiny-sd3"):  # text-only models
         assert "takes no image" in _refused(read_model(ensure_builtin(name)), "image", image="x")
+
+
+# --- 5. LoRA ------------------------------------------------------------------------------------------------
+
+# The attention projections (Wan's default targets) plus the image cross-attention's own keys and values.
+I2V_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")
+
+
+def test_lora_equals_diffusers_and_mixed_adapters_with_images_share_a_forward(engines, tmp_path, record_property):
+    import lora_fixtures as lf
+    from common.diffusion.lora import build_adapter
+    from common.diffusion.lora_format import read_lora
+
+    eng = engines["clip"]
+    model_dir = eng.info.path
+    a = lf.make_diffusers_lora(model_dir, tmp_path / "a", rank=4, alpha=8, target_modules=I2V_TARGETS, seed=1)
+    b = lf.make_peft_lora(model_dir, tmp_path / "b", rank=2, alpha=2, target_modules=["ffn.net.0.proj", "to_v"],
+                          seed=2)
+    adapters = {}
+    for name, ad in (("a", a), ("b", b)):
+        adapters[name] = build_adapter(name, 1, read_lora(str(ad.path), None), eng.policy.experts, 64)
+        eng.policy.cover(adapters[name])
+    p = _params(eng)
+    pipe = _pipe(eng)
+    twins = {"a": a.path, "b": lf.diffusers_twin(b, tmp_path / "b-twin")}
+    diffs = {}
+    for name, scale in (("a", 0.8), ("b", 1.0)):
+        got = eng.run(p, lora=(adapters[name], scale), image=IMAGE).output_latents()
+        pipe.load_lora_weights(str(twins[name]), adapter_name=name)
+        try:
+            pipe.set_adapters([name], [scale])
+            want = torch.as_tensor(pipe(image=IMAGE, prompt=p.prompt, negative_prompt=p.negative_prompt,
+                                        height=p.height, width=p.width, num_frames=p.num_frames,
+                                        num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                                        generator=torch.Generator("cpu").manual_seed(p.seed),
+                                        output_type="latent").frames)
+        finally:
+            pipe.unload_lora_weights()
+        assert max_diff(got, eng.run(p, image=IMAGE).output_latents()) > 1e-3  # the adapter changes the output
+        diffs[name] = max_diff(got, want)
+    jobs = [(_params(eng, seed=5), (adapters["a"], 1.0), IMAGE), (_params(eng, seed=6), (adapters["b"], 0.5), OTHER),
+            (_params(eng, seed=7), None, LAST)]
+    tasks = [eng.task(jp, lo, image=im) for jp, lo, im in jobs[:1]]
+    eng.step(tasks)
+    tasks += [eng.task(jp, lo, image=im) for jp, lo, im in jobs[1:]]
+    _advance_together(eng, tasks)
+    diffs["mixed"] = max(max_diff(t.latents, eng.run(jp, lo, image=im).latents) for t, (jp, lo, im) in zip(tasks, jobs))
+    record_property("max_diff", diffs)
+    print(f"\n[clip] LoRA {diffs}")
+    assert diffs["a"] <= TOL and diffs["b"] <= TOL and diffs["mixed"] <= BATCH_TOL
