@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from common.diffusion.weights import state_dict_checksum
 from common.families.builtin import ensure_builtin
 from conftest import Engine, solo_then_concurrent
 from rl import TrainerPolicy, Trajectory
@@ -44,7 +45,8 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    e = Engine(tmp_path_factory.mktemp("wan-i2v"), "tiny-wan-i2v", "encoder=1,denoise=1,decode=1")
+    e = Engine(tmp_path_factory.mktemp("wan-i2v"), "tiny-wan-i2v", "encoder=1,denoise=1,decode=1",
+               ["--weight-sync-from-memory"])
     yield e
     e.stop()
 
@@ -166,6 +168,28 @@ def test_an_image_on_a_text_to_video_model_is_a_400(engine_factory):
     e = engine_factory("tiny")
     r = httpx.post(f"{e.url}/generate", json={"prompt": "a fox", "image": image_field(IMAGE)})
     assert r.status_code == 400 and r.json()["error"]["field"] == "image", r.text
+
+
+def test_weights_pushed_from_the_trainer_and_its_recompute(client, model_dir):
+    """The RL loop's step: the trainer changes its weights and pushes them through shared memory; a rollout
+    then runs on them (log-probs equal the trainer's recompute with its new weights); the old weights back
+    give the old output bit for bit."""
+    base = client.generate(**REQ, image=IMAGE, output_type="latent")["samples"][0]["output"]
+    trainer = TrainerPolicy(model_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.transformer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    new = {k: v.detach().clone() for k, v in trainer.transformer.state_dict().items()}
+    assert client.update_weights_from_tensors(new)["sha256"] == state_dict_checksum(new)
+    s = client.rollout(**REQ, image=IMAGE, return_trajectory=True)["samples"][0]
+    assert _diff(s["output"], base) > 1e-3
+    with torch.no_grad():
+        mine = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], REQ["prompt"],
+                                 REQ["negative_prompt"], 5.0, image=trainer.image(IMAGE))
+    assert _diff(mine, s["log_probs"]) <= RECOMPUTE_TOL
+    client.update_weights_from_tensors(TrainerPolicy(model_dir).transformer.state_dict())
+    assert torch.equal(client.generate(**REQ, image=IMAGE, output_type="latent")["samples"][0]["output"], base)
 
 
 # --- heavy: TI2V through an engine, multi-device I2V ---------------------------------------------------------
