@@ -50,7 +50,7 @@ def main() -> None:
         layout.prepare(policy)
         if config.compile:  # compiled by the leader's warm-up forwards, which reach every rank
             policy.share_text()
-            compile_experts(policy.experts)
+            compile_experts(policy)
         log.info("rank %d of %d ready on %s", args.rank, spec.ranks, device)
         forwards = Follower(policy, layout, device).run()
         log.info("rank %d stops after %d forwards", args.rank, forwards)

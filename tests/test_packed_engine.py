@@ -4,12 +4,15 @@ ZeroMQ, HTTP on loopback) against diffusers' pipelines and the trainer.
 Serving frames and packed latents equal the pipeline (true CFG with a negative prompt, an explicit ``mu``);
 requests at different steps batched and a group equal each alone; rollout log-probs equal the trainer's
 recompute; PNG answers and the official openai client's images; the family in /health; the model-dependent
-fields refused; weight sync through shared memory; CFG parallel (true CFG) equal to one device.
+fields refused; LoRA adapters from disk and from the trainer's memory in concurrent requests (against diffusers'
+loaders, solo runs and the trainer's recompute); weight sync through shared memory; CFG parallel (true CFG) and
+Ulysses equal to one device; ``--compile`` equal to eager, nothing compiled after the warm-up.
 """
 
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -39,8 +42,9 @@ def model_dir(model):
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
-    e = Engine(tmp_path_factory.mktemp(model), model, "encoder=1,denoise=1,decode=1", ["--weight-sync-from-memory"])
+def engine(model, tmp_path_factory, lora_root):
+    e = Engine(tmp_path_factory.mktemp(model), model, "encoder=1,denoise=1,decode=1",
+               ["--weight-sync-from-memory", "--weight-root", str(lora_root)])
     yield e
     e.stop()
 
@@ -151,6 +155,86 @@ def test_png_openai_images_health_and_refused_fields(client, engine, model):
         assert r.status_code == 400 and r.json()["error"]["field"] == field, (body, r.text)
 
 
+def _lora_reference(pipe, model_dir, output_type, adapter, **over) -> torch.Tensor:
+    """:func:`_reference` with ``adapter`` (path, scale) loaded by diffusers' ``load_lora_weights`` and activated
+    by ``set_adapters``; None: the base model."""
+    if adapter is None:
+        return _reference(pipe, model_dir, output_type, **over)
+    pipe.load_lora_weights(str(adapter[0]), adapter_name="ref")
+    try:
+        pipe.set_adapters(["ref"], [adapter[1]])
+        return _reference(pipe, model_dir, output_type, **over)
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_adapters_from_disk_and_memory_concurrently(client, model, model_dir, pipe, lora_root, record_property):
+    """Adapter A from a diffusers LoRA file (the family's save_lora_weights), B pushed from the trainer's memory
+    (rl.lora): concurrent requests mixing A, B and none each equal their solo run and diffusers' loaders on
+    the same file (B: as rl.lora.save_lora writes it); a rollout with B equals the trainer's recompute. Before
+    the weight-sync test, so the engine holds the directory's weights (the diffusers reference's)."""
+    import lora_fixtures as lf
+    from rl.lora import add_lora, push_lora, save_lora
+
+    family = read_model(model_dir).family
+    root = lora_root / f"test_packed_engine-{model}"
+    a = lf.make_diffusers_lora(model_dir, root / "a", rank=4, alpha=8, target_modules=family.lora_targets, seed=1)
+    trainer = TrainerPolicy(model_dir)
+    add_lora(trainer, 2, 6.0, seed=0)  # alpha / r = 3 must reach the engine
+    lf.randomise_lora(trainer.transformer, seed=7)
+    files = {"A": a.path, "B": save_lora(trainer, root / "b").parent}
+    disk = client.load_lora_adapter("A", str(a.path))
+    try:
+        mem = push_lora(client, trainer, "B")
+        assert disk["rank"] == 4 and mem["rank"] == 2, (disk, mem)
+        # A, B and none; true CFG on some; frames and packed latents; at other scales.
+        plan = [("A", 1.0, "np", 1, True), ("B", 1.0, "latent", 2, False), (None, None, "np", 3, True),
+                ("A", 0.6, "latent", 4, False), ("B", 0.5, "np", 5, True), (None, None, "latent", 6, False)]
+        reqs, overs = [], []
+        for name, scale, kind, seed, cfg in plan:
+            over = {"prompt": f"a kite {seed % 3}", "seed": seed, "num_inference_steps": 8}
+            if not cfg:
+                over.update(negative_prompt=None, true_cfg_scale=1.0)
+            body = {**REQ, **over, "output_type": "latent" if kind == "latent" else "frames"}
+            if not cfg:  # no negative prompt: the router's default true_cfg_scale, 1
+                del body["negative_prompt"], body["true_cfg_scale"]
+            if name is not None:
+                body.update(lora_name=name, lora_scale=scale)
+            reqs.append(("/generate", body))
+            overs.append(over)
+        solo, mixed = solo_then_concurrent(client, reqs)
+        count = Counter(body.get("lora_name") for _, body in reqs)
+        assert any(m["batch"] > count[m["lora_name"]] for m in mixed), [m["batch"] for m in mixed]  # shared forwards
+        diffs: dict[str, float] = {}
+        for (name, scale, kind, seed, cfg), over, (_, body), s, m in zip(plan, overs, reqs, solo, mixed):
+            assert s["lora_name"] == m["lora_name"] == name
+            diffs["solo"] = max(diffs.get("solo", 0.0), _scaled(m["output"], s["output"]))
+            assert diffs["solo"] <= 1e-5, name
+            got = m["output"][0] if kind == "np" else m["output"]
+            want = _lora_reference(pipe, model_dir, kind, None if name is None else (files[name], scale), **over)
+            diffs[f"diffusers-{name}"] = max(diffs.get(f"diffusers-{name}", 0.0), _diff(got, want))
+            assert diffs[f"diffusers-{name}"] <= TOL, (name, scale, kind)
+            if seed <= 2:  # the adapters change the output
+                plain = {k: v for k, v in body.items() if k not in ("lora_name", "lora_scale")}
+                assert _diff(client._post("/generate", plain)["samples"][0]["output"], m["output"]) > 1e-3
+
+        # A rollout with the adapter from memory: the trainer recomputes its log-probs.
+        s = client.rollout(**{**REQ, "seed": 9}, lora_name="B", return_trajectory=True)["samples"][0]
+        assert s["lora_name"] == "B" and s["lora_version"] == mem["lora_version"]
+        with torch.no_grad():
+            again = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], REQ["prompt"],
+                                      REQ["negative_prompt"], read_model(model_dir).defaults["guidance_scale"],
+                                      true_cfg_scale=REQ["true_cfg_scale"])
+        diffs["recompute"] = _diff(again, s["log_probs"])
+        record_property("max_diff", diffs)
+        print(f"\n[{model} LoRA] batches {[m['batch'] for m in mixed]} {diffs}")
+        assert diffs["recompute"] <= 1e-5
+    finally:
+        for name in ("A", "B"):
+            client.unload_lora_adapter(name)
+    assert not [x for x in client.lora_adapters() if x.get("lora_name") in ("A", "B")]
+
+
 def test_weight_sync_through_shared_memory(client, model_dir):
     base = client.generate(**REQ, output_type="latent")["samples"][0]
     trainer = TrainerPolicy(model_dir)
@@ -192,5 +276,39 @@ def test_ulysses_over_two_ranks_equals_one_device(client, model, tmp_path_factor
             got, want = c._post("/generate", body)["samples"], client._post("/generate", body)["samples"]
             for a, b in zip(got, want):
                 assert _scaled(a["output"], b["output"]) <= 1e-5
+    finally:
+        e.stop()
+
+
+@pytest.mark.heavy
+def test_compiled_engine_equals_eager(client, model, tmp_path_factory, record_property):
+    """--compile: the denoise worker's transformer through torch.compile, warmed up at the default request;
+    requests with texts of other lengths (Qwen-Image pads and masks a forward of several), with and without
+    true CFG, a rollout group and all of them at once equal the module's eager engine and compile nothing."""
+    e = Engine(tmp_path_factory.mktemp(model + "-compile"), model, "encoder=1,denoise=1,decode=1", ["--compile"])
+    reqs = [("/generate", {**REQ, "output_type": "latent", "num_inference_steps": 6, "seed": 10}),
+            ("/generate", {"prompt": "a red kite over a long beach at noon", "output_type": "latent", "seed": 11,
+                           "num_inference_steps": 4}),
+            ("/rollout/generate", {**REQ, "prompt": "two cats", "n": 2, "seed": 12, "return_trajectory": True})]
+    try:
+        with EngineClient(e.url) as c:
+            diffs = {"output": 0.0, "log_probs": 0.0}
+            for path, body in reqs:
+                got, want = c._post(path, body)["samples"], client._post(path, body)["samples"]
+                assert len(got) == len(want) == body.get("n", 1)
+                for a, b in zip(got, want):
+                    diffs["output"] = max(diffs["output"], _scaled(a["output"], b["output"]))
+                    if "log_probs" in b:  # and the trajectory the trainer recomputes them from
+                        diffs["log_probs"] = max(diffs["log_probs"], _diff(a["log_probs"], b["log_probs"]))
+                        diffs["output"] = max(diffs["output"], _scaled(a["trajectory"]["latents"],
+                                                                       b["trajectory"]["latents"]))
+            solo, together = solo_then_concurrent(c, reqs)
+            assert max(s["batch"] for s in together) > 1
+            for a, b in zip(together, solo):
+                diffs["output"] = max(diffs["output"], _scaled(a["output"], b["output"]))
+        record_property("max_diff", diffs)
+        print(f"\n[{model} --compile] {diffs}")
+        assert diffs["output"] <= 1e-4 and diffs["log_probs"] <= 1e-4
+        assert "Recompiling" not in e.log_text().split("ready on")[-1]  # nothing compiled after the warm-up
     finally:
         e.stop()

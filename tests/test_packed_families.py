@@ -14,6 +14,9 @@ settings; Qwen-Image: two widths, rotary axes and shift settings). Everything fl
    two sizes side by side, and a group of 3 equal their runs alone within 1e-5.
 4. The router's rules: ``mu`` on a family without dynamic shifting, true CFG without a negative prompt,
    ``guidance_scale`` on a transformer without a guidance embedding: each a FieldError naming the field.
+5. LoRA: diffusers files and peft folders against diffusers' loaders; mixed adapters in one batch.
+6. ``--compile``'s building blocks: compiled forwards (true CFG, FLUX's embedded guidance, rows of requests with
+   texts of other lengths) equal eager ones, and nothing compiles after the warm-up.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from common.config.engine import Limits
 from common.diffusion import schedulers
+from common.diffusion.policy import ModelInput, Policy
 from common.families import read_model
 from common.families.builtin import ensure_builtin
 from common.families.flux.tiny_model import build_tiny_flux
@@ -40,10 +44,11 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,
 )
-from family_harness import DTYPE, InProcess, compare_tasks, max_diff
+from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
 from router.request_params import check_family_fields, check_model_fields, to_params
 from router.schemas import FieldError, GenerateBody
+from test_sd3 import _graphs, _no_grad
 
 TOL = 1e-4
 RECOMPUTE_TOL = 1e-5
@@ -72,7 +77,10 @@ QWEN_X = dataclasses.replace(
 QWEN_Y = dataclasses.replace(
     QWEN_SPECS["tiny-qwen-image"], name="qwen-test-y", num_layers=1, attention_head_dim=20, axes_dims_rope=(4, 8, 8),
     vae_base_dim=4, seed=11, height=80, width=48, num_inference_steps=3, max_sequence_length=32)
+# FLUX_X with one block of each kind: the cheapest FLUX.1-dev-like model to compile (section 6).
+FLUX_X1 = dataclasses.replace(FLUX_X, name="flux-test-x1", num_layers=1, num_single_layers=1)
 SPECS = {"flux-x": (FLUX_X, build_tiny_flux), "flux-y": (FLUX_Y, build_tiny_flux),
+         "flux-x1": (FLUX_X1, build_tiny_flux),
          "qwen-x": (QWEN_X, build_tiny_qwen_image), "qwen-y": (QWEN_Y, build_tiny_qwen_image)}
 SCHEDULERS = {"qwen-x": dict(base_image_seq_len=8, max_image_seq_len=64, max_shift=1.2),
               "qwen-y": dict(base_shift=0.4, max_shift=0.8, base_image_seq_len=16, max_image_seq_len=256,
@@ -417,3 +425,60 @@ def test_lora_equals_diffusers_and_mixed_adapters_share_a_forward(which, dirs, t
     record_property("max_diff", diffs)
     print(f"\n[{which}] LoRA {diffs}")
     assert diffs["a"] <= TOL and diffs["b"] <= TOL and diffs["mixed"] <= BATCH_TOL
+
+
+# --- 6. --compile's building blocks on the packed families ----------------------------------------------------
+
+# Of the tensor's scale: FLUX's sinusoidal embeddings of timestep x 1000 and guidance x 1000 turn inductor's
+# last-bit differences in their frequencies into ~1e-5 of outputs that reach ~25 with true CFG (measured: with
+# timestep and guidance 0 the compiled forward is within 1e-6 of eager).
+COMPILE_TOL = 1e-4
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:
+    return max_diff(a, b) / max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("which", ["flux-x1", "qwen-y"])
+def test_compiled_forwards_equal_eager(which, dirs, record_property):
+    """One compile per family (inductor, as tests/test_compile.py), warmed up at the default request; then
+    a guided sample, rows of three requests at other timesteps (texts of other lengths: Qwen-Image pads and
+    masks them; FLUX: each its own embedded guidance) and a group without CFG, against eager forwards."""
+    from common.diffusion.compiled import compile_experts, warm_up
+
+    eager = engine(dirs, which)
+    torch.set_num_threads(eager.max_threads)  # as a --compile worker: its one thread count (graphs guard on it)
+    compiled = Policy.load(eager.info, DTYPE, CPU)
+    compile_experts(compiled, log_recompiles=False)
+    before = _graphs()
+    seconds = warm_up(compiled)
+    assert list(seconds) == ["transformer"] and _graphs() - before >= 1  # the warm-up did compile
+    print(f"\n[{which} compile] warm-up {seconds['transformer']:.1f}s")
+    fox = eager.task(eager.params(prompt="a red fox in the snow", negative_prompt="blurry", true_cfg_scale=3.0))
+    boat = eager.task(eager.params(prompt="a small boat on a calm lake at dawn, gulls overhead",
+                                   negative_prompt="blurry", true_cfg_scale=3.0))
+    x = fox.model_input()  # the default request's latent shape, token grid and embedded guidance (or None)
+    g = torch.Generator().manual_seed(9)
+
+    def rows(n, t, task, cfg, guidance):
+        return ModelInput(torch.randn(n, *x.latents.shape[1:], generator=g), torch.tensor(t), task.cond,
+                          task.uncond if cfg > 1 else None, cfg, grid=x.grid,
+                          embedded_guidance=None if x.embedded_guidance is None else guidance)
+
+    single = rows(1, 900.0, fox, 3.0, 3.5)  # true CFG: two forwards of one row
+    got, graphs = _no_grad(compiled.velocity, single)
+    diffs = {"guided": _scaled(got, _no_grad(eager.policy.velocity, single)[0])}
+    assert graphs == 0  # the warm-up compiled it
+    batches = {"batched": [rows(2, 900.0, fox, 4.0, 3.5), rows(1, 600.0, boat, 1.0, 2.0),
+                           rows(1, 700.0, boat, 5.0, 5.0)],
+               "group": [rows(3, 800.0, boat, 1.0, 4.0)]}  # one text on every row: no mask, no padding
+    for name, inputs in batches.items():
+        got, graphs = _no_grad(compiled.batched_velocity, inputs)
+        want = _no_grad(eager.policy.batched_velocity, inputs)[0]
+        diffs[name] = max(_scaled(a, b) for a, b in zip(got, want))
+        assert graphs == 0, name  # other batch sizes, text lengths and masks than the warm-up's: its graphs
+        rows_out = torch.cat(got)
+        assert max_diff(rows_out[:1], rows_out[-1:]) > 1e-3  # the rows are not all the same
+    record_property("max_diff", diffs)
+    print(f"\n[{which} compile] {diffs}")
+    assert max(diffs.values()) <= COMPILE_TOL

@@ -85,6 +85,10 @@ class Binding:
     # Text-only activations computed once per distinct text (common/diffusion/shared_text.py): Wan's
     # cross-attention; not a joint-attention model, whose text stream depends on the latents.
     shares_text: bool = False
+    # Dimensions of the transformer's tensor keywords (besides the batch) that vary between requests of one
+    # latent shape: ``compile_experts`` makes them dynamic, one graph for every value (Qwen-Image's text
+    # length, each prompt's own); every other dimension is static (fixed-length texts: a graph each).
+    compile_dynamic: dict[str, tuple[int, ...]] = {}
     # diffusers has a context-parallel plan for the transformer (Ulysses / ring).
     context_parallel: bool = False
     # A single request's guidance as diffusers runs it: both halves in one forward ([uncond, cond]), or

@@ -4,7 +4,9 @@
 (``model(hidden_states=..., ...)``) and every hook keeps working. Only the batch dimension is dynamic: a
 latent shape compiles twice (batch 1, which torch always specialises, and any larger batch), whatever the
 batch sizes continuous batching makes, and another latent shape gets graphs of its own (graphs generic in
-every dimension took several times longer to compile on the tiny model).
+every dimension took several times longer to compile on the tiny model). A family whose inputs vary in
+another dimension between requests of one shape says so (``Binding.compile_dynamic``: Qwen-Image's texts,
+each its prompt's own length), and that dimension is dynamic too.
 
 What a forward reads from Python per request (each row's LoRA adapter, the shared-text plan) is an
 opaque op in the graph (:mod:`common.diffusion.opaque`), so a new mix of adapters or texts compiles nothing;
@@ -14,6 +16,7 @@ compile are guarded on too: an adapter that hooks new modules makes the graphs i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,11 +36,18 @@ class CompileError(RuntimeError):
     """torch.compile cannot be used here, or failed on the experts; they are left eager."""
 
 
-def compile_experts(experts: dict[str, torch.nn.Module], mode: str | None = None, options: dict | None = None,
-                    backend: str | Callable = "inductor", log_recompiles: bool = True) -> None:
-    """Compile every expert in place (``mode``, ``options``, ``backend``: ``torch.compile``'s). Compilation
-    happens at the first forward of each shape: call :func:`warm_up` so that no request pays it.
-    ``log_recompiles``: torch logs each recompile and its reason (``Recompiling function ...``)."""
+def compile_experts(target: "Policy | dict[str, torch.nn.Module]", mode: str | None = None,
+                    options: dict | None = None, backend: str | Callable = "inductor",
+                    log_recompiles: bool = True) -> None:
+    """Compile every expert of a policy (or bare experts) in place (``mode``, ``options``, ``backend``:
+    ``torch.compile``'s). Compilation happens at the first forward of each shape: call :func:`warm_up` so
+    that no request pays it. ``log_recompiles``: torch logs each recompile and its reason
+    (``Recompiling function ...``). With a policy, the dimensions its family says vary between requests
+    (``Binding.compile_dynamic``: Qwen-Image's text length) are dynamic too, a graph for them all."""
+    from common.diffusion.policy import Policy
+
+    experts = target.experts if isinstance(target, Policy) else target
+    dynamic = target.family.compile_dynamic if isinstance(target, Policy) else {}
     if not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported():
         raise CompileError(f"torch.compile is not supported by this torch ({torch.__version__}) or Python")
     config = torch._dynamo.config
@@ -48,7 +58,7 @@ def compile_experts(experts: dict[str, torch.nn.Module], mode: str | None = None
         torch._logging.set_logs(recompiles=True)
     try:
         for model in experts.values():
-            model.register_forward_pre_hook(_prepare_inputs, with_kwargs=True)
+            model.register_forward_pre_hook(functools.partial(_prepare_inputs, dynamic=dynamic), with_kwargs=True)
             model.compile(mode=mode, options=options, backend=backend, dynamic=False)
     except Exception as e:
         uncompile(experts)
@@ -56,16 +66,17 @@ def compile_experts(experts: dict[str, torch.nn.Module], mode: str | None = None
 
 
 @torch.compiler.disable  # runs before the compiled forward, on the tensors it is given
-def _prepare_inputs(module, args, kwargs):
-    """The batch dimension dynamic (every other one static), and dense strides: dynamo guards on strides,
-    so an expanded text or timestep (a view, stride 0) would be a graph of its own; ``contiguous()`` is not
-    enough, it keeps a size-1 dimension's stride."""
-    def dense(v):
+def _prepare_inputs(module, args, kwargs, dynamic: dict[str, tuple[int, ...]]):
+    """The batch dimension dynamic, and the ``dynamic`` ones of a keyword (every other one static), and
+    dense strides: dynamo guards on strides, so an expanded text or timestep (a view, stride 0) would be a
+    graph of its own; ``contiguous()`` is not enough, it keeps a size-1 dimension's stride."""
+    def dense(k, v):
         if v.stride() != _dense_strides(v.shape):
             v = v.clone(memory_format=torch.contiguous_format)
-        torch._dynamo.maybe_mark_dynamic(v, 0)
+        for dim in (0, *dynamic.get(k, ())):
+            torch._dynamo.maybe_mark_dynamic(v, dim)
         return v
-    return args, {k: dense(v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in kwargs.items()}
+    return args, {k: dense(k, v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in kwargs.items()}
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -88,9 +99,10 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
     by running it: seconds per expert.
 
     With a policy, its own forwards: ``velocity`` (one sample, guidance) and, when ``batch`` > 1,
-    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan); with bare experts, one
-    forward of a sample and one of ``batch``. On failure the experts are made eager again and
-    :class:`CompileError` says why.
+    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan), and for a family whose
+    texts vary in size (``Binding.compile_dynamic``) one of two texts of different sizes (Qwen-Image pads
+    and masks them: a graph of its own); with bare experts, one forward of a sample and one of ``batch``.
+    On failure the experts are made eager again and :class:`CompileError` says why.
     """
     from common.diffusion.policy import ModelInput, Policy
 
@@ -130,6 +142,9 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
                     policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
                     if batch > 1:
                         policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
+                    if batch > 1 and policy.family.compile_dynamic:  # texts of two sizes in one forward
+                        shorter = _shorter(texts[1], policy.family.compile_dynamic)
+                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], shorter, 5.0, **extra)])
                 else:
                     for n in (1, batch) if batch > 1 else (1,):
                         model(hidden_states=latents(n), timestep=t.expand(n),
@@ -140,3 +155,15 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
                                f"{type(e).__name__}: {e}") from e
         seconds[name] = time.perf_counter() - start
     return seconds
+
+
+def _shorter(text, dynamic: dict[str, tuple[int, ...]]):
+    """``text`` one shorter in each of its dynamic dimensions (another size of the same kind of text)."""
+    from common.diffusion.binding import TextCond
+
+    tensors = dict(text.tensors)
+    for k, dims in dynamic.items():
+        for d in dims:
+            if k in tensors:
+                tensors[k] = tensors[k].narrow(d, 0, tensors[k].shape[d] - 1)
+    return TextCond(tensors)

@@ -36,6 +36,9 @@ class QwenImageBinding(PackedBinding):
     fields = frozenset({"max_sequence_length", "true_cfg_scale"})
     max_sequence_length_limit = 1024  # QwenImagePipeline.check_inputs
     text_fields = (PROMPT_EMBEDS,)
+    # Texts are their prompt's own length (padded and masked only in a forward of several): under --compile
+    # the text length is dynamic, else every new prompt length compiles new graphs.
+    compile_dynamic = {HIDDEN: (1,), MASK: (1,)}
     context_parallel = True  # QwenImageTransformer2DModel has a _cp_plan
     # Both streams' attention projections (the recipes' LoRA targets for Qwen-Image).
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
@@ -70,6 +73,7 @@ class QwenImageBinding(PackedBinding):
     def load_expert(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
+        _trace_text_length_symbolically()
         return QwenImageTransformer2DModel.from_pretrained(path, dtype=dtype)
 
     def load_text_encoder(self, info, dtype: torch.dtype, device):
@@ -81,10 +85,12 @@ class QwenImageBinding(PackedBinding):
         return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None]})
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
-        n = hidden_states.shape[0]
+        # One img_shapes entry for every row: the transformer's rotary embedding reads only the first (all rows
+        # are one size), and a list of one per row would make torch.compile guard on its length (a graph per
+        # batch size).
         return model(hidden_states=hidden_states, timestep=timestep.to(hidden_states.dtype) / 1000,
                      guidance=guidance, encoder_hidden_states=text[HIDDEN], encoder_hidden_states_mask=text.get(MASK),
-                     img_shapes=[[(1, *grid)]] * n, return_dict=False)[0]
+                     img_shapes=[[(1, *grid)]], return_dict=False)[0]
 
     def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         width = model.config.joint_attention_dim
@@ -95,3 +101,34 @@ class QwenImageBinding(PackedBinding):
         from common.families.qwen_image.vae import QwenImageDecoder
 
         return QwenImageDecoder.load(info, dtype, device)
+
+
+_TRACED = False
+
+
+def _trace_text_length_symbolically() -> None:
+    """Under torch.compile, trace diffusers' ``compute_text_seq_len_from_mask`` as an equal function that keeps
+    the text length symbolic (``compile_dynamic``): diffusers' own turns it into a tensor
+    (``torch.as_tensor(text_seq_len)``), which fixes it, a graph per padded length of a masked forward.
+    Eager forwards still run diffusers' function."""
+    global _TRACED
+    if _TRACED or not hasattr(torch.compiler, "substitute_in_graph"):  # torch < 2.5: graphs per length
+        return
+    from diffusers.models.transformers import transformer_qwenimage as qi
+
+    @torch.compiler.substitute_in_graph(qi.compute_text_seq_len_from_mask)
+    def compute_text_seq_len_from_mask(encoder_hidden_states, encoder_hidden_states_mask):
+        batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+        if encoder_hidden_states_mask is None:
+            return text_seq_len, None, None
+        if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+            raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                             f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
+        mask = encoder_hidden_states_mask.to(torch.bool)
+        position_ids = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+        active_positions = torch.where(mask, position_ids, position_ids.new_zeros(()))
+        per_sample_len = torch.where(mask.any(dim=1), active_positions.max(dim=1).values + 1,
+                                     position_ids.new_full((), text_seq_len))
+        return text_seq_len, per_sample_len, mask
+
+    _TRACED = True
