@@ -87,10 +87,14 @@ def check_image_fields(body: GenerateBody, info) -> None:
     if fixed is not None and body.max_sequence_length not in (None, fixed):
         raise FieldError("max_sequence_length", f"this {family.pipeline} model's attention takes exactly {fixed} "
                                                 f"text tokens before its image tokens, got {body.max_sequence_length}")
+    last = family.last_image_input(info)
+    if body.last_image is None and last == "required" and body.image is not None:
+        raise FieldError("last_image", f"this {family.pipeline} model makes videos between two frames: give "
+                                       "last_image too")
     if body.last_image is not None:
         if body.image is None:
             raise FieldError("last_image", "needs image (the first frame) too")
-        if not family.takes_last_image(info):
+        if last is None:
             raise FieldError("last_image", f"this {family.pipeline} model has no first-last-frame conditioning")
 
 

@@ -333,3 +333,114 @@ def test_lora_equals_diffusers_and_mixed_adapters_with_images_share_a_forward(en
     record_property("max_diff", diffs)
     print(f"\n[clip] LoRA {diffs}")
     assert diffs["a"] <= TOL and diffs["b"] <= TOL and diffs["mixed"] <= BATCH_TOL
+
+
+# --- 6. --compile's building blocks on image to video -------------------------------------------------------
+
+COMPILE_TOL = 1e-4
+
+
+@pytest.mark.parametrize("key", ["clip", "ti2v"])
+def test_compiled_forwards_with_images_equal_eager(key, engines, record_property):
+    """An I2V model (condition channels, CLIP's image tokens) and TI2V (a timestep per token, frame 0 from
+    the image) through inductor, warmed up as a --compile worker: a guided sample and a batch of requests with
+    different images (and, on TI2V, one without) equal eager, and nothing compiles after the warm-up."""
+    from common.diffusion.compiled import compile_experts, uncompile, warm_up
+    from common.diffusion.policy import Policy
+    from test_sd3 import _graphs, _no_grad
+
+    eager = engines[key]
+    torch.set_num_threads(eager.max_threads)  # as a --compile worker: its one thread count (graphs guard on it)
+    compiled = Policy.load(eager.info, torch.float32, "cpu")
+    compile_experts(compiled, log_recompiles=False)
+    try:
+        before = _graphs()
+        warm_up(compiled)
+        assert _graphs() > before
+        p = _params(eager)
+        tasks = [eager.task(p, image=IMAGE), eager.task(msgspec.structs.replace(p, seed=5, prompt="a boat"),
+                                                        image=OTHER),
+                 eager.task(msgspec.structs.replace(p, seed=6, guidance_scale=1.0),
+                            image=None if key == "ti2v" else LAST)]
+        single = tasks[0].model_input()
+        got, graphs = _no_grad(compiled.velocity, single)
+        d_single = max_diff(got, _no_grad(eager.policy.velocity, single)[0])
+        assert graphs == 0
+        inputs = [t.model_input() for t in tasks]
+        got, graphs = _no_grad(compiled.batched_velocity, inputs)
+        want = _no_grad(eager.policy.batched_velocity, inputs)[0]
+        d_batched = max(max_diff(a, b) for a, b in zip(got, want))
+        assert graphs == 0
+    finally:
+        uncompile(compiled.experts)
+    record_property("max_diff", {"guided": d_single, "batched": d_batched})
+    print(f"\n[{key}] compiled guided {d_single:.3g} batched {d_batched:.3g}")
+    assert d_single <= COMPILE_TOL and d_batched <= COMPILE_TOL
+
+
+# --- 7. the encoder worker's image side -------------------------------------------------------------------------
+
+
+def test_the_encoder_stage_encodes_an_image_once_per_size_and_a_bad_one_fails_alone(engines):
+    """The encoder worker's own stage: its tensors are the image side's; a group (one request) and a repeated
+    image cost one encode (its cache keys on the pixels and the request's size and frames), another size
+    encodes again; a request whose image cannot be encoded fails alone."""
+    from common.config.engine import EngineConfig, WorkerSpec
+    from common.protocol.messages import PROTOCOL_VERSION, EncodeRequest, Route
+    from encoder_worker.stage import EncoderStage
+
+    eng = engines["clip"]
+    stage = EncoderStage(EngineConfig(model=str(eng.info.path), workers=[], router_endpoint="", runtime_dir="/tmp"),
+                         WorkerSpec(role="encoder", index=0))
+    stage.load()
+    calls = []
+    real = stage.images.wire_tensors
+    stage.images.wire_tensors = lambda *a: calls.append(a[2:]) or real(*a)  # a spy: the real encoder runs
+
+    def request(rid: str, **over):
+        return EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=Route(encoder=0, denoise=0, decode=0),
+                             params=_params(eng, **over))
+
+    pixels = {"image": torch.from_numpy(np.asarray(IMAGE).copy())}
+    out = stage.process_batch([(request("a", n=3), pixels), (request("b", seed=9), dict(pixels))])
+    assert len(calls) == 1
+    want = eng.image_wire(_params(eng), IMAGE)
+    for fwd in out:
+        assert all(torch.equal(fwd.tensors[k], want[k]) for k in want)
+        assert "image_encode_s" in fwd.msg.timings
+    stage.process_batch([(request("c", height=48, width=32), dict(pixels))])
+    assert len(calls) == 2 and calls[-1] == (48, 32, eng.info.defaults["num_frames"])
+    broken = {"image": torch.zeros(4, 4, 2, dtype=torch.uint8)}  # not RGB: the worker refuses it, not the batch
+    out = stage.process_batch([(request("d"), broken), (request("e"), dict(pixels))])
+    assert isinstance(out[0], BaseException) and not isinstance(out[1], BaseException)
+
+
+# --- 8. first-last-frame (Wan2.1 FLF2V: both frames' CLIP tokens) ---------------------------------------------
+
+
+def test_first_last_frame_model_equals_diffusers_and_the_trainer(tmp_path, record_property):
+    spec = dataclasses.replace(CLIP, name="wan-i2v-test-flf2v", first_last_frame=True, seed=24)
+    eng = InProcess(build_tiny_wan_i2v(spec, tmp_path / "flf2v"))
+    assert eng.info.transformer_config["pos_embed_seq_len"] == 2 * spec.image_tokens
+    p = _params(eng)
+    task = eng.run(p, image=IMAGE, last_image=LAST)
+    d = max_diff(task.output_latents(), _reference(eng, p, "latent", IMAGE, LAST))
+    assert max_diff(task.output_latents(), eng.run(p, image=IMAGE, last_image=OTHER).output_latents()) > 1e-2
+    r = _rollout(p)
+    batched = [eng.task(r, image=IMAGE, last_image=LAST), eng.task(msgspec.structs.replace(r, seed=8), image=OTHER,
+                                                                     last_image=IMAGE)]
+    _advance_together(eng, batched)
+    ex = batched[0].extras()
+    trainer = TrainerPolicy(eng.info.path)
+    image = trainer.image(IMAGE, last_image=LAST, height=p.height, width=p.width, num_frames=p.num_frames)
+    with torch.no_grad():
+        mine = trainer.log_probs(Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex["trajectory.timesteps"],
+                                            ex["trajectory.sigmas"]), ex[LOG_PROB_STEPS.name], p.prompt,
+                                 p.negative_prompt, p.guidance_scale, image=image)
+    alone = eng.run(msgspec.structs.replace(r, seed=8), image=OTHER, last_image=IMAGE)
+    record_property("max_abs_diff", d)
+    assert d <= TOL
+    assert max_diff(mine, ex[LOG_PROBS.name][0]) <= BATCH_TOL  # rows of two requests in one forward
+    assert compare_tasks(batched[1], alone) <= BATCH_TOL
+    assert "between two frames" in _refused(eng.info, "last_image", image="x")
+    assert _check(eng.info, image="x", last_image="y")

@@ -232,3 +232,17 @@ def test_multi_device_i2v_equals_one_device(client, engine_factory, layout):
                 scale = a["output"].abs().max().item()
                 assert _diff(a["output"], b["output"]) <= BATCH_TOL * max(1.0, scale)
                 assert _diff(a["log_probs"], b["log_probs"]) <= BATCH_TOL * max(1.0, scale)
+
+
+@pytest.mark.heavy
+def test_compiled_workers_with_images_equal_eager(client, engine_factory):
+    e = engine_factory("tiny-wan-i2v", extra=["--compile"])
+    with EngineClient(e.url) as c:
+        for path, body in (("/generate", {**REQ, "output_type": "latent", "image": image_field(IMAGE)}),
+                           ("/rollout/generate", {**REQ, "n": 2, "image": image_field(OTHER)})):
+            got, want = c._post(path, body)["samples"], client._post(path, body)["samples"]
+            for a, b in zip(got, want):
+                assert _diff(a["output"], b["output"]) <= TOL * max(1.0, b["output"].abs().max().item())
+                if "log_probs" in b:
+                    assert _diff(a["log_probs"], b["log_probs"]) <= TOL
+    assert "Recompiling" not in e.log_text().split("ready on")[-1]  # nothing compiled after the warm-up

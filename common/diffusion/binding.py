@@ -174,9 +174,9 @@ class Binding:
         each keyword's [B, ...] tensor; ``guidance``: the rows' embedded guidance [B] (or None)."""
         return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
 
-    def example_text(self, model: torch.nn.Module, max_sequence_length: int, generator: torch.Generator,
-                     device, dtype: torch.dtype) -> Conditioning:
-        """A random conditioning of the right shapes (compile warm-ups)."""
+    def example_text(self, info: "ModelInfo", model: torch.nn.Module, max_sequence_length: int,
+                     generator: torch.Generator, device, dtype: torch.dtype) -> Conditioning:
+        """A random conditioning of the right shapes for this model directory (compile warm-ups)."""
         raise NotImplementedError
 
     # --- image-to-video: a request's image(s), through the encoder worker's image side -----------------------
@@ -194,9 +194,10 @@ class Binding:
         """The only text length this model directory's transformer takes (None: any within the limit)."""
         return None
 
-    def takes_last_image(self, info: "ModelInfo") -> bool:
-        """Whether this model conditions on a last frame too (``last_image``)."""
-        return False
+    def last_image_input(self, info: "ModelInfo") -> str | None:
+        """Whether a request's ``last_image`` (first-last-frame conditioning) is ``"required"``, ``"optional"``
+        or refused (None) on this model."""
+        return None
 
     def load_image_conditioner(self, info: "ModelInfo", dtype: torch.dtype, device):
         """An object whose ``wire_tensors(image, last_image, height, width, num_frames)`` gives a request's
@@ -205,6 +206,12 @@ class Binding:
 
     def image_conditioning(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The latent-side condition of a request's image wire tensors ([1, ...]), or None (text only)."""
+        return None
+
+    def example_image(self, info: "ModelInfo", latent_shape: tuple[int, ...], generator: torch.Generator, device,
+                      dtype: torch.dtype) -> torch.Tensor | None:
+        """A random image condition of the right shape for latents ``latent_shape`` (compile warm-ups), or None
+        when the model's requests need none."""
         return None
 
     def model_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:

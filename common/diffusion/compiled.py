@@ -122,7 +122,8 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
             raise ValueError(f"no timestep of this policy takes {name}")
         g = torch.Generator(device).manual_seed(0)
         if policy is not None:
-            texts = [policy.family.example_text(model, policy.info.defaults["max_sequence_length"], g, device, dtype)
+            texts = [policy.family.example_text(policy.info, model, policy.info.defaults["max_sequence_length"], g,
+                                                device, dtype)
                      for _ in range(2)]
         else:  # bare Wan experts
             texts = [torch.randn(1, 512, model.config.text_dim, generator=g, device=device, dtype=dtype)
@@ -138,6 +139,7 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
                     policy.share_text()  # its processors now, or their later install would recompile
                     info, d = policy.info, policy.info.defaults
                     extra = dict(grid=policy.family.token_grid(info, d["height"], d["width"]),
+                                 image=policy.family.example_image(info, tuple(latent_shape), g, device, dtype),
                                  embedded_guidance=policy.family.embedded_guidance(info, d["guidance_scale"]))
                     policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
                     if batch > 1:

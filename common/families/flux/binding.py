@@ -77,7 +77,7 @@ class FluxBinding(PackedBinding):
                      pooled_projections=text[POOLED], encoder_hidden_states=text[HIDDEN], txt_ids=txt_ids,
                      img_ids=image_ids(grid, device, dtype), return_dict=False)[0]
 
-    def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         c = model.config
         return TextCond({
             HIDDEN: torch.randn(1, max_sequence_length, c.joint_attention_dim, generator=generator, device=device,

@@ -92,7 +92,7 @@ class QwenImageBinding(PackedBinding):
                      guidance=guidance, encoder_hidden_states=text[HIDDEN], encoder_hidden_states_mask=text.get(MASK),
                      img_shapes=[[(1, *grid)]], return_dict=False)[0]
 
-    def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         width = model.config.joint_attention_dim
         return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
                                              device=device, dtype=dtype)})

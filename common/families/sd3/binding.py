@@ -63,7 +63,7 @@ class SD3Binding(Binding):
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
         return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None], POOLED: wire[POOLED_PROMPT_EMBEDS.name][None]})
 
-    def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         c = model.config
         return TextCond({
             HIDDEN: torch.randn(1, CLIP_TOKENS + max_sequence_length, c.joint_attention_dim, generator=generator,

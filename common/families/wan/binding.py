@@ -74,7 +74,7 @@ class WanBinding(Binding):
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> torch.Tensor:
         return pad_embeddings(wire[PROMPT_EMBEDS.name], max_sequence_length)
 
-    def example_text(self, model, max_sequence_length: int, generator, device, dtype) -> torch.Tensor:
+    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> torch.Tensor:
         return torch.randn(1, max_sequence_length, model.config.text_dim, generator=generator, device=device,
                            dtype=dtype)
 
@@ -91,6 +91,12 @@ class WanBinding(Binding):
     def image_conditioning(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
         c = wire.get(IMAGE_CONDITION.name)
         return None if c is None else c[None]
+
+    def example_image(self, info, latent_shape, generator, device, dtype):
+        if not info.expand_timesteps:
+            return None
+        c, _, h, w = latent_shape  # frame 0's latent: an image's requests (the same graph as text-only ones')
+        return torch.randn(1, c, 1, h, w, generator=generator, device=device, dtype=dtype)
 
     def model_latents(self, info, latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         return _frame0_from(info, latents, image)

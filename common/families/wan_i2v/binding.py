@@ -38,10 +38,13 @@ class WanImageToVideoBinding(WanBinding):
     def image_input(self, info) -> str | None:
         return "required"
 
-    def takes_last_image(self, info) -> bool:
+    def last_image_input(self, info) -> str | None:
         if info.expand_timesteps:  # the pipeline encodes frame 0 alone there
-            return False
-        return not _clip(info) or bool(info.transformer_config.get("pos_embed_seq_len"))
+            return None
+        if not _clip(info):  # the mask and the VAE latents alone say it (Wan2.2 I2V-A14B)
+            return "optional"
+        # Wan2.1 FLF2V's image embedder takes both images' CLIP tokens (pos_embed_seq_len); Wan2.1 I2V's one.
+        return "required" if info.transformer_config.get("pos_embed_seq_len") else None
 
     def fixed_max_sequence_length(self, info) -> int | None:
         # diffusers' Wan attention with image keys takes the text as the last 512 tokens of its context.
@@ -64,6 +67,12 @@ class WanImageToVideoBinding(WanBinding):
             return super().model_latents(info, latents, image)
         return torch.cat([latents, image.to(latents.dtype).expand(latents.shape[0], *image.shape[1:])], dim=1)
 
+    def example_image(self, info, latent_shape, generator, device, dtype):
+        if info.expand_timesteps:
+            return super().example_image(info, latent_shape, generator, device, dtype)
+        channels = info.transformer_config["in_channels"] - latent_shape[0]  # the mask's and the image's
+        return torch.randn(1, channels, *latent_shape[1:], generator=generator, device=device, dtype=dtype)
+
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         text = dict(text)
         image = text.get(IMAGE_HIDDEN)
@@ -72,17 +81,21 @@ class WanImageToVideoBinding(WanBinding):
             text[IMAGE_HIDDEN] = image.reshape(-1, tokens // 2, image.shape[-1])
         return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
 
-    def example_text(self, model, max_sequence_length: int, generator, device, dtype):
-        text = super().example_text(model, max_sequence_length, generator, device, dtype)
+    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype):
+        text = super().example_text(info, model, max_sequence_length, generator, device, dtype)
         dim = model.config.image_dim
         if dim is None:
             return text
-        tokens = 257  # CLIP ViT-H/14 at 224: 256 patches and the class token; a tiny model's own count below
-        embedder = model.condition_embedder.image_embedder
-        if getattr(embedder, "pos_embed", None) is not None:
-            tokens = embedder.pos_embed.shape[1]
-        image = torch.randn(1, tokens, dim, generator=generator, device=device, dtype=dtype)
+        image = torch.randn(1, _image_tokens(info), dim, generator=generator, device=device, dtype=dtype)
         return TextCond({HIDDEN: text, IMAGE_HIDDEN: image})
+
+
+def _image_tokens(info) -> int:
+    """CLIP's hidden states per image: its patches and the class token (ViT-H/14 at 224: 257)."""
+    import json
+
+    cfg = json.loads((info.path / "image_encoder" / "config.json").read_text())
+    return (cfg["image_size"] // cfg["patch_size"]) ** 2 + 1
 
 
 def _clip(info) -> bool:

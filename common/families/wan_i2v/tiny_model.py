@@ -75,7 +75,7 @@ def transformer_config(spec: TinyWanI2VSpec) -> dict:
         out_channels=spec.vae_z_dim,
         image_dim=spec.vision_hidden_size if spec.image_encoder else None,
         added_kv_proj_dim=inner_dim if spec.image_encoder else None,
-    )
+    ) | ({"pos_embed_seq_len": 2 * spec.image_tokens} if spec.first_last_frame else {})
 
 
 def vae_config(spec: TinyWanI2VSpec) -> dict:

@@ -1,7 +1,8 @@
 """The tiny Wan image-to-video models' specs: :class:`TinyWanI2VSpec` (one configuration plus the request it
 serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.wan_i2v.tiny_model`).
 
-Three real layouts, each in tiny form:
+Three real layouts, each in tiny form (and Wan2.1 I2V once more with a compute-bound transformer,
+``small-wan-i2v``):
 
 - Wan2.1 I2V (``image_encoder``): ``WanImageToVideoPipeline`` with a CLIP vision encoder and its image
   processor; the transformer takes the CLIP states (``image_dim``) and 36 input channels (16 noise, 4 mask,
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.families.wan.tiny_specs import TinyWanSpec
+from common.families.wan.tiny_specs import TinyWanSpec, _later_field
 
 # The VAE layouts: Wan2.1's (z_dim 16, 8x spatial) and Wan2.2's (z_dim 48, residual blocks, a 2x2 pixel
 # patchify in front of its 8x: 16x spatial).
@@ -49,6 +50,9 @@ class TinyWanI2VSpec(TinyWanSpec):
     vision_intermediate_size: int = 64
     vision_image_size: int = 32
     vision_patch_size: int = 8
+    # Wan2.1 FLF2V: the image embedder takes the first and the last frame's CLIP tokens together, with a
+    # learned position embedding over both (pos_embed_seq_len); needs image_encoder.
+    first_last_frame: bool = _later_field(False)
     # Wan2.2 TI2V: WanPipeline with expand_timesteps (the first frame's latents are given, with timestep 0)
     # and the Wan2.2 VAE; the transformer then takes and predicts the VAE's latent channels only.
     expand_timesteps: bool = False
@@ -68,6 +72,11 @@ class TinyWanI2VSpec(TinyWanSpec):
     def size_multiple(self) -> int:
         """Heights and widths are multiples of this: whole transformer patches of whole latent pixels."""
         return self.vae_spatial_stride * TRANSFORMER_PATCH
+
+    @property
+    def image_tokens(self) -> int:
+        """The vision encoder's hidden states per image: its patches and the class token."""
+        return (self.vision_image_size // self.vision_patch_size) ** 2 + 1
 
     @property
     def transformer_in_channels(self) -> int:
@@ -94,6 +103,8 @@ class TinyWanI2VSpec(TinyWanSpec):
             raise ValueError(f"height and width must be multiples of {self.size_multiple} for this VAE")
         if self.image_encoder:
             self._check_vision()
+        elif self.first_last_frame:
+            raise ValueError("first_last_frame (Wan2.1 FLF2V) embeds both frames with the image encoder")
 
     def _check_vision(self) -> None:
         if min(self.vision_hidden_size, self.vision_layers, self.vision_heads, self.vision_intermediate_size,
@@ -127,5 +138,17 @@ SPECS: dict[str, TinyWanI2VSpec] = {
         # 64x64 gives the same 2x2 patch grid per latent frame as 32x32 with the Wan2.1 VAE.
         TinyWanI2VSpec(name="tiny-wan-ti2v", expand_timesteps=True, vae_layout="wan2.2", vae_decoder_base_dim=6,
                        flow_shift=5.0, seed=12, height=64, width=64),
+        # Compute-bound Wan2.1 I2V: the transformer of Wan's "small" (8 blocks, 6 heads x 64, ffn 1024, Wan's
+        # freq_dim 256; with image_dim 128 and the image key/value projections) and a CLIP vision encoder
+        # sized by the real ratio: ViT-H/14 (0.63e9 parameters) is ~4.5% of the 14B transformer, and 128
+        # wide, 4 layers of 2 heads x 64, MLP 512 is ~0.8M against ~17M here, so encoding the image shows in
+        # the timings without dominating them. 112 px images in 14 px patches as the real model's patches:
+        # 64 + 1 = 65 tokens. The text encoder and VAE stay tiny, as "small"'s.
+        TinyWanI2VSpec(name="small-wan-i2v", image_encoder=True, num_layers=8, num_attention_heads=6,
+                       attention_head_dim=64, ffn_dim=1024, freq_dim=256, text_dim=64, text_layers=2,
+                       text_heads=2, text_d_ff=128, text_d_kv=32, vision_hidden_size=128, vision_layers=4,
+                       vision_heads=2, vision_intermediate_size=512, vision_image_size=112,
+                       vision_patch_size=14, seed=13, height=128, width=128, num_frames=9,
+                       num_inference_steps=10, guidance_scale=5.0),
     )
 }
