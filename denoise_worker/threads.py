@@ -7,7 +7,7 @@ import torch
 from common.diffusion.binding import HIDDEN, text_kwargs
 from common.diffusion.policy import ModelInput
 
-# Multiply-accumulates (roughly samples x tokens x width^2) below which a forward runs on one thread.
+# Multiply-accumulates (roughly samples x tokens x width^2 x blocks) below which a forward runs on one thread.
 SMALL_FORWARD = 5e7
 
 
@@ -22,8 +22,10 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
         return
     cfg = model.config
     width = cfg.num_attention_heads * cfg.attention_head_dim
+    # Transformer blocks: FLUX has double- and single-stream ones.
+    blocks = cfg.get("num_layers", 1) + cfg.get("num_single_layers", 0)
     tokens = image_tokens + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
     rows = sum(x.n * (2 if x.uncond is not None else 1) for x in inputs)
-    threads = max_threads if rows * tokens * width * width >= SMALL_FORWARD else 1
+    threads = max_threads if rows * tokens * width * width * blocks >= SMALL_FORWARD else 1
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
