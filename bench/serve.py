@@ -5,6 +5,8 @@
     python bench/serve.py --preset wan-1.3b                 # Wan2.1-1.3B-shaped model, bf16 on a GPU (bench/gpu.sh)
     python bench/serve.py --preset small-sd3                # SD3: the ~19.5M transformer, 256x256, c=1 and 16
     python bench/serve.py --preset small-flux               # FLUX (embedded guidance); small-qwen-image (true CFG)
+    python bench/serve.py --preset small-wan-i2v            # Wan2.1 I2V-like: requests with an image, c=1 and 4
+    python bench/serve.py --preset tiny-wan-i2v --images 8  # image to video, many small requests, 8 distinct images
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -20,15 +22,24 @@ What it does, in this order:
    and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
    model's default size, ``--steps`` from the preset, CFG on with guidance 5.0 (SD3 presets: 4.5),
    ``--output-type frames``). Image families (SD3) are sent no ``num_frames``: they answer one frame.
+   Image-to-video models (those that require an ``image``: ``WanImageToVideoPipeline``) get a picture too:
+   ``--images`` distinct seeded synthetic RGB pictures of 96x160 (another size and aspect than the video's, so
+   the resize and CLIP's crop run), request ``i`` taking picture ``i mod --images``, sent as base64 PNG; the
+   warm-up requests have pictures of their own. The first request with a picture makes the encoder worker
+   encode it; later ones are answered from its cache.
 3. Sends ``--warmup`` requests (not counted), then, per load level, the first ``--requests`` requests of the mix:
    - ``--concurrency N ...``: closed loop, N requests in flight at all times;
    - ``--rate R ...``: open loop, Poisson arrivals at R req/s for ``--duration`` seconds (or ``--requests``
      arrivals); latency counts from the scheduled arrival, so a backlog shows up as latency.
    Per level: throughput (req/s, samples/s), latency p50/p90/p99, mean per-stage time from each response's
    ``timings`` (encode_s, denoise_s, decode_s; total_s is the router's wall time for the request), errors.
+   With images, the encoder's ``image_encode_s`` (CLIP and VAE encoding of the picture, apart from the text's
+   encode_s): median and p90 over the requests whose picture was new to the engine, and the most any repeat of
+   a picture took (its cache lookup).
 4. While the engine sits idle, runs the same requests (same prompts, seeds, sizes, steps, guidance) through
-   the served family's diffusers pipeline (``WanPipeline``, ``StableDiffusion3Pipeline``: the binding's
-   ``pipeline``) loaded in this process from the same directory in ``--dtype`` on ``--device``,
+   the served family's diffusers pipeline (``WanPipeline``, ``StableDiffusion3Pipeline``,
+   ``WanImageToVideoPipeline`` given the same PIL picture as ``image``: the binding's ``pipeline``) loaded in
+   this process from the same directory in ``--dtype`` on ``--device``,
    one after another, with ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process
    pipeline, the fair sequential baseline on a CPU (the engine's workers share the same cores between them).
    One untimed warm-up call first; on a GPU each request's time ends with a device synchronisation.
@@ -37,7 +48,8 @@ What it does, in this order:
 5. Correctness: for the first ``--check`` requests, the max abs difference between the engine's output at
    every load level and diffusers' output ([F, H, W, 3] frames, one frame for images, against the
    pipeline's ``np`` output; or latents) (expected <= ``--tolerance``: 1e-4 in float32, batched or not;
-   the bfloat16 preset wan-1.3b sets a looser one, see PRESETS).
+   the bfloat16 preset wan-1.3b and small-wan-i2v, whose batched frames go through the VAE, set looser ones,
+   see PRESETS).
 
 Prints a table; ``--json`` writes every number, ``--png`` a chart (throughput and p50/p99 latency against
 concurrency or offered rate, diffusers' sequential figures as horizontal lines).
@@ -47,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -66,6 +79,7 @@ from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.protocol.http_tensors import body_to_tensor  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families import read_model  # noqa: E402
+from router.client import image_field  # noqa: E402
 
 MSGPACK = "application/msgpack"
 
@@ -114,9 +128,24 @@ PRESETS = {
     "small-qwen-image": dict(model="small-qwen-image", height=256, width=256, num_frames=None, steps=10,
                              guidance=None, true_cfg=4.0, concurrency=[1, 16], requests=16, warmup=1,
                              target_p50_ratio=1.05),
+    # Wan2.1 I2V-like (WanImageToVideoPipeline, a CLIP image encoder): every request carries a picture.
+    # tiny-wan-i2v: many small requests, as "tiny", 8 distinct pictures (8 encoded at the first level).
+    "tiny-wan-i2v": dict(model="tiny-wan-i2v", height=32, width=32, num_frames=5, steps=8, guidance=5.0,
+                         concurrency=[1, 4, 16], requests=32, warmup=4, images=8),
+    # small-wan-i2v: "small"'s transformer with the image cross-attention (~19.6M) and a ~0.88M CLIP vision
+    # encoder, compute-bound: one request at a time against diffusers in-process (target: engine p50 <= 1.05x
+    # diffusers'), then 4 in flight. 3 distinct pictures over 5 requests: the first 3 are encoded, the last 2
+    # come from the encoder's cache. Tolerance: alone (c=1) the frames are diffusers' bit for bit; batched
+    # (c=4) the forward rounds differently, latents within 6.4e-6 of diffusers' and frames, through the VAE,
+    # within 1.8e-4 on this CPU. 1e-3 leaves room for other BLAS kernels; a wrong video differs by far more.
+    "small-wan-i2v": dict(model="small-wan-i2v", height=128, width=128, num_frames=9, steps=10, guidance=5.0,
+                          concurrency=[1, 4], requests=5, warmup=1, images=3, target_p50_ratio=1.05,
+                          tolerance=1e-3),
 }
 # Used where a preset does not say.
-PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4}
+PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4, "images": 4}
+# The pictures of image-to-video requests: height x width, another size and aspect than any preset's video.
+IMAGE_SIZE = (96, 160)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -137,6 +166,7 @@ class Workload:
     seed: int
     video: bool = True  # False: an image family, sent no num_frames (it answers one frame)
     true_cfg: float | None = None  # FLUX / Qwen-Image: true CFG with the empty negative prompt
+    images: int = 0  # image to video: distinct pictures in the mix (request i takes picture i mod images)
 
     def body(self, i: int) -> dict:
         """Request ``i`` of the mix (deterministic from the workload seed)."""
@@ -151,7 +181,44 @@ class Workload:
             del body["guidance_scale"]
         if self.true_cfg is not None:
             body["true_cfg_scale"] = self.true_cfg
+        if self.images:
+            body["image"] = _picture_field(self._picture_key(i))
         return body
+
+    def warmup_body(self, j: int) -> dict:
+        """Warm-up request ``j``: outside the mix (its own prompt, seed and picture)."""
+        body = {**self.body(j), "prompt": "warm-up", "seed": 2**40 + j}
+        if self.images:
+            body["image"] = _picture_field(self._picture_key(j, warmup=True))
+        return body
+
+    def image(self, i: int, warmup: bool = False):
+        """The picture (PIL, RGB) whose PNG request ``i`` (warm-up request ``i``) carries; None without images."""
+        return _picture(self._picture_key(i, warmup)) if self.images else None
+
+    def _picture_key(self, i: int, warmup: bool = False) -> tuple[int, int, int]:
+        return (self.seed, int(warmup), i if warmup else i % self.images)
+
+
+@functools.lru_cache(maxsize=None)
+def _picture(key: tuple[int, ...]):
+    """A seeded synthetic RGB picture of IMAGE_SIZE: smooth colour fields (a coarse random grid upscaled
+    bicubically) with fine noise on top."""
+    import numpy as np
+    from PIL import Image
+
+    height, width = IMAGE_SIZE
+    rng = np.random.default_rng(list(key))
+    coarse = Image.fromarray(rng.integers(0, 256, (height // 16, width // 16, 3), dtype=np.uint8), "RGB")
+    smooth = np.asarray(coarse.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
+    noisy = smooth + rng.integers(-12, 13, (height, width, 3), dtype=np.int16)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
+
+
+@functools.lru_cache(maxsize=None)
+def _picture_field(key: tuple[int, ...]) -> str:
+    """The picture as a request's ``image`` value (base64 PNG: lossless, the engine decodes the same pixels)."""
+    return image_field(_picture(key))
 
 
 @dataclass
@@ -162,6 +229,7 @@ class Result:
     status: int | None = None
     error: str | None = None
     timings: dict = field(default_factory=dict)
+    new_image: bool | None = None  # its picture was new to the engine (None: no picture)
 
 
 class CpuMeter:
@@ -211,14 +279,23 @@ class CpuMeter:
 
 
 class Sender:
-    """Posts requests of the mix and keeps the outputs of the first ``keep`` ones for the correctness check."""
+    """Posts requests of the mix and keeps the outputs of the first ``keep`` ones for the correctness check.
 
-    def __init__(self, http: httpx.AsyncClient, work: Workload, keep: int):
-        self.http, self.work, self.keep = http, work, keep
+    ``seen``: the pictures (with the request's size, as the encoder worker's cache keys them) sent so far in
+    this run, shared by every level's Sender: a request whose picture is not in it makes the encoder encode it.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, work: Workload, keep: int, seen: set):
+        self.http, self.work, self.keep, self.seen = http, work, keep, seen
         self.outputs: dict[int, list] = {}
 
     async def send(self, i: int, body: dict | None = None, t_start: float | None = None) -> Result:
         body = body or self.work.body(i)
+        new_image = None
+        if "image" in body:
+            key = (body["image"], body["height"], body["width"], body.get("num_frames"))
+            new_image = key not in self.seen
+            self.seen.add(key)
         t0 = time.perf_counter() if t_start is None else t_start
         try:
             r = await self.http.post("/generate", content=json.dumps(body).encode(),
@@ -236,7 +313,7 @@ class Sender:
             return Result(i, False, latency, r.status_code, f"{err.get('type')}: {err.get('message')}")
         if 0 <= i < self.keep:
             self.outputs[i] = [body_to_tensor(s["output"]) for s in data["samples"]]
-        return Result(i, True, latency, 200, timings=dict(data.get("timings", {})))
+        return Result(i, True, latency, 200, timings=dict(data.get("timings", {})), new_image=new_image)
 
 
 async def closed_loop(sender: Sender, concurrency: int, requests: int) -> tuple[list[Result], float]:
@@ -304,7 +381,21 @@ def summarise(kind: str, level: float, results: list[Result], wall: float, n: in
         "latency_p99_s": percentile(lat, 0.99), "latency_mean_s": sum(lat) / len(lat) if lat else None,
         "mean_encode_s": mean("encode_s"), "mean_denoise_s": mean("denoise_s"),
         "mean_decode_s": mean("decode_s"), "mean_total_s": mean("total_s"),
+        **_image_encode_stats(ok),
     }
+
+
+def _image_encode_stats(ok: list[Result]) -> dict:
+    """The encoder's image_encode_s: median and p90 over the requests that encoded their picture, and the
+    most a repeat (a cache hit) took. Nothing for requests without pictures."""
+    with_image = [r for r in ok if r.new_image is not None]
+    if not with_image:
+        return {}
+    encoded = [r.timings.get("image_encode_s", 0.0) for r in with_image if r.new_image]
+    cached = [r.timings.get("image_encode_s", 0.0) for r in with_image if not r.new_image]
+    return {"images_encoded": len(encoded), "images_cached": len(cached),
+            "image_encode_p50_s": percentile(encoded, 0.50), "image_encode_p90_s": percentile(encoded, 0.90),
+            "image_encode_cached_max_s": max(cached) if cached else None}
 
 
 async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
@@ -312,21 +403,21 @@ async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
     levels, outputs = [], {}
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits) as http:
-        warm = Sender(http, work, keep=0)
-        for j in range(args.warmup):  # not counted; seeds outside the mix
-            body = {**work.body(j), "prompt": "warm-up", "seed": 2**40 + j}
-            r = await warm.send(-1, body)
+        seen: set = set()
+        warm = Sender(http, work, keep=0, seen=seen)
+        for j in range(args.warmup):  # not counted; seeds (and pictures) outside the mix
+            r = await warm.send(-1, work.warmup_body(j))
             if not r.ok:
                 raise SystemExit(f"warm-up request failed: {r.status}: {r.error}")
         for c in args.concurrency:
-            sender = Sender(http, work, keep=args.check)
+            sender = Sender(http, work, keep=args.check, seen=seen)
             meter.start()
             results, wall = await closed_loop(sender, c, args.requests)
             levels.append({**summarise("concurrency", c, results, wall, work.n), **meter.stop()})
             outputs[f"c={c}"] = sender.outputs
             _progress(levels[-1])
         for rate in args.rate or []:
-            sender = Sender(http, work, keep=args.check)
+            sender = Sender(http, work, keep=args.check, seen=seen)
             arrivals = poisson_arrivals(rate, args.seed, args.duration, args.requests)
             meter.start()
             results, wall = await open_loop(sender, arrivals)
@@ -351,7 +442,8 @@ def _progress(level: dict) -> None:
 def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, device: str = "cpu",
                   dtype: str = "float32") -> tuple[dict, dict[int, list]]:
     """The first ``count`` requests of the mix through the family's diffusers pipeline (WanPipeline,
-    StableDiffusion3Pipeline, ...), one after another, on all cores."""
+    StableDiffusion3Pipeline, WanImageToVideoPipeline with the request's picture, ...), one after another, on
+    all cores."""
     import diffusers
     import diffusers.utils.logging as dlog
     import torch
@@ -380,7 +472,7 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     fixed = ({"max_sequence_length": info.defaults["max_sequence_length"]}
              if "max_sequence_length" in family.fields and "max_sequence_length" in info.defaults else {})
 
-    def one(body: dict) -> list:
+    def one(body: dict, image) -> list:
         outs = []
         for k in range(body["n"]):  # the engine's n samples use seeds seed, seed+1, ...
             # A CPU generator, as the engine draws its initial noise on the CPU whatever the device.
@@ -388,6 +480,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
                       width=body["width"], num_inference_steps=body["num_inference_steps"],
                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k), output_type=output_type,
                       **fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale") if k2 in body})
+            if image is not None:  # the PIL picture whose PNG the engine was sent
+                kw["image"] = image
             if family.video:
                 out = pipe(**kw, num_frames=body["num_frames"]).frames[0]  # [F, H, W, 3] or latents [C, F', ...]
             else:  # images [1, H, W, 3], as the engine answers one frame; latents [C, H', W']
@@ -398,13 +492,13 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
         return outs
 
     with torch.inference_mode():
-        one({**work.body(0), "prompt": "warm-up", "seed": 2**40})
+        one(work.warmup_body(0), work.image(0, warmup=True))
         latencies, outputs = [], {}
         meter.start()
         t0 = time.perf_counter()
         for i in range(count):
             t = time.perf_counter()
-            outputs[i] = one(work.body(i))
+            outputs[i] = one(work.body(i), work.image(i))
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
         cpu = meter.stop()
@@ -456,23 +550,37 @@ def print_report(res: dict) -> None:
           f"devices {','.join(sorted({str(w['device']) for w in eng['workers']}))}"
           f"{' ' + ' '.join(eng['extra']) if eng['extra'] else ''}, {eng['url']}")
     frames = f"{cfg['num_frames']} frames" if cfg.get("video", True) else "image"
+    images = cfg.get("images", 0)
+    size = "x".join(map(str, cfg.get("image_size", ())))
+    pictures = (f", an image each: {min(images, cfg['requests_per_level'])} distinct {size} RGB pictures "
+                f"(request i: picture i mod {images}; warm-up: its own)" if images else "")
     print(f"requests: {cfg['height']}x{cfg['width']}, {frames}, {cfg['steps']} steps, "
           f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
-          f"warm-up {cfg['warmup']}; CPU cores: {os.cpu_count()}{_gpu_note(cfg)}; load average (1/5/15 min) at start "
-          f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
+          f"warm-up {cfg['warmup']}{pictures}; CPU cores: {os.cpu_count()}{_gpu_note(cfg)}; load average (1/5/15 min) "
+          f"at start {'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
           f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_end'])}")
     head = (f"{'load':<10} {'ok':>4} {'err':>4} {'req/s':>7} {'smp/s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
-            f"{'encode':>7} {'denoise':>8} {'decode':>7} {'total':>7} {'thr/diff':>9} {'p50/diff':>9}")
+            f"{'encode':>7}" + (f" {'img p50':>8} {'img p90':>8}" if images else "")
+            + f" {'denoise':>8} {'decode':>7} {'total':>7} {'thr/diff':>9} {'p50/diff':>9}")
     print(head)
     print("-" * len(head))
     for lv in res["levels"]:
+        img = (f" {_f(lv.get('image_encode_p50_s'), 4):>8} {_f(lv.get('image_encode_p90_s'), 4):>8}"
+               if images else "")
         print(f"{_label(lv):<10} {lv['ok']:>4} {lv['errors']:>4} {_f(lv['req_per_s'], 2):>7} "
               f"{_f(lv['samples_per_s'], 2):>7} {_f(lv['latency_p50_s'], 3):>7} {_f(lv['latency_p90_s'], 3):>7} "
-              f"{_f(lv['latency_p99_s'], 3):>7} {_f(lv['mean_encode_s'], 3):>7} {_f(lv['mean_denoise_s'], 3):>8} "
+              f"{_f(lv['latency_p99_s'], 3):>7} {_f(lv['mean_encode_s'], 3):>7}{img} {_f(lv['mean_denoise_s'], 3):>8} "
               f"{_f(lv['mean_decode_s'], 3):>7} {_f(lv['mean_total_s'], 3):>7} "
               f"{_f(lv.get('throughput_vs_diffusers'), 2):>9} {_f(lv.get('p50_latency_vs_diffusers'), 2):>9}")
     print("(encode/denoise/decode/total: mean seconds per request from the response timings; "
           "thr/diff: engine req/s / diffusers req/s; p50/diff: engine p50 latency / diffusers p50 latency)")
+    if images:
+        print("(img p50/p90: the encoder's image_encode_s, CLIP and VAE encoding of the picture apart from the "
+              "text's encode, median and p90 over the requests whose picture was new to the engine)")
+        print("image encodes: " + "; ".join(
+            f"{_label(lv)} {lv.get('images_encoded', 0)} encoded, {lv.get('images_cached', 0)} from the encoder's cache"
+            + (f" (at most {lv['image_encode_cached_max_s']:.5f} s)" if lv.get("images_cached") else "")
+            for lv in res["levels"]))
     phases = [(_label(lv), lv) for lv in res["levels"]] + ([("diffusers", diff)] if diff else [])
     busy = [(name, ph["cpu_cores_other"]) for name, ph in phases if ph.get("cpu_cores_other", 0.0) > 0.2]
     if phases and "cpu_cores_other" in phases[0][1]:
@@ -580,7 +688,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                    help="defaults for model, size, steps, load levels and request count (default: tiny)")
+                    help="defaults for model, size, steps, load levels, request count and, for image to video, "
+                         "distinct pictures (default: tiny)")
     ap.add_argument("--url", help="a running engine; default: start one with --model/--topology/--extra")
     ap.add_argument("--model", help="model to start (launch.py --model); default: the preset's")
     ap.add_argument("--topology", default="encoder=1,denoise=1,decode=1")
@@ -595,25 +704,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--width", type=int)
     ap.add_argument("--num-frames", type=int, help="video families only (image families answer one frame)")
     ap.add_argument("--steps", type=int, help="num_inference_steps (preset tiny: 8, small: 10, wan-1.3b: 10, "
-                                              "tiny-sd3: 4, small-sd3: 10)")
+                                              "tiny-sd3: 4, small-sd3: 10, tiny-wan-i2v: 8, small-wan-i2v: 10)")
     ap.add_argument("--guidance", type=float, help="guidance_scale; > 1 means CFG (default 5.0; SD3 presets 4.5)")
     ap.add_argument("--output-type", choices=["frames", "latent"], default="frames")
     ap.add_argument("--n", type=int, default=1, help="samples per request")
     ap.add_argument("--concurrency", type=int, nargs="+",
                     help="closed-loop levels (preset tiny, tiny-sd3: 1 2 4 8 16 32; small: 1; wan-1.3b: 1 4; "
-                         "small-sd3: 1 16); "
+                         "small-sd3: 1 16; tiny-wan-i2v: 1 4 16; small-wan-i2v: 1 4); "
                          "default none when --rate is given")
     ap.add_argument("--rate", type=float, nargs="+", help="open-loop Poisson arrival rates, req/s")
     ap.add_argument("--duration", type=float, help="open loop: seconds of arrivals (default: --requests arrivals)")
     ap.add_argument("--requests", type=int, help="requests per level (preset tiny, tiny-sd3: 64, small: 5, small-sd3: 16, "
-                                                 "wan-1.3b: 8)")
-    ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny: 4, small, wan-1.3b: 1)")
+                                                 "wan-1.3b: 8, tiny-wan-i2v: 32, small-wan-i2v: 5)")
+    ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny, tiny-wan-i2v: 4; small, "
+                                               "wan-1.3b, small-wan-i2v: 1)")
+    ap.add_argument("--images", type=int,
+                    help="image-to-video models: distinct pictures in the mix, request i taking picture i mod "
+                         "this (preset tiny-wan-i2v: 8, small-wan-i2v: 3, others: 4); a picture's first request "
+                         "makes the encoder encode it, later ones hit its cache")
     ap.add_argument("--seed", type=int, default=0, help="request mix and arrival times")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline and the check")
     ap.add_argument("--diffusers-requests", type=int, help="requests for the baseline (default: --requests)")
     ap.add_argument("--check", type=int, default=2, help="requests compared with diffusers at every level")
     ap.add_argument("--tolerance", type=float, help="max abs difference allowed by the check "
-                                                     "(default: the preset's; 1e-4, wan-1.3b: 0.25)")
+                                                     "(default: the preset's; 1e-4, small-wan-i2v: 1e-3, "
+                                                     "wan-1.3b: 0.25)")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="client timeout per request, s")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--png", type=Path, help="write a chart here (matplotlib)")
@@ -640,7 +755,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.dtype is not None and args.dtype != extra_dtype:
             ap.error(f"--dtype {args.dtype} disagrees with --extra's --dtype {extra_dtype}")
         args.dtype = extra_dtype
-    for key in ("device", "dtype", "tolerance"):
+    for key in ("device", "dtype", "tolerance", "images"):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, PRESET_FALLBACKS[key]))
     args.launch_flags = extra if extra_dtype is not None else [*extra, "--dtype", args.dtype]
@@ -649,8 +764,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.check = max(0, min(args.check, args.diffusers_requests))
     if any(c < 1 for c in args.concurrency) or any(r <= 0 for r in args.rate or []):
         ap.error("concurrency levels must be >= 1 and rates > 0")
-    if args.requests < 1 or args.n < 1:
-        ap.error("--requests and --n must be >= 1")
+    if args.requests < 1 or args.n < 1 or args.images < 1:
+        ap.error("--requests, --n and --images must be >= 1")
     return args
 
 
@@ -685,7 +800,8 @@ def main(argv: list[str] | None = None) -> dict:
                         num_frames=(args.num_frames or defaults["num_frames"]) if video else 1,
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
                         output_type=args.output_type, n=args.n, seed=args.seed, video=video,
-                        true_cfg=PRESETS[args.preset].get("true_cfg"))
+                        true_cfg=PRESETS[args.preset].get("true_cfg"),
+                        images=args.images if info.family.image_input(info) == "required" else 0)
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)
@@ -694,6 +810,7 @@ def main(argv: list[str] | None = None) -> dict:
             "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
                        "num_frames": work.num_frames, "video": work.video, "family": info.family.family,
                        "steps": work.steps, "guidance": work.guidance,
+                       **({"images": work.images, "image_size": list(IMAGE_SIZE)} if work.images else {}),
                        "output_type": work.output_type, "n": work.n, "seed": work.seed,
                        "requests_per_level": args.requests, "warmup": args.warmup, "check": args.check,
                        "concurrency": args.concurrency, "rate": args.rate, "duration": args.duration,

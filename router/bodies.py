@@ -111,8 +111,9 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
     The n samples went through the stages as one unit, so they share their timings, route and weights.
     ``files``: each sample's output as a file (``{"media_type", "data"}``) instead of its tensor.
     """
-    timings = {k: outcome.timings.get(k, 0.0) for k in ("encode_s", "denoise_s", "decode_s")}
-    timings["total_s"] = total_s
+    # Every stage's timings as the workers reported them (the encoder's image_encode_s on image-to-video
+    # requests too), the three stages always, 0.0 for one the request skipped.
+    timings = {"encode_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0, **outcome.timings, "total_s": total_s}
     return {
         "request_id": request_id,
         "samples": [sample_body(seed + i, outcome.sample(i), binary, files[i] if files else None) for i in range(n)],

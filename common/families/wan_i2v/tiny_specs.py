@@ -139,11 +139,12 @@ SPECS: dict[str, TinyWanI2VSpec] = {
         TinyWanI2VSpec(name="tiny-wan-ti2v", expand_timesteps=True, vae_layout="wan2.2", vae_decoder_base_dim=6,
                        flow_shift=5.0, seed=12, height=64, width=64),
         # Compute-bound Wan2.1 I2V: the transformer of Wan's "small" (8 blocks, 6 heads x 64, ffn 1024, Wan's
-        # freq_dim 256; with image_dim 128 and the image key/value projections) and a CLIP vision encoder
-        # sized by the real ratio: ViT-H/14 (0.63e9 parameters) is ~4.5% of the 14B transformer, and 128
-        # wide, 4 layers of 2 heads x 64, MLP 512 is ~0.8M against ~17M here, so encoding the image shows in
-        # the timings without dominating them. 112 px images in 14 px patches as the real model's patches:
-        # 64 + 1 = 65 tokens. The text encoder and VAE stay tiny, as "small"'s.
+        # freq_dim 256) plus the image cross-attention (image_dim 128, the vision width; ~19.6M parameters),
+        # and a CLIP vision encoder sized by the real model's proportions: ViT-H/14's 0.63e9 parameters are
+        # a few percent of the 14B transformer's, and 128 wide, 4 layers of 2 heads x 64, MLP 512 is ~0.88M
+        # (4.5%). 112 px images in 14 px patches, ViT-H/14's patch: 8 x 8 + 1 = 65 tokens. Encoding an image
+        # (~0.1 GFLOP, milliseconds) then shows in the encoder's timings without weighing on a request of
+        # ~20 transformer forwards. The text encoder and VAE stay tiny, as "small"'s.
         TinyWanI2VSpec(name="small-wan-i2v", image_encoder=True, num_layers=8, num_attention_heads=6,
                        attention_head_dim=64, ffn_dim=1024, freq_dim=256, text_dim=64, text_layers=2,
                        text_heads=2, text_d_ff=128, text_d_kv=32, vision_hidden_size=128, vision_layers=4,
