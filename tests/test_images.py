@@ -243,7 +243,9 @@ def test_a_decompression_bomb_is_refused_from_its_header(raw, warnings_are_error
         tracemalloc.stop()
     assert e.value.field == "last_image"
     assert not loads, "no pixel may be decoded"
-    assert elapsed < 0.5 and peak < 4 * len(value), (elapsed, peak)
+    # The smallest bomb decodes to 81 M pixels (243 MB); the header alone costs the encoded value and a few
+    # of Pillow's header tables.
+    assert elapsed < 0.5 and peak < 1_000_000, (elapsed, peak)
 
 
 def test_the_default_limit_stays_below_pillows_own():
