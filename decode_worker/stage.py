@@ -17,6 +17,7 @@ class DecodeStage(QueuedBatchStage):
     def load(self) -> None:
         info = read_model(self.config.model)
         self.decoder = info.family.load_decoder(info, self.dtype, self.device)
+        self.memory = self.component_memory("vae", {"decoder": self.decoder})
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return self.decoder.decode(latents, height, width)

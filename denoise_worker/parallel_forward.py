@@ -31,8 +31,9 @@ from common.diffusion.context_parallel import enable_context_parallel, settled
 from common.diffusion.lora import LoraAdapter, LoraModule
 from common.diffusion.policy import Policy
 from common.diffusion.rows import Rows
+from common.runtime.component_memory import ModuleMemory, return_freed_memory
 
-FORWARD, ADAPTER, WEIGHTS, STOP = "forward", "adapter", "weights", "stop"
+FORWARD, ADAPTER, WEIGHTS, MEMORY, STOP = "forward", "adapter", "weights", "memory", "stop"
 TEXT_PREFIX = "text."  # a forward's text tensors on the link: text.<the transformer's keyword>
 
 
@@ -129,6 +130,11 @@ class ParallelForward:
         send_call(WEIGHTS, device=self.device, expert=expert)
         _broadcast_weights(self.policy.experts[expert])
 
+    def memory(self, action: str, level: int = 0) -> None:
+        """Every follower's experts released at ``level`` (``"release"``), or their host copies back
+        (``"resume"``; dropped experts come back with the leader's :meth:`share_weights`)."""
+        send_call(MEMORY, device=self.device, action=action, level=level)
+
     def stop(self) -> None:
         send_call(STOP, device=self.device)
 
@@ -147,6 +153,7 @@ class Follower:
         self.policy, self.layout, self.device = policy, layout, device
         self.adapters: dict[int, LoraAdapter] = {}
         self.forwards = 0
+        self.memory = {name: ModuleMemory(m) for name, m in policy.experts.items()}
 
     @torch.no_grad()
     def run(self) -> int:
@@ -160,7 +167,15 @@ class Follower:
             elif call.op == ADAPTER:
                 self._adapter(call.fields, tensors)
             elif call.op == WEIGHTS:
+                self.memory[call.fields["expert"]].materialize()  # a push into a sleeping expert
                 _broadcast_weights(self.policy.experts[call.fields["expert"]])
+            elif call.op == MEMORY:
+                for m in self.memory.values():
+                    if call.fields["action"] == "release":
+                        m.release(call.fields["level"])
+                    elif m.level == 1:
+                        m.restore()
+                return_freed_memory()
             else:
                 raise RuntimeError(f"unknown call {call.op!r} from the leader")
 

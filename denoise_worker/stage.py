@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, check_deadline
+from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, Sleeping, check_deadline
 from common.protocol.messages import (
     IMAGE_CONDITION,
     LATENTS,
@@ -22,6 +22,7 @@ from common.protocol.messages import (
     Result,
     StepProgress,
 )
+from common.runtime.component_memory import ComponentMemory
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import receiver_for
 from common.diffusion import schedulers
@@ -91,6 +92,7 @@ class DenoiseStage(Stage):
         self.active: list[_Active] = []
         self._seq = itertools.count()
         self._notices: list[Forward] = []
+        self.memory = ComponentMemory("transformer", self.policy.experts, self.fresh_modules)
 
     def _compile(self) -> None:
         """Every expert through torch.compile, compiled now at the default request's shape (the followers'
@@ -241,6 +243,45 @@ class DenoiseStage(Stage):
                             timings=timings, info=info)
         return Forward("decode", nxt, {LATENTS.name: task.output_latents(), **extras})
 
+    # --- releasing and resuming the weights ---------------------------------------------
+    def fresh_modules(self) -> dict[str, torch.nn.Module]:
+        return Policy.load(self.info, self.dtype, self.device).experts
+
+    def drop_work(self) -> int:
+        dropped = len(self.active)
+        self.active.clear()
+        return dropped
+
+    def release_memory(self, msg: ControlRequest) -> dict:
+        """Every rank's experts; and the trainer's last buckets, which a worker keeps mapped between pushes."""
+        if self.policy.ranks is not None:
+            self.policy.ranks.memory("release", level=msg.level)
+        self.sync.release()
+        return super().release_memory(msg)
+
+    def resume_memory(self, msg: ControlRequest) -> dict:
+        reloaded = self.memory.missing()
+        data = super().resume_memory(msg)
+        if self.policy.ranks is not None:  # host copies back on each rank; what the leader reloaded, broadcast
+            self.policy.ranks.memory("resume")
+            for name in reloaded:
+                self.policy.ranks.share_weights(name)
+        if reloaded:  # the model directory's weights again: a new weight version
+            self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
+        return {**data, "weight_version": self.weight_version, "reloaded": reloaded}
+
+    def _load_asleep(self, name: str, load) -> None:
+        """A push into a sleeping expert: storage for it first (its values come with the push); a refused push
+        leaves it as asleep as it was."""
+        expert = self.memory.modules[name]
+        level = expert.level
+        expert.materialize()
+        try:
+            load()
+        except BaseException:
+            expert.release(level)
+            raise
+
     # --- weight sync and adapters ---------------------------------------------
     def applies_between_steps(self, msg: ControlRequest) -> bool:
         """Adapter changes need no quiet moment: requests in flight keep the version they hold."""
@@ -263,12 +304,14 @@ class DenoiseStage(Stage):
         if module is None:
             raise RequestError(f"module: this model has no {msg.module}")
         if msg.op == "checksum":
+            if not self.memory.modules[msg.module].present:
+                raise Sleeping(f"{msg.module}: its weights are released (level {self.memory.level})")
             return {"weight_version": self.weight_version, "sha256": state_dict_checksum(module)}
         t0 = time.perf_counter()
         if msg.op == "update_weights":
-            self._load_weights(module, msg.path)
+            self._load_asleep(msg.module, lambda: self._load_weights(module, msg.path))
         else:
-            self.sync.load(module, msg)
+            self._load_asleep(msg.module, lambda: self.sync.load(module, msg))
         if self.policy.ranks is not None:  # the followers' copies follow the leader's
             self.policy.ranks.share_weights(msg.module)
         self.weight_version = msg.version if msg.version is not None else self.weight_version + 1

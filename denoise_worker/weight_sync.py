@@ -65,6 +65,11 @@ class WeightSync:
             self._pruned_at = now
             self.segments.prune()
 
+    def release(self) -> None:
+        """Unmap the trainer's buckets and drop the broadcast staging (a colocated trainer needs the pages)."""
+        self.segments.close()
+        self._kept = {}
+
     def load(self, module: torch.nn.Module, msg: ControlRequest) -> None:
         """``module``'s new weights, from the trainer's memory: every bucket first, then all of it or nothing."""
         with self._buffers(msg) as buffers:

@@ -27,6 +27,7 @@ class EncoderStage(QueuedBatchStage):
         if info.family.image_input(info) is not None:
             self.images = info.family.load_image_conditioner(info, self.dtype, self.device)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
+        self.memory = self.component_memory("text_encoder", {"text_encoder": self.text_encoder, "images": self.images})
 
     def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
         """Every distinct prompt and negative prompt of the queued requests, in one encoder call per token

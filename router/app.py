@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from common.config.engine import EngineConfig
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
-from common.protocol.messages import REQUEST_IMAGES
+from common.protocol.messages import EXPERT_NAMES, REQUEST_IMAGES
 from router.auth import ApiKeyMiddleware
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
@@ -38,6 +38,8 @@ from router.schemas import (
 )
 from router.images import decode_image
 from router.request_params import check_family_fields, check_image_fields, check_model_fields, to_params
+from router.sleep import SleepControl
+from router.sleep_api import SleepRoutes, add_sleep_routes
 from router.weight_sync import MemorySync
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
@@ -51,6 +53,8 @@ class Routes:
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
         self.memory = MemorySync(config, dispatcher.control, self.weights, self.loras)
+        experts = EXPERT_NAMES if info.has_transformer_2 else EXPERT_NAMES[:1]
+        self.sleep = SleepControl(dispatcher, self.weights, experts)
         self.metrics = Metrics()
         self.weights.on_supplied = self.loras.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
@@ -63,9 +67,11 @@ class Routes:
             missing = await self.weights.replay(worker) | await self.loras.replay(worker)
             if missing:
                 self.dispatcher.registry.lacks(worker.role, worker.index, missing)
+        await self.sleep.worker_back(worker)  # one restarted while asleep stays asleep
 
     def _supplied(self, item: str) -> None:
         self.dispatcher.registry.supplied(LoraControl.role, item)
+        self.sleep.supplied(item)
 
     async def health(self) -> JSONResponse:
         ok, workers = self.dispatcher.health()
@@ -235,6 +241,7 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       responses=errors(400, 401, 500, 503, 504))
     add_lora_routes(app, routes)
     add_weight_sync_routes(app, routes)
+    add_sleep_routes(app, SleepRoutes(routes.sleep, routes.config.limits.max_body_bytes))
 
 
 def add_weight_sync_routes(app: FastAPI, routes: Routes) -> None:

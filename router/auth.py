@@ -28,7 +28,8 @@ ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 # Paths that change the engine (any method).
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                          "/weight_sync", "/update_weights_from_tensors", "/init_weights_group",
-                         "/update_weights_from_distributed", "/destroy_weights_group"})
+                         "/update_weights_from_distributed", "/destroy_weights_group",
+                         "/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"})
 # (method, path) pairs anyone may call.
 OPEN_ENDPOINTS = frozenset({("GET", "/health")})
 

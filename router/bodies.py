@@ -56,7 +56,11 @@ async def read_limited(request: Request, limit: int) -> bytes:
 
 async def parse_body(request: Request, limit: int) -> dict:
     """The body as a dict: msgpack if its content-type says so, else JSON."""
-    raw = await read_limited(request, limit)
+    return decode_body(await read_limited(request, limit), request)
+
+
+def decode_body(raw: bytes, request: Request) -> dict:
+    """Raw body bytes as a dict, by the request's content-type."""
     is_msgpack = MSGPACK in request.headers.get("content-type", "")
     try:
         data = msgpack.unpackb(raw, raw=False) if is_msgpack else json.loads(raw or b"null")

@@ -85,6 +85,23 @@ class EngineClient:
     def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
         return self._decode(self._http.get("/weights_checksum", params={"module": module}))
 
+    # --- releasing and resuming the weights (a colocated trainer) -------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None, level: int = 2,
+                                  mode: str = "wait") -> dict[str, Any]:
+        """Release the tagged components' weights (``transformer``, ``text_encoder``, ``vae``, ``weights``;
+        None: all): level 1 to host memory, level 2 dropped. ``mode="abort"``: the work in flight on their
+        workers is answered 503 instead of finishing first."""
+        return self._post("/release_memory_occupation", {"tags": tags, "level": level, "mode": mode})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, reload: str | None = None) -> dict[str, Any]:
+        """Wake the tagged components. Weights dropped at level 2 must have been pushed since, or
+        ``reload="disk"`` loads them from the model directory (else ``EngineHTTPError`` 409 ``weights_missing``)."""
+        return self._post("/resume_memory_occupation", {"tags": tags, "reload": reload})
+
+    def is_sleeping(self) -> dict[str, Any]:
+        """``{"is_sleeping": bool, "components": {tag: {"sleeping", "level", "weights"}}}``."""
+        return self._decode(self._http.get("/is_sleeping"))
+
     # --- LoRA adapters -----------------------------------------------------------------
     def load_lora_adapter(self, lora_name: str, lora_path: str, load_into_transformer_2: bool = False) -> dict:
         """Load (or replace) an adapter from a diffusers LoRA file/folder or a peft folder below the

@@ -55,10 +55,11 @@ def control_failure(replies: list[Reply], stage: str) -> EngineError | None:
     errors = [r for r in replies if isinstance(r, EngineError)]
     if not errors:
         return None
-    # Every worker refused (4xx), or every one failed the same way before applying anything (a weight
-    # transfer that broke off: 504): their answer, not a disagreement.
+    # Every worker refused (4xx), or every one failed the same way (a weight transfer that broke off: 504;
+    # weights released: 503 sleeping): their answer, not a disagreement.
     if len(errors) == len(replies) and (all(400 <= e.status < 500 for e in errors)
-                                         or len({e.status for e in errors}) == 1 and errors[0].status == 504):
+                                         or len({(e.status, e.type) for e in errors}) == 1
+                                         and errors[0].status in (503, 504)):
         e = errors[0]
         return EngineError(e.status, e.type, e.message, e.stage, "")
     detail = "; ".join(f"{e.stage}: {e.message}" for e in errors)
@@ -116,6 +117,19 @@ class WeightControl:
             "seconds": time.perf_counter() - t0,
             "workers": [{"index": r.index, **r.data} for r in replies],
         }
+
+    async def reset(self, modules: list[str], run: Callable[[int], Awaitable[list]]) -> list:
+        """``modules`` back to the model directory's weights by ``run(version)`` (a resume from disk): a new
+        weight version, and nothing to replay for them on a restarted worker, which loads the same."""
+        async with self._lock:
+            version = self.version + 1
+            replies = await run(version)
+            self.version = version
+            for module in modules:
+                self._loaded.pop(module, None)
+                if self.on_supplied is not None:
+                    self.on_supplied(module)
+            return replies
 
     async def replay(self, worker: WorkerSpec) -> set[str]:
         """A restarted worker loaded the model directory's weights: give it the updates since, at this version.

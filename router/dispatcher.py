@@ -142,18 +142,31 @@ class Dispatcher:
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s or self.config.limits.request_timeout_s
         params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
+        admitted = versions() if versions is not None and params.rollout is not None else None
+
+        def unchanged() -> None:  # a rollout that waited for sleeping workers must not run on other weights
+            if admitted is not None and (now := versions()) != admitted:
+                raise EngineError(409, "weights_changed", f"the weights or adapter changed while this rollout "
+                                  f"waited (versions {admitted} -> {now}); it is not run on other weights",
+                                  "router", rid)
+
         outcome, attempts = await with_attempts(lambda attempt: self._attempt(params, rid, attempt, timeout_s,
-                                                                              images or {}),
+                                                                              images or {}, unchanged),
                                                 rid, self.config.limits.max_attempts, versions,
                                                 rollout=params.rollout is not None)
         outcome.info["attempts"] = attempts
         return outcome
 
     async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float,
-                       images: dict[str, torch.Tensor]) -> Outcome:
+                       images: dict[str, torch.Tensor], unchanged: Callable[[], None]) -> Outcome:
         rid = attempt_id(request_id, attempt)
         chosen = await self._reserve(params)
-        route = Route(**{role: w.spec.index for role, w in chosen.items()})
+        try:
+            unchanged()
+        except EngineError:
+            self.registry.release(chosen, params.n)
+            raise
+        route = Route(**{"decode": 0, **{role: w.spec.index for role, w in chosen.items()}})
         future = asyncio.get_running_loop().create_future()
         pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent",
                                                 samples=params.n))
@@ -172,15 +185,23 @@ class Dispatcher:
             self.registry.release(chosen, params.n)
 
     async def _reserve(self, params: GenerationParams):
-        """A ready instance of each role. While a role has none but one of its workers is on its way back
-        (restarting, loading, syncing), wait for it up to ``--worker-wait`` seconds within the request's
-        deadline; else 503 ``unavailable`` at once."""
+        """A ready instance of each role the request needs (a latent answer skips the decode worker). While
+        a role has none but one of its workers is on its way back (restarting, loading, syncing, asleep),
+        wait for it up to ``--worker-wait`` seconds within the request's deadline; else 503 ``unavailable``
+        (``sleeping``) at once."""
         give_up = min(params.deadline, time.time() + self.config.limits.worker_wait_s)
+        roles = ROLES if params.output_type != "latent" else tuple(r for r in ROLES if r != "decode")
         while True:
             try:
-                return self.registry.reserve(ROLES, params.n)
+                return self.registry.reserve(roles, params.n)
             except EngineError as e:
-                if time.time() >= give_up or not (self.workers_restart and self.registry.coming_back(e.stage)):
+                asleep = self.registry.asleep(e.stage)
+                returns = asleep or self.workers_restart and self.registry.coming_back(e.stage)
+                if time.time() >= give_up or not returns:
+                    if asleep:
+                        raise EngineError(503, "sleeping", f"the {e.stage} workers' weights are released "
+                                          "(release_memory_occupation); resume_memory_occupation wakes them",
+                                          e.stage, "") from None
                     raise
                 await asyncio.sleep(0.05)
 

@@ -140,12 +140,18 @@ class PendingTable:
         p.future.set_exception(EngineError(502, "bad_result", f"malformed answer: {reason}", p.where(), request_id))
         return True
 
-    def fail_waiting_on(self, role: str, index: int, reason: str) -> int:
-        """Fail (503 ``worker_lost``) every unsettled request still in that worker; how many."""
+    def waiting_on(self, role: str, index: int) -> int:
+        """Generation requests still in (or queued for) that worker (control requests aside)."""
+        return sum(1 for p in self._by_id.values() if p.target is None and p.waits_on(role, index))
+
+    def fail_waiting_on(self, role: str, index: int, reason: str, type_: str = "worker_lost",
+                        controls: bool = True) -> int:
+        """Fail (503 ``type_``) every unsettled request still in that worker (``controls``: control requests
+        too); how many."""
         failed = 0
         for rid, p in list(self._by_id.items()):
-            if p.waits_on(role, index) and not p.future.done():
-                p.future.set_exception(EngineError(503, "worker_lost", f"{role} worker {index} {reason}", role, rid))
+            if p.waits_on(role, index) and not p.future.done() and (controls or p.target is None):
+                p.future.set_exception(EngineError(503, type_, f"{role} worker {index} {reason}", role, rid))
                 failed += 1
         return failed
 

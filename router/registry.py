@@ -34,17 +34,21 @@ class WorkerState:
     # What a restarted denoise worker lacks that only the trainer's memory held (an expert's weights, "lora:"
     # and an adapter's name): not routed to until each is pushed again (or, for weights, loaded from disk).
     missing: set[str] = field(default_factory=set)
+    sleeping: bool = False  # its weights are released (router/sleep.py): not routed to until resumed
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return self.last_seen is not None and now - self.last_seen < timeout_s
 
     def ready(self, now: float, timeout_s: float) -> bool:
-        return self.state == "ready" and not self.syncing and not self.missing and self.alive(now, timeout_s)
+        return (self.state == "ready" and not self.syncing and not self.missing and not self.sleeping
+                and self.alive(now, timeout_s))
 
     def reported_state(self, now: float, timeout_s: float) -> str:
         """The state ``/health`` shows: a quiet worker is ``lost`` (or still ``starting``)."""
         if self.syncing and self.state == "ready":
             return "syncing"
+        if self.sleeping and self.state == "ready" and self.alive(now, timeout_s):
+            return "sleeping"
         if self.missing and self.state == "ready":
             return "stale"
         if self.state == "dead" or self.alive(now, timeout_s):
@@ -91,6 +95,18 @@ class WorkerRegistry:
         for (r, _), w in self.workers.items():
             if r == role:
                 w.missing.discard(item)
+
+    def set_sleeping(self, role: str, sleeping: bool) -> None:
+        for (r, _), w in self.workers.items():
+            if r == role:
+                w.sleeping = sleeping
+
+    def asleep(self, role: str) -> bool:
+        return any(r == role and w.sleeping for (r, _), w in self.workers.items())
+
+    def outstanding(self, role: str) -> int:
+        """Samples routed to ``role``'s workers and not answered yet."""
+        return sum(w.outstanding for (r, _), w in self.workers.items() if r == role)
 
     def take_new_ready(self, w: WorkerState) -> bool:
         """True once for a replacing process that is now ready: it starts syncing (not routed to)."""

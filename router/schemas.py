@@ -130,6 +130,29 @@ class UpdateWeightsBody(BaseModel):
                                                      "(a pass over them; false skips it)")
 
 
+TAGS_DESCRIPTION = "transformer (every expert), text_encoder (with the image encoder), vae; weights: all of them; " \
+                   "left out: all"
+
+
+class ReleaseMemoryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"tags": ["transformer"], "level": 2}]})
+
+    tags: list[str] | None = Field(default=None, max_length=8, description=TAGS_DESCRIPTION)
+    level: Literal[1, 2] = Field(default=2, description="1: the weights to host memory (back bit for bit); "
+                                 "2: dropped (back by a push, or reload: disk)")
+    mode: Literal["wait", "abort"] = Field(default="wait", description="wait: the work in flight on those workers "
+                                           "finishes first; abort: it is answered 503 at once")
+
+
+class ResumeMemoryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"tags": ["transformer"]}]})
+
+    tags: list[str] | None = Field(default=None, max_length=8, description=TAGS_DESCRIPTION)
+    reload: Literal["disk"] | None = Field(default=None, description="disk: weights dropped and not pushed since "
+                                           "come from the --model directory (the start-up weights)")
+
+
 class WeightTensorBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -183,6 +183,10 @@ def test_response_structure(engine):
     assert t["encode_s"] > 0 and t["denoise_s"] > 0 and t["decode_s"] > 0
     # One sample runs the stages one after another inside the router's wall time.
     assert t["total_s"] >= t["encode_s"] + t["denoise_s"] + t["decode_s"]
+    # Each worker's peak while it held the request (CPU: its resident set, the model and interpreter included).
+    peaks = body["peak_memory"]
+    assert set(peaks) == {"encoder", "denoise", "decode"}
+    assert all(isinstance(v, int) and 10 << 20 < v < 64 << 30 for v in peaks.values()), peaks
 
 
 def test_latent_response_skips_decode(engine):
@@ -191,6 +195,7 @@ def test_latent_response_skips_decode(engine):
     assert s["output"]["shape"] == [16, 2, 4, 4]
     _tensor(s["output"])
     assert body["timings"]["decode_s"] == 0.0 and body["timings"]["denoise_s"] > 0
+    assert body["peak_memory"]["decode"] is None and body["peak_memory"]["denoise"] > 0
 
 
 def test_n_samples_get_their_own_seeds_and_request_ids(engine):
@@ -231,6 +236,8 @@ BODY_MODELS = {
     "/init_weights_group": {"master_address", "master_port", "backend", "timeout_s"},
     "/v1/load_lora_adapter": {"lora_name", "lora_path", "load_into_transformer_2"},
     "/v1/unload_lora_adapter": {"lora_name"},
+    "/release_memory_occupation": {"tags", "level", "mode"},
+    "/resume_memory_occupation": {"tags", "reload"},
 }
 BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
     "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs"}
@@ -255,7 +262,8 @@ def test_openapi_declares_each_request_body(openapi, path):
     required = {"/update_weights_from_disk": ["path"], "/v1/load_lora_adapter": ["lora_name", "lora_path"],
                 "/v1/unload_lora_adapter": ["lora_name"], "/update_weights_from_tensors": ["tensors", "buckets"],
                 "/update_weights_from_distributed": ["tensors", "buckets"],
-                "/init_weights_group": ["master_address", "master_port"]}
+                "/init_weights_group": ["master_address", "master_port"],
+                "/release_memory_occupation": [], "/resume_memory_occupation": []}
     assert schema.get("required", []) == required.get(path, ["prompt"])
     assert schema["additionalProperties"] is False
     assert set(body["content"]["application/json"]["example"]) <= BODY_MODELS[path]

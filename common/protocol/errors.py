@@ -33,6 +33,20 @@ class TransferFailed(RuntimeError):
     status = 504
 
 
+class Sleeping(RuntimeError):
+    """The worker's weights are released (``/release_memory_occupation``): HTTP 503 ``sleeping``."""
+
+    status = 503
+    error_type = "sleeping"
+
+
+class WeightsMissing(RuntimeError):
+    """A resume found weights that were dropped and never given back: HTTP 409 ``weights_missing``."""
+
+    status = 409
+    error_type = "weights_missing"
+
+
 def check_deadline(params) -> None:
     """Raise :class:`DeadlineExceeded` once ``params.deadline`` (seconds since the epoch) has passed."""
     if params.deadline is not None and time.time() > params.deadline:

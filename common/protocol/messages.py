@@ -26,6 +26,11 @@ ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weigh
 OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
 SDE_TYPES: tuple[str, ...] = get_args(SdeType)
 EXPERT_NAMES: tuple[str, ...] = get_args(ExpertName)
+# What a colocated trainer may release and resume, and the role whose workers hold each (the encoder's image
+# side, image-to-video, goes with the text encoder).
+MemoryTag = Literal["transformer", "text_encoder", "vae"]
+MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
+TAG_ROLES = {"transformer": "denoise", "text_encoder": "encoder", "vae": "decode"}
 
 # dtype names (common.protocol.codec.DTYPES) by class, for the tensor contracts below.
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -274,7 +279,8 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     carries = (LORA_BLOB,)
 
     op: Literal["update_weights", "checksum", "load_lora", "unload_lora", "update_weights_from_tensors",
-                "init_weights_group", "update_weights_from_distributed", "destroy_weights_group"]
+                "init_weights_group", "update_weights_from_distributed", "destroy_weights_group",
+                "release_memory", "resume_memory"]
     module: ExpertName = "transformer"  # load_lora from memory: the expert the tensors belong to
     path: str | None = None
     version: int | None = None  # the weight (or adapter) version to report after a successful load
@@ -298,6 +304,12 @@ class ControlRequest(_Header, tag="control", kw_only=True):
 
 
 class ControlReply(_Header, tag="control_reply", kw_only=True):
+    # release_memory: 1 moves the worker's weights to host memory, 2 drops them; abort: drop the requests it
+    # holds instead of finishing them first. resume_memory: reload "disk" loads dropped weights from the model
+    # directory (with ``version``: the denoise worker's weight version after it).
+    level: Literal[1, 2] = 1
+    abort: bool = False
+    reload: Literal["disk"] | None = None
     role: str
     index: int
     data: dict[str, str | int | float | list[str] | None] = {}

@@ -17,6 +17,7 @@ import torch
 from common.config.engine import EngineConfig, WorkerSpec, torch_dtype_for
 from common.protocol.errors import RequestError
 from common.protocol.messages import ControlRequest, Message
+from common.runtime.component_memory import ComponentMemory, modules_of, return_freed_memory
 
 
 @dataclass
@@ -79,6 +80,32 @@ class Stage:
         """Administration (weight sync, adapters); stages that have none refuse."""
         raise RequestError(f"{self.role} worker takes no {msg.op} requests")
 
+    # --- releasing and resuming the weights (a colocated trainer) -----------------------
+    memory: ComponentMemory | None = None  # set by ``load`` in stages whose weights can sleep
+
+    def component_memory(self, tag: str, holders: dict[str, object]) -> ComponentMemory:
+        """The weights ``holders`` (what ``load`` made) hold, as the component ``tag``; a resume from disk loads
+        a fresh copy of this stage and takes its weights."""
+        return ComponentMemory(tag, modules_of(holders), self.fresh_modules)
+
+    def fresh_modules(self) -> dict[str, torch.nn.Module]:
+        fresh = type(self)(self.config, self.spec)
+        fresh.load()
+        return {name: m.module for name, m in fresh.memory.modules.items()}
+
+    def drop_work(self) -> int:
+        """Forget every request held (their answers went out already: a release with ``abort``); how many."""
+        return 0
+
+    def release_memory(self, msg: ControlRequest) -> dict:
+        released = self.memory.release(msg.level)
+        return_freed_memory()
+        return {"level": self.memory.level, "released_bytes": released}
+
+    def resume_memory(self, msg: ControlRequest) -> dict:
+        self.memory.resume(msg.reload)
+        return {"level": 0}
+
 
 class QueuedBatchStage(Stage):
     """A stage that handles whatever has queued up in one call (encoder, decode).
@@ -111,3 +138,8 @@ class QueuedBatchStage(Stage):
 
     def process_batch(self, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> list["Forward | BaseException"]:
         raise NotImplementedError
+
+    def drop_work(self) -> int:
+        dropped = len(self.queue)
+        self.queue.clear()
+        return dropped

@@ -23,7 +23,7 @@ import zmq
 
 from common.config.engine import EngineConfig, default_threads
 from common.protocol.codec import WireError, decode, encode
-from common.protocol.errors import DeadlineExceeded, check_deadline
+from common.protocol.errors import DeadlineExceeded, RequestError, Sleeping, check_deadline
 from common.protocol.messages import (
     PROTOCOL_VERSION,
     REQUEST_KINDS,
@@ -48,6 +48,7 @@ FAULT_ENV = "DISAGG_FAULT_EXIT_ON_PROMPT"
 FAULT_EXIT_CODE = 86
 MAX_DRAIN = 256
 
+MEMORY_OPS = ("release_memory", "resume_memory")
 
 class WorkerRuntime:
     def __init__(self, stage: Stage):
@@ -94,7 +95,7 @@ class WorkerRuntime:
             v=PROTOCOL_VERSION,
             request_id=request_id,
             stage=self.stage.role,
-            type=type(exc).__name__,
+            type=getattr(exc, "error_type", None) or type(exc).__name__,
             message=str(exc) or type(exc).__name__,
             status=status or getattr(exc, "status", 500),
         )
@@ -146,7 +147,7 @@ class WorkerRuntime:
             self.move_peer(msg)
             return
         if isinstance(msg, ControlRequest):
-            if self.stage.applies_between_steps(msg):
+            if self.stage.applies_between_steps(msg) or (msg.op == "release_memory" and msg.abort):
                 self.handle_control(msg, tensors)  # here, between two steps of the stage's work
             else:
                 self._controls.append((msg, tensors))  # applied when no request is in flight
@@ -171,6 +172,9 @@ class WorkerRuntime:
             self.stage.accept(msg, tensors)
         except Exception as e:  # refused at the door (bad tensors, scheduler rebuild, deadline)
             self.finish(msg, e)
+            if self.stage.memory is not None and self.stage.memory.asleep:  # never a result from missing weights
+                raise Sleeping(f"the {self.stage.role} worker's weights are released; resume_memory_occupation "
+                               "wakes it")
 
     def finish(self, msg: Any, outcome: "Forward | BaseException") -> None:
         """Send a request's result on (and tell the router it moved), or answer its failure."""
@@ -210,7 +214,7 @@ class WorkerRuntime:
 
     def handle_control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> None:
         try:
-            data = self.stage.control(msg, tensors)
+            data = self.memory_control(msg) if msg.op in MEMORY_OPS else self.stage.control(msg, tensors)
         except Exception as e:
             log.exception("%s %s failed", msg.op, msg.request_id)
             self.reply_error(msg.request_id, e)
@@ -228,6 +232,19 @@ class WorkerRuntime:
 
     def receive(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
         """Everything already queued on the socket, so that it can join the next batch."""
+    def memory_control(self, msg: ControlRequest) -> dict:
+        """Release or resume the stage's weights (a colocated trainer's turn on the device)."""
+        if self.stage.memory is None:
+            raise RequestError(f"the {self.stage.role} worker holds no weights to release")
+        if msg.op == "resume_memory":
+            return self.stage.resume_memory(msg)
+        dropped = self.stage.drop_work() if msg.abort else 0
+        if dropped:
+            log.info("release_memory (abort): dropped %d request(s)", dropped)
+        data = self.stage.release_memory(msg)
+        log.info("weights released (level %d): %d bytes", msg.level, data["released_bytes"])
+        return data
+
         waiting = self.stage.has_work() or self._controls
         if not poller.poll(0 if waiting else POLL_MS):
             if not waiting:
