@@ -36,6 +36,7 @@ import uvicorn
 
 from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits
 from common.runtime.http_sockets import bind_http_or_exit
+from common.runtime.memory_flags import add_memory_flags, check_memory_flags, memory_settings
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.families import UnknownFamily, read_model
@@ -137,7 +138,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serve a diffusion model (Wan, SD3) as a disaggregated "
                                             "encoder/denoise/decode pipeline.")
-    for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags):
+    for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags, add_memory_flags):
         add_flags(p)
     args = p.parse_args(argv)
     if args.ray is not None:
@@ -150,6 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--worker-wait must be >= 0")
     if args.shm_spare_bytes < 0:
         p.error("--shm-spare-bytes must be >= 0")
+    check_memory_flags(p, args)
     return args
 
 
@@ -224,6 +226,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         weight_roots=weight_roots,
         weight_sync_from_memory=args.weight_sync_from_memory,
         compile=args.compile,
+        **memory_settings(args),
         limits=Limits(
             max_height=args.max_height,
             max_width=args.max_width,

@@ -1,4 +1,5 @@
-"""Decode stage: the family's VAE decode, latents to frames [n, F, H, W, 3] (F = 1: an image)."""
+"""Decode stage: the family's VAE decode, latents to frames [n, F, H, W, 3] (F = 1: an image), tiled as
+``--vae-tiling`` says."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 
 import torch
 
+from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 from common.protocol.messages import LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
 from common.runtime.stage import Forward, QueuedBatchStage
@@ -16,7 +18,8 @@ class DecodeStage(QueuedBatchStage):
 
     def load(self) -> None:
         info = read_model(self.config.model)
-        self.decoder = info.family.load_decoder(info, self.dtype, self.device)
+        tiling = VaeTiling.of(self.config.vae_tiling, self.config.vae_tiling_pixels)
+        self.decoder = info.family.load_decoder(info, self.dtype, self.device, tiling)
         self.memory = self.component_memory("vae", {"decoder": self.decoder})
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Encoder stage: the queued requests' prompts through the family's text encoder(s), and their images through
-its image side (image-to-video), with a cache of both."""
+its image side (image-to-video), with a cache of both.
+
+The text encoder runs on ``--text-encoder-device`` when given (the host, for a GPU too small for it beside the
+rest), in that device's default dtype unless ``--dtype`` says; the image side stays on the worker's device.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import time
 
 import torch
 
+from common.config.engine import torch_dtype_for
 from common.diffusion.policy import uses_guidance
+from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 from common.protocol.errors import RequestError
 from common.protocol.images import image_digest, image_from_array
@@ -22,10 +28,13 @@ class EncoderStage(QueuedBatchStage):
     def load(self) -> None:
         info = read_model(self.config.model)
         self.family = info.family
-        self.text_encoder = info.family.load_text_encoder(info, self.dtype, self.device)
+        text_device = self.config.text_encoder_device or self.spec.device
+        self.text_encoder = info.family.load_text_encoder(info, torch_dtype_for(text_device, self.config.dtype),
+                                                          torch.device(text_device))
         self.images = None  # image-to-video models: the image encoder and the VAE's encoder half
         if info.family.image_input(info) is not None:
-            self.images = info.family.load_image_conditioner(info, self.dtype, self.device)
+            tiling = VaeTiling.of(self.config.vae_tiling, self.config.vae_tiling_pixels)
+            self.images = info.family.load_image_conditioner(info, self.dtype, self.device, tiling)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
         self.memory = self.component_memory("text_encoder", {"text_encoder": self.text_encoder, "images": self.images})
 

@@ -93,6 +93,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     weight_sync_from_memory: bool = False
     # Denoise workers: each expert through torch.compile (common/diffusion/compiled.py), warmed up before ready.
     compile: bool = False
+    # VAE calls (decode; image-to-video's image encode) tiled: "auto" above vae_tiling_pixels (one sample's
+    # frames x height x width; None: common/diffusion/vae_tiling.py's default), "on", "off".
+    vae_tiling: str = "auto"
+    vae_tiling_pixels: int | None = None
+    # Encoder workers: the device of the text encoder(s) ("cpu", "cuda", "cuda:N"); None: the worker's own.
+    text_encoder_device: str | None = None
     transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
     # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/transport/shm.py).
     # 0: off (always 0 with tcp). Segment names start with common.transport.shm.engine_prefix(runtime_dir).

@@ -40,6 +40,11 @@ TRANSPORTS = ("ipc", "tcp")
 LOOPBACK = "127.0.0.1"
 
 
+def is_device(name: str) -> bool:
+    """Whether ``name`` spells a worker device: cpu, cuda or cuda:N."""
+    return bool(_DEVICE.match(name))
+
+
 def _visible_devices() -> list[str]:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [f"cuda:{i}" for i in range(n)] or ["cpu"]

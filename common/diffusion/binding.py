@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
+from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import TensorField
 
 if TYPE_CHECKING:
@@ -199,9 +200,9 @@ class Binding:
         or refused (None) on this model."""
         return None
 
-    def load_image_conditioner(self, info: "ModelInfo", dtype: torch.dtype, device):
+    def load_image_conditioner(self, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         """An object whose ``wire_tensors(image, last_image, height, width, num_frames)`` gives a request's
-        image tensors (PIL images in; ``last_image`` may be None)."""
+        image tensors (PIL images in; ``last_image`` may be None); its VAE encode tiles as ``tiling`` says."""
         raise NotImplementedError
 
     def image_conditioning(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -232,6 +233,7 @@ class Binding:
         all of them."""
         return None
 
-    def load_decoder(self, info: "ModelInfo", dtype: torch.dtype, device):
-        """An object whose ``decode(latents, height, width)`` gives float32 frames [n, F, H, W, 3] in [0, 1]."""
+    def load_decoder(self, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
+        """An object whose ``decode(latents, height, width)`` gives float32 frames [n, F, H, W, 3] in [0, 1],
+        its VAE tiled as ``tiling`` says for the samples' size."""
         raise NotImplementedError

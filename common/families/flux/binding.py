@@ -20,6 +20,7 @@ import torch
 
 from common.diffusion.binding import HIDDEN, Geometry, TextCond
 from common.diffusion.packed import PackedBinding
+from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
 
 POOLED = "pooled_projections"
@@ -84,7 +85,7 @@ class FluxBinding(PackedBinding):
                                 dtype=dtype),
             POOLED: torch.randn(1, c.pooled_projection_dim, generator=generator, device=device, dtype=dtype)})
 
-    def load_decoder(self, info, dtype: torch.dtype, device):
+    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         from common.families.flux.vae import FluxDecoder
 
-        return FluxDecoder.load(info, dtype, device)
+        return FluxDecoder.load(info, dtype, device, tiling)

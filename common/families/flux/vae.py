@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.diffusion.packed import unpack
+from common.diffusion.vae_tiling import VaeTiling
 from common.families.sd3.vae import SD3Decoder
 
 
@@ -13,8 +14,8 @@ class FluxDecoder:
         self.info, self.image = info, image
 
     @classmethod
-    def load(cls, info, dtype: torch.dtype, device) -> "FluxDecoder":
-        return cls(info, SD3Decoder.load(info.path, dtype, device))  # the same VAE, scaling and shift
+    def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "FluxDecoder":
+        return cls(info, SD3Decoder.load(info.path, dtype, device, tiling))  # the same VAE, scaling, shift, tiling
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Packed latents [n, seq, 64] -> float32 frames [n, 1, H, W, 3] in [0, 1]."""

@@ -21,6 +21,7 @@ import torch
 
 from common.diffusion.binding import HIDDEN, Geometry, TextCond
 from common.diffusion.packed import PackedBinding
+from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import PROMPT_EMBEDS
 
 MASK = "encoder_hidden_states_mask"
@@ -97,10 +98,10 @@ class QwenImageBinding(PackedBinding):
         return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
                                              device=device, dtype=dtype)})
 
-    def load_decoder(self, info, dtype: torch.dtype, device):
+    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         from common.families.qwen_image.vae import QwenImageDecoder
 
-        return QwenImageDecoder.load(info, dtype, device)
+        return QwenImageDecoder.load(info, dtype, device, tiling)
 
 
 _TRACED = False

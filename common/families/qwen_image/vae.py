@@ -1,22 +1,24 @@
-"""Qwen-Image's VAE decode: packed tokens unpacked, de-normalised, ``AutoencoderKLQwenImage`` as the pipeline."""
+"""Qwen-Image's VAE decode: packed tokens unpacked, de-normalised, ``AutoencoderKLQwenImage`` as the pipeline
+(tiled above the tiling budget)."""
 
 from __future__ import annotations
 
 import torch
 
 from common.diffusion.packed import unpack
+from common.diffusion.vae_tiling import VaeTiling
 
 
 class QwenImageDecoder:
-    def __init__(self, info, vae, device):
-        self.info, self.vae, self.device = info, vae, device
+    def __init__(self, info, vae, device, tiling: VaeTiling = VaeTiling()):
+        self.info, self.vae, self.device, self.tiling = info, vae, device, tiling
 
     @classmethod
-    def load(cls, info, dtype: torch.dtype, device) -> "QwenImageDecoder":
+    def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "QwenImageDecoder":
         from diffusers import AutoencoderKLQwenImage
 
         vae = AutoencoderKLQwenImage.from_pretrained(info.path / "vae", dtype=dtype)
-        return cls(info, vae.to(device).eval().requires_grad_(False), device)
+        return cls(info, vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -26,5 +28,6 @@ class QwenImageDecoder:
         cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        self.tiling.apply(self.vae, 1, height, width)
         image = self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
         return (image / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 1).unsqueeze(1).contiguous()

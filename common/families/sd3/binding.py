@@ -18,6 +18,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 
 from common.diffusion.binding import HIDDEN, Binding, Geometry, TextCond
+from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
 
 POOLED = "pooled_projections"  # the transformer's keyword for the pooled text
@@ -70,7 +71,7 @@ class SD3Binding(Binding):
                                 device=device, dtype=dtype),
             POOLED: torch.randn(1, c.pooled_projection_dim, generator=generator, device=device, dtype=dtype)})
 
-    def load_decoder(self, info, dtype: torch.dtype, device):
+    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         from common.families.sd3.vae import SD3Decoder
 
-        return SD3Decoder.load(info.path, dtype, device)
+        return SD3Decoder.load(info.path, dtype, device, tiling)

@@ -22,6 +22,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from common.diffusion.binding import Binding, Geometry
+from common.diffusion.vae_tiling import VaeTiling
 from common.families.wan.text import MAX_SEQUENCE_LENGTH, WanTextEncoder, pad_embeddings
 from common.protocol.messages import IMAGE_CONDITION, PROMPT_EMBEDS
 
@@ -82,11 +83,11 @@ class WanBinding(Binding):
     def image_input(self, info) -> str | None:
         return "optional" if info.expand_timesteps else None
 
-    def load_image_conditioner(self, info, dtype: torch.dtype, device):
+    def load_image_conditioner(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         from common.families.wan_i2v.image import WanImageConditioner
 
         return WanImageConditioner.load(info.path, dtype, device, expand_timesteps=info.expand_timesteps,
-                                        image_encoder=info.has_component("image_encoder"))
+                                        image_encoder=info.has_component("image_encoder"), tiling=tiling)
 
     def image_conditioning(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
         c = wire.get(IMAGE_CONDITION.name)
@@ -118,10 +119,10 @@ class WanBinding(Binding):
             return None
         return frame_mask(latents, image)[:, :, :, :1, :1]  # [1, 1, F', 1, 1]: frame 0 left out
 
-    def load_decoder(self, info, dtype: torch.dtype, device):
+    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         from common.families.wan.vae import WanDecoder
 
-        return WanDecoder.load(info.path, dtype, device)
+        return WanDecoder.load(info.path, dtype, device, tiling)
 
 
 def _frame0_from(info, latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,8 @@ needs, as ``WanImageToVideoPipeline`` makes it:
     last_image]``) encoded, with the 4-channel first-frame mask in front: ``[4 + C, F', H', W']``;
   - ``expand_timesteps`` models (Wan2.2 TI2V-5B): the image alone, ``[C, 1, H', W']`` (frame 0's latent).
 
-Only the VAE's encoder half is kept here; the decode worker keeps the decoder half.
+Only the VAE's encoder half is kept here; the decode worker keeps the decoder half. The encode runs tiled
+as the decode worker's decode would at the request's size (``VaeTiling``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
 
 
@@ -37,8 +39,9 @@ def first_frame_mask(num_frames: int, latent_frames: int, height: int, width: in
 class WanImageConditioner:
     """The image encoder (when the model has one), its processor, the VAE's encoder half and the resize."""
 
-    def __init__(self, vae, video_processor, image_encoder, image_processor, expand_timesteps: bool, device):
-        self.vae, self.video_processor, self.device = vae, video_processor, device
+    def __init__(self, vae, video_processor, image_encoder, image_processor, expand_timesteps: bool, device,
+                 tiling: VaeTiling = VaeTiling()):
+        self.vae, self.video_processor, self.device, self.tiling = vae, video_processor, device, tiling
         self.image_encoder, self.image_processor = image_encoder, image_processor
         self.expand_timesteps = expand_timesteps
         z = vae.config.z_dim
@@ -48,8 +51,8 @@ class WanImageConditioner:
         self.spatial = int(vae.config.scale_factor_spatial)
 
     @classmethod
-    def load(cls, path: Path, dtype: torch.dtype, device, expand_timesteps: bool,
-             image_encoder: bool) -> "WanImageConditioner":
+    def load(cls, path: Path, dtype: torch.dtype, device, expand_timesteps: bool, image_encoder: bool,
+             tiling: VaeTiling = VaeTiling()) -> "WanImageConditioner":
         from diffusers import AutoencoderKLWan
         from diffusers.video_processor import VideoProcessor
 
@@ -64,7 +67,7 @@ class WanImageConditioner:
             encoder = CLIPVisionModel.from_pretrained(path / "image_encoder", dtype=dtype)
             encoder = encoder.to(device).eval().requires_grad_(False)
         video_processor = VideoProcessor(vae_scale_factor=int(vae.config.scale_factor_spatial))
-        return cls(vae, video_processor, encoder, processor, expand_timesteps, device)
+        return cls(vae, video_processor, encoder, processor, expand_timesteps, device, tiling)
 
     @torch.no_grad()
     def embeds(self, images: list) -> torch.Tensor:
@@ -85,6 +88,7 @@ class WanImageConditioner:
                 last = self.video_processor.preprocess(last_image, height=height, width=width)
                 parts.append(last.to(self.device, torch.float32).unsqueeze(2))
             video = torch.cat(parts, dim=2)
+        self.tiling.apply(self.vae, video.shape[2], height, width)
         posterior = self.vae.encode(video.to(self.vae.dtype)).latent_dist
         latents = posterior.mode().float()
         latents = (latents - self.latents_mean.to(latents.device)) * self.latents_std.to(latents.device)
