@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
-    LOG_PROB_STEPS, LOG_PROBS, OUTPUT, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
+    LOG_PROB_STEPS, LOG_PROBS, OUTPUT, ROLES, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
 from router import media
 from router.join import Outcome
@@ -122,6 +122,9 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
         "request_id": request_id,
         "samples": [sample_body(seed + i, outcome.sample(i), binary, files[i] if files else None) for i in range(n)],
         "timings": timings,
+        # Each stage's peak memory while it held the request, bytes; null for a stage it skipped (decode for
+        # latents).
+        "peak_memory": {role: outcome.peak_memory.get(role) for role in ROLES},
         "weight_version": outcome.info.get("weight_version"),
         "attempts": outcome.info.get("attempts", 1),  # runs it took: more than 1 when a worker died holding it
     }

@@ -57,12 +57,13 @@ class Outcome:
     timings: dict[str, float]
     info: dict
     route: Route | None
+    peak_memory: dict[str, int] = field(default_factory=dict)  # each stage's, by role (Result.peak_memory)
 
     def sample(self, i: int) -> "Outcome":
         """Sample ``i`` alone: its row of every per-sample tensor, the shared tensors as they are."""
         rows = {f.name for f in PER_SAMPLE}
         tensors = {k: v[i] if k in rows else v for k, v in self.tensors.items()}
-        return Outcome(tensors, self.timings, self.info, self.route)
+        return Outcome(tensors, self.timings, self.info, self.route, self.peak_memory)
 
 
 def sample_count_problem(tensors: dict[str, torch.Tensor], n: int) -> str | None:
@@ -128,7 +129,7 @@ class PendingTable:
             p.future.set_exception(EngineError(502, "bad_result", f"malformed answer: {problem}", msg.stage,
                                                msg.request_id))
         else:  # the codec checked the Result's tensors against its contract (OUTPUT is required)
-            p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route))
+            p.future.set_result(Outcome(tensors, dict(msg.timings), dict(msg.info), p.route, dict(msg.peak_memory)))
         return True
 
     def reject(self, request_id: str, reason: str) -> bool:

@@ -248,6 +248,7 @@ class DenoiseRequest(_Header, tag="denoise", kw_only=True):
     route: Route
     params: GenerationParams
     timings: dict[str, float] = {}
+    peak_memory: dict[str, int] = {}  # each stage's peak while it held the request, bytes (by role)
 
 
 class DecodeRequest(_Header, tag="decode", kw_only=True):
@@ -258,6 +259,7 @@ class DecodeRequest(_Header, tag="decode", kw_only=True):
     route: Route
     params: GenerationParams
     timings: dict[str, float] = {}
+    peak_memory: dict[str, int] = {}
     info: dict[str, str | int | float] = {}
 
 
@@ -269,6 +271,7 @@ class Result(_Header, tag="result", kw_only=True):
 
     stage: str
     timings: dict[str, float] = {}
+    peak_memory: dict[str, int] = {}
     info: dict[str, str | int | float] = {}
 
 

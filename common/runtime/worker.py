@@ -34,6 +34,7 @@ from common.protocol.messages import (
     PeerMoved,
     Progress,
 )
+from common.runtime.peak_memory import PeakMemory
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import CudaIpcContext
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
@@ -47,8 +48,8 @@ POLL_MS = 100
 FAULT_ENV = "DISAGG_FAULT_EXIT_ON_PROMPT"
 FAULT_EXIT_CODE = 86
 MAX_DRAIN = 256
-
 MEMORY_OPS = ("release_memory", "resume_memory")
+
 
 class WorkerRuntime:
     def __init__(self, stage: Stage):
@@ -67,6 +68,8 @@ class WorkerRuntime:
         self._parent = os.getppid()
         role, _, text = os.environ.get(FAULT_ENV, "").partition(":")
         self._exit_on = text if role == self.spec.role and text else None
+        self.memory_meter = PeakMemory(self.spec.device)
+        self._peaks: dict[str, int] = {}  # the requests held: the highest peak of the work done while held
 
     # --- sockets -----------------------------------------------------------
     def _push_socket(self, endpoint: str) -> zmq.Socket:
@@ -169,15 +172,17 @@ class WorkerRuntime:
             os._exit(FAULT_EXIT_CODE)
         try:
             check_deadline(msg.params)
-            self.stage.accept(msg, tensors)
-        except Exception as e:  # refused at the door (bad tensors, scheduler rebuild, deadline)
-            self.finish(msg, e)
             if self.stage.memory is not None and self.stage.memory.asleep:  # never a result from missing weights
                 raise Sleeping(f"the {self.stage.role} worker's weights are released; resume_memory_occupation "
                                "wakes it")
+            self.stage.accept(msg, tensors)
+            self._peaks[msg.request_id] = 0
+        except Exception as e:  # refused at the door (bad tensors, scheduler rebuild, deadline)
+            self.finish(msg, e)
 
     def finish(self, msg: Any, outcome: "Forward | BaseException") -> None:
         """Send a request's result on (and tell the router it moved), or answer its failure."""
+        peak = self._peaks.pop(msg.request_id, 0)
         if isinstance(outcome, DeadlineExceeded):
             log.info("request %s dropped in %s: deadline passed", msg.request_id, self.stage.role)
             return
@@ -186,6 +191,9 @@ class WorkerRuntime:
                       type(outcome).__name__, outcome, exc_info=outcome)
             self.reply_error(msg.request_id, outcome)
             return
+        if hasattr(outcome.msg, "peak_memory"):  # the earlier stages' peaks, then this one's
+            outcome.msg.peak_memory = {**getattr(msg, "peak_memory", {}), **outcome.msg.peak_memory,
+                                       self.stage.role: peak}
         try:
             self.send(outcome)
             if outcome.to != "router":
@@ -224,14 +232,6 @@ class WorkerRuntime:
         )
         self.send(Forward("router", reply))
 
-    def step(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
-        """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""
-        self.receive(pull, poller)
-        self.apply_controls_when_quiet()
-        self.advance()
-
-    def receive(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
-        """Everything already queued on the socket, so that it can join the next batch."""
     def memory_control(self, msg: ControlRequest) -> dict:
         """Release or resume the stage's weights (a colocated trainer's turn on the device)."""
         if self.stage.memory is None:
@@ -245,6 +245,14 @@ class WorkerRuntime:
         log.info("weights released (level %d): %d bytes", msg.level, data["released_bytes"])
         return data
 
+    def step(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
+        """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""
+        self.receive(pull, poller)
+        self.apply_controls_when_quiet()
+        self.advance()
+
+    def receive(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
+        """Everything already queued on the socket, so that it can join the next batch."""
         waiting = self.stage.has_work() or self._controls
         if not poller.poll(0 if waiting else POLL_MS):
             if not waiting:
@@ -271,13 +279,25 @@ class WorkerRuntime:
 
     def advance(self) -> None:
         if self.stage.has_work():
-            for msg, outcome in self.stage.work():
+            for msg, outcome in self._measured_work():
                 self.finish(msg, outcome)
+            if not self.stage.has_work():
+                self._peaks.clear()  # nothing held (requests a release dropped included)
             for notice in self.stage.notices():
                 try:
                     self.send(notice)
                 except Exception:  # a notice is informative: losing one fails nothing
                     log.debug("could not send a notice", exc_info=True)
+
+    def _measured_work(self) -> list:
+        """One turn of the stage's work; every request held during it gets the turn's peak memory if higher
+        than its own so far (a denoise request: the highest of the turns from its arrival to its last step)."""
+        self.memory_meter.reset()
+        done = self.stage.work()
+        peak = self.memory_meter.read()
+        for request_id, before in self._peaks.items():
+            self._peaks[request_id] = max(before, peak)
+        return done
 
     def stop(self) -> None:
         """Leave the loop after the current turn (signal handlers call this)."""
