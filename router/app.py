@@ -217,7 +217,8 @@ class Routes:
         return encode_response(payload, request)
 
 
-SAMPLES = "samples (tensors as {dtype, shape, data}; raw bytes with Accept: application/msgpack), timings"
+SAMPLES = ("samples (tensors as {dtype, shape, data}; raw bytes with Accept: application/msgpack), timings, "
+           "peak_memory (bytes by stage)")
 
 
 def add_routes(app: FastAPI, routes: Routes) -> None:
