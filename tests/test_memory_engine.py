@@ -3,7 +3,8 @@
 
 A 64 x 64 image (4096 pixels, the budget) decodes whole and equals diffusers' untiled decode of the engine's own
 latents; a 128 x 128 one decodes tiled (AutoencoderKL's tiles are its sample_size, 64 here) and equals
-diffusers' tiled decode of them. Every answer reports each stage's peak memory.
+diffusers' tiled decode of them. Every answer reports each stage's peak memory. On a GPU machine, a second
+engine with its text encoder on the host: the encoder worker allocates nothing on the GPU.
 """
 
 from __future__ import annotations
@@ -57,3 +58,17 @@ def test_decode_tiles_above_the_budget_as_diffusers_does(client, size, tiled):
 def test_latent_answers_report_no_decode_peak(client):
     peaks = client.generate(**REQ, output_type="latent")["peak_memory"]
     assert peaks["decode"] is None and peaks["encoder"] > 0 and peaks["denoise"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_text_encoder_on_the_host_leaves_the_encoders_gpu_untouched(tmp_path):
+    """On a GPU machine every worker is on cuda:0; the text encoder alone runs on the host."""
+    engine = Engine(tmp_path, "tiny", "encoder=1,denoise=1,decode=1", ["--text-encoder-device", "cpu"])
+    try:
+        with EngineClient(engine.url) as c:
+            answer = c.generate(prompt="a fox at dawn", seed=1)
+    finally:
+        engine.stop()
+    assert answer["samples"][0]["output"].std() > 1e-3
+    peaks = answer["peak_memory"]
+    assert peaks["encoder"] == 0 and peaks["denoise"] > 0 and peaks["decode"] > 0  # torch's CUDA bytes
