@@ -18,6 +18,7 @@ import torch
 
 from common.diffusion.binding import Conditioning, cond_to
 from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
+from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 
 
@@ -45,8 +46,12 @@ class ImageInputs:
 
 
 class TrainerPolicy:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 vae_tiling: VaeTiling = VaeTiling()):
+        """``vae_tiling``: the engine's ``--vae-tiling`` settings, which an image's VAE encode follows (a tiled
+        encode's condition differs from a whole one's)."""
         self.info = read_model(model_dir)
+        self.vae_tiling = vae_tiling
         self.device = torch.device(device)
         self.dtype = dtype
         self.family = self.info.family
@@ -62,7 +67,7 @@ class TrainerPolicy:
         from common.protocol.images import image_from_array
 
         if self._images is None:
-            self._images = self.family.load_image_conditioner(self.info, self.dtype, self.device)
+            self._images = self.family.load_image_conditioner(self.info, self.dtype, self.device, self.vae_tiling)
         d = self.info.defaults
 
         def pil(x):
