@@ -2,8 +2,8 @@
 per call by the call's size.
 
 Tiling bounds a VAE call's activation memory by the tile size instead of the picture's, at the cost of
-blended seams (diffusers' tests accept a tiled decode within 0.5 of the untiled one in the VAE's [-1, 1]
-range) and some overlap recomputed. The decision depends on one sample's geometry only, never on what else
+blended seams (diffusers' pipeline tests accept a tiled decode within 0.2 of the untiled one, frames in [0, 1])
+and some overlap recomputed. The decision depends on one sample's geometry only, never on what else
 shares the call, so a request's frames do not depend on its batch. The tile sizes are the VAE's own
 (diffusers' defaults per class); a VAE tiles only pictures larger than its tile.
 """
