@@ -3,8 +3,9 @@
 # one GPU, served by the engine and run through diffusers' WanPipeline in-process (bench/serve.py --preset
 # wan-1.3b), after the CUDA tests and the GPU-to-GPU transfer benchmark, then weight sync into the GPU
 # worker (bench/weight_sync.py, with CUDA IPC), then one request on denoise layouts (bench/denoise_layouts.py:
-# --compile, and Ulysses 2 / CFG parallel where there are several GPUs). Sized for one H100/H200-class GPU
-# in about 10 minutes.
+# --compile, and Ulysses 2 / CFG parallel where there are several GPUs), then releasing and resuming the
+# workers' weights (bench/sleep.py: times, and each worker's torch.cuda.memory_allocated / memory_reserved
+# before, released and resumed). Sized for one H100/H200-class GPU in about 11 minutes.
 #
 #   bash bench/gpu.sh wheels            # on a machine with PyPI: fetch the Python packages a bare CUDA image
 #                                       # lacks into .cache/gpu-wheels (CPython 3.12, x86-64); take that folder along
@@ -16,8 +17,8 @@
 #   PYTHON                  interpreter (default: the first of .venv/bin/python, python3 whose torch sees a GPU)
 #   DISAGG_DIFFUSION_CACHE  model cache (default ~/.cache/disagg-diffusion); the only thing written outside
 #                           the repository apart from the engine's temporary directories
-#   TEST_TIMEOUT, TRANSFER_TIMEOUT, GEN_TIMEOUT, SERVE_TIMEOUT, WSYNC_TIMEOUT, LAYOUT_TIMEOUT   seconds per
-#                           step (default 90, 60, 120, 300, 300, 420; typical runs take far less)
+#   TEST_TIMEOUT, TRANSFER_TIMEOUT, GEN_TIMEOUT, SERVE_TIMEOUT, WSYNC_TIMEOUT, LAYOUT_TIMEOUT, SLEEP_TIMEOUT
+#                           seconds per step (default 90, 60, 120, 300, 300, 420, 240; typical runs take far less)
 #   SERVE_ARGS              more bench/serve.py flags, e.g. SERVE_ARGS='--requests 4'
 #
 # Wheels found in .cache/gpu-wheels are installed (offline, no dependencies) into .cache/gpu-site, which goes
@@ -135,12 +136,14 @@ if [ "$DRY" = 1 ]; then
     TRANSFER=(--device cpu --sizes 1 16 --repeats 3)
     WSYNC=(--models tiny --repeats 1)
     LAYOUTS=(--preset tiny --device cpu --repeats 1 --rows diffusers one compile cfg2)
+    SLEEP=(--model tiny --repeats 1)
 else
     MODEL=wan2.1-1.3b
     SERVE=(--preset wan-1.3b --device cuda --dtype bfloat16)
     TRANSFER=(--device cuda --sizes 1 16 64 256 --repeats 7)
     WSYNC=(--models wan2.1-1.3b --repeats 3)
     LAYOUTS=(--preset wan-1.3b --device cuda --repeats 3 --rows diffusers one compile)
+    SLEEP=(--model wan2.1-1.3b --repeats 3)
     if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         LAYOUTS+=(ulysses2 cfg2)  # each of those denoise workers takes two GPUs of the compact topology's round
     fi
@@ -180,6 +183,8 @@ if step model "${GEN_TIMEOUT:-120}" "$PY" -m common.families.wan.tiny_model --na
     step weight-sync "${WSYNC_TIMEOUT:-300}" "$PY" bench/weight_sync.py "${WSYNC[@]}" --json "$OUT/weight-sync-gpu.json"
     # ---- 6. one request on denoise layouts: eager, --compile, multi-GPU workers --------------------------------
     step layouts "${LAYOUT_TIMEOUT:-420}" "$PY" bench/denoise_layouts.py "${LAYOUTS[@]}" --json "$OUT/layouts-gpu.json"
+    # ---- 7. releasing and resuming the weights (a colocated trainer): times and each worker's GPU memory --------
+    step sleep "${SLEEP_TIMEOUT:-240}" "$PY" bench/sleep.py "${SLEEP[@]}" --json "$OUT/sleep-gpu.json"
 fi
 
 echo "== results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"

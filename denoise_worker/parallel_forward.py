@@ -175,7 +175,7 @@ class Follower:
                         m.release(call.fields["level"])
                     elif m.level == 1:
                         m.restore()
-                return_freed_memory()
+                return_freed_memory({self.device})
             else:
                 raise RuntimeError(f"unknown call {call.op!r} from the leader")
 

@@ -5,6 +5,7 @@
     python examples/grpo_tiny.py --launch --lora     # train a LoRA adapter instead of the full transformer
     python examples/grpo_tiny.py --launch --model tiny-sd3 [--lora]   # an SD3 text-to-image model
     python examples/grpo_tiny.py --launch --model tiny-flux [--lora]  # FLUX.1 with Flow-GRPO's FLUX settings
+    python examples/grpo_tiny.py --launch --colocate  # trainer and engine take turns on one device
 
 ``--model`` (with ``--launch``): a built-in model or a model directory (default ``tiny``). Steps, SDE
 window, guidance, noise level and learning rate left out follow the served model's family
@@ -24,6 +25,11 @@ advantages, a clipped policy-gradient step on the trainer's own copy of the
 transformer (log-probs recomputed with the same function the engine used),
 save, push to the engine, check the checksum, and check that the engine's
 log-probs for a fixed request now equal the trainer's new policy's.
+
+With ``--colocate`` trainer and engine share one device and take turns: after the rollouts the engine
+releases its weights (the transformer's dropped, level 2; the text encoder's and VAE's to host memory, level
+1), the trainer trains, then pushes the new transformer from memory into the sleeping engine (shared memory,
+no file) and resumes every component. The engine needs ``--weight-sync-from-memory`` (``--launch`` adds it).
 
 With ``--lora`` the transformer's base weights stay frozen and a peft LoRA on the
 trainer's copy trains instead (``rl.lora``): the adapter is pushed to the engine from
@@ -124,7 +130,11 @@ def main() -> None:
     ap.add_argument("--lora-name", default="grpo-tiny", help="the adapter's name on the engine")
     ap.add_argument("--lora-sync", choices=["memory", "disk"], default="memory",
                     help="push the adapter's tensors, or save it below the work dir and load it by path")
+    ap.add_argument("--colocate", action="store_true",
+                    help="trainer and engine on one device: the engine sleeps while the trainer trains")
     args = ap.parse_args()
+    if args.colocate and args.lora:
+        ap.error("--colocate trains the full transformer: leave out --lora")
 
     import transformers
 
@@ -134,7 +144,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     engine = None
     if args.launch:
-        engine = EngineProcess(args.model, extra=["--weight-root", str(work)])
+        engine = EngineProcess(args.model, extra=["--weight-root", str(work), "--weight-sync-from-memory"])
         args.url = engine.url
     client = EngineClient(args.url, api_key=os.environ.get("DISAGG_ADMIN_KEY") or os.environ.get("DISAGG_API_KEY"))
     try:
@@ -172,6 +182,9 @@ def main() -> None:
                 adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
                 for s, a, r in zip(out["samples"], adv, rewards):
                     batch.append((prompt, s, a.item(), r.item()))
+            if args.colocate:  # the device is the trainer's until the push: the transformer's weights dropped
+                client.release_memory_occupation(["transformer"], level=2)
+                client.release_memory_occupation(["text_encoder", "vae"], level=1)
             # 2. Clipped policy steps on the trainer's copy (the first is on-policy: ratio 1).
             for _ in range(args.inner_steps):
                 optim.zero_grad()
@@ -200,9 +213,13 @@ def main() -> None:
                          and a["sha256"] == lora_sha256(policy) for a in client.lora_adapters())
                 ok = ok and client.weights_checksum()["sha256"] == base_sum
             else:
-                path = work / f"iter{it}.safetensors"
-                save_weights(policy.transformer, path)
-                res = client.update_weights_from_disk(path)
+                if args.colocate:  # into the sleeping engine from memory, then every component wakes
+                    res = client.update_weights_from_tensors(policy.transformer.state_dict())
+                    client.resume_memory_occupation()
+                else:
+                    path = work / f"iter{it}.safetensors"
+                    save_weights(policy.transformer, path)
+                    res = client.update_weights_from_disk(path)
                 sync_s = time.perf_counter() - t0
                 version = res["weight_version"]
                 ok = res["sha256"] == state_dict_checksum(policy.transformer) == client.weights_checksum()["sha256"]

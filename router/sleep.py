@@ -84,7 +84,8 @@ class SleepControl:
                 self.levels[tag] = max(level, self.levels.get(tag, 0))
             if "transformer" in tags and level == 2:
                 self.pushed = set()
-            workers = [{"role": r.role, "index": r.index, "released_bytes": r.data.get("released_bytes")}
+            workers = [{"role": r.role, "index": r.index, "released_bytes": r.data.get("released_bytes"),
+                        "memory_before": r.data.get("before"), "memory_after": r.data.get("after")}
                        for rs in replies for r in rs]
             return {"tags": tags, "level": level, "seconds": time.perf_counter() - t0, "workers": workers,
                     **self.status()}
@@ -125,7 +126,8 @@ class SleepControl:
                 self.dispatcher.registry.set_sleeping(TAG_ROLES[tag], False)
             return {"tags": tags, "resumed": asleep, "seconds": time.perf_counter() - t0,
                     "weight_version": self.weights.version,
-                    "workers": [{"role": r.role, "index": r.index} for r in replies], **self.status()}
+                    "workers": [{"role": r.role, "index": r.index, "memory_after": r.data.get("after")}
+                                for r in replies], **self.status()}
 
     def _dropped(self, tag: str) -> list[str]:
         """What a resume of ``tag`` must reload: its modules dropped at level 2 and not pushed since."""

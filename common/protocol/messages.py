@@ -304,18 +304,18 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
     backend: Literal["gloo", "nccl"] = "gloo"
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
-
-
-class ControlReply(_Header, tag="control_reply", kw_only=True):
     # release_memory: 1 moves the worker's weights to host memory, 2 drops them; abort: drop the requests it
     # holds instead of finishing them first. resume_memory: reload "disk" loads dropped weights from the model
     # directory (with ``version``: the denoise worker's weight version after it).
     level: Literal[1, 2] = 1
     abort: bool = False
     reload: Literal["disk"] | None = None
+
+
+class ControlReply(_Header, tag="control_reply", kw_only=True):
     role: str
     index: int
-    data: dict[str, str | int | float | list[str] | None] = {}
+    data: dict[str, str | int | float | list[str] | dict[str, int] | None] = {}  # dict: memory usage by kind
 
 
 class Progress(_Header, tag="progress", kw_only=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from collections.abc import Callable, Mapping
 
 import torch
@@ -51,9 +52,14 @@ def modules_of(holders: Mapping[str, object], depth: int = 3) -> dict[str, torch
     return {path: m for path, m in found.items() if id(m) not in inner}
 
 
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS: glibc keeps freed chunks below its mmap threshold (which
-    grows up to 32 MiB as large blocks are freed) for reuse, so RSS would not show a release."""
+def return_freed_memory(devices: set[torch.device] = frozenset()) -> None:
+    """Hand what was freed back: the CUDA caching allocator's blocks on ``devices``, and the heap's free pages
+    to the OS (glibc keeps freed chunks below its mmap threshold, which grows up to 32 MiB as large blocks
+    are freed, for reuse: RSS would not show a release)."""
+    for device in devices:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
     name = ctypes.util.find_library("c")
     if name is None:
         return
@@ -61,6 +67,18 @@ def return_freed_memory() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def memory_usage(devices: set[torch.device] = frozenset()) -> dict[str, int]:
+    """This process's resident memory and, per CUDA device, torch's allocated and reserved bytes."""
+    out = {"rss": 0}
+    with open("/proc/self/statm") as f:
+        out["rss"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    for device in sorted(devices, key=str):
+        if device.type == "cuda":
+            out[f"{device}.allocated"] = torch.cuda.memory_allocated(device)
+            out[f"{device}.reserved"] = torch.cuda.memory_reserved(device)
+    return out
 
 
 class ModuleMemory:
@@ -75,6 +93,12 @@ class ModuleMemory:
     @property
     def present(self) -> bool:
         return self.level == 0
+
+    @property
+    def devices(self) -> set[torch.device]:
+        if self.present:
+            return {t.device for t in _own_tensors(self.module).values()}
+        return {d for _, _, d in self._meta.values()}
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +181,11 @@ class ComponentMemory:
     @property
     def asleep(self) -> bool:
         return self.level > 0
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """Where the component's weights live when it is awake."""
+        return {d for m in self.modules.values() for d in m.devices}
 
     def missing(self) -> list[str]:
         """The modules whose weights were dropped and not pushed since."""

@@ -17,7 +17,7 @@ import torch
 from common.config.engine import EngineConfig, WorkerSpec, torch_dtype_for
 from common.protocol.errors import RequestError
 from common.protocol.messages import ControlRequest, Message
-from common.runtime.component_memory import ComponentMemory, modules_of, return_freed_memory
+from common.runtime.component_memory import ComponentMemory, memory_usage, modules_of, return_freed_memory
 
 
 @dataclass
@@ -98,13 +98,17 @@ class Stage:
         return 0
 
     def release_memory(self, msg: ControlRequest) -> dict:
+        """The answer says what the process held before and after (``memory_usage``), for the trainer's logs."""
+        devices = self.memory.devices
+        before = memory_usage(devices)
         released = self.memory.release(msg.level)
-        return_freed_memory()
-        return {"level": self.memory.level, "released_bytes": released}
+        return_freed_memory(devices)
+        return {"level": self.memory.level, "released_bytes": released, "before": before,
+                "after": memory_usage(devices)}
 
     def resume_memory(self, msg: ControlRequest) -> dict:
         self.memory.resume(msg.reload)
-        return {"level": 0}
+        return {"level": 0, "after": memory_usage(self.memory.devices)}
 
 
 class QueuedBatchStage(Stage):

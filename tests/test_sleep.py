@@ -1,0 +1,153 @@
+"""Releasing and resuming weights in process (common/runtime/component_memory.py), for every family's components.
+
+Level 1 restores the same bytes (checksums equal) and keeps every parameter object; level 2 drops them and
+a push (``materialize`` then ``load_into``) or a fresh load brings them back; a resume with neither is
+``WeightsMissing`` and changes nothing. Each family's encoder, denoise and decode workers' weights are found
+(the image encoder with the text encoder, every expert with the transformer) and come back exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config.engine import EngineConfig, WorkerSpec
+from common.diffusion.policy import Policy
+from common.diffusion.weights import load_into, state_dict_checksum
+from common.families import read_model
+from common.families.builtin import ensure_builtin
+from common.protocol.errors import WeightsMissing
+from common.runtime.component_memory import ComponentMemory, ModuleMemory, modules_of
+
+
+def _module(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    m[1].running_mean.add_(torch.randn(16))  # a persistent buffer with values of its own
+    m.register_buffer("scratch", torch.ones(3), persistent=False)
+    return m
+
+
+def _sums(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    return {name: state_dict_checksum(m) for name, m in modules.items()}
+
+
+def test_level1_restores_the_same_bytes_into_the_same_parameters():
+    m = _module()
+    params = list(m.parameters())
+    before = state_dict_checksum(m)
+    mem = ModuleMemory(m)
+    nbytes = mem.nbytes
+    mem.release(1)
+    assert not mem.present and all(p.numel() == 0 for p in m.parameters()) and mem.nbytes == nbytes
+    assert m.scratch.numel() == 3  # not part of the weights: left alone
+    mem.restore()
+    assert state_dict_checksum(m) == before and all(a is b for a, b in zip(params, m.parameters()))
+
+
+def test_level2_drops_and_a_push_into_materialized_storage_restores():
+    m, trainer = _module(), _module()
+    mem = ModuleMemory(m)
+    mem.release(2)
+    with pytest.raises(RuntimeError):
+        mem.restore()  # nothing kept
+    mem.materialize()
+    load_into(m, trainer.state_dict())
+    assert mem.present and state_dict_checksum(m) == state_dict_checksum(trainer)
+
+
+def test_level1_then_level2_drops_the_host_copies():
+    mem = ModuleMemory(_module())
+    mem.release(1)
+    mem.release(2)
+    mem.release(1)  # never back from 2 to 1
+    assert mem.level == 2 and not mem._host
+
+
+def test_a_resume_without_the_dropped_weights_changes_nothing():
+    m = _module()
+    c = ComponentMemory("vae", {"m": m}, lambda: {"m": _module()})
+    c.release(2)
+    with pytest.raises(WeightsMissing) as e:
+        c.resume()
+    assert (e.value.status, e.value.error_type) == (409, "weights_missing") and c.asleep and c.missing() == ["m"]
+    c.resume(reload="disk")
+    assert not c.asleep and state_dict_checksum(m) == state_dict_checksum(_module())
+
+
+def test_a_pushed_module_is_kept_and_only_the_dropped_rest_reloads():
+    a, b = _module(0), _module(1)
+    reloads = []
+    c = ComponentMemory("transformer", {"transformer": a, "transformer_2": b},
+                        lambda: reloads.append(1) or {"transformer": _module(5), "transformer_2": _module(1)})
+    c.release(2)
+    c.modules["transformer"].materialize()
+    load_into(a, _module(7).state_dict())  # the trainer's push of the first expert
+    assert c.missing() == ["transformer_2"]
+    c.resume(reload="disk")
+    assert reloads == [1]
+    assert state_dict_checksum(a) == state_dict_checksum(_module(7))  # the push, not the directory's
+    assert state_dict_checksum(b) == state_dict_checksum(_module(1))
+
+
+def test_modules_of_finds_the_top_modules_each_once():
+    class Holder:
+        def __init__(self):
+            self.model = _module()
+            self.inner = self.model[0]  # part of model
+            self.name, self.nothing = "x", None
+
+    class Pipe:
+        def __init__(self, holder):
+            self.text_encoder, self.tokenizer, self.holder = _module(), object(), holder
+
+    h = Holder()
+    found = modules_of({"text_encoder": Pipe(h), "images": None})
+    assert set(found) == {"text_encoder.holder.model", "text_encoder.text_encoder"}
+
+
+def _stage_components(info) -> dict[str, dict[str, torch.nn.Module]]:
+    """What each worker's stage makes its component from, loaded the way the stages load it."""
+    family, dtype, cpu = info.family, torch.float32, torch.device("cpu")
+    images = family.load_image_conditioner(info, dtype, cpu) if family.image_input(info) is not None else None
+    return {
+        "transformer": Policy.load(info, dtype, cpu).experts,
+        "text_encoder": modules_of({"text_encoder": family.load_text_encoder(info, dtype, cpu), "images": images}),
+        "vae": modules_of({"decoder": family.load_decoder(info, dtype, cpu)}),
+    }
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v",
+                                   "tiny-wan-i2v-a14b"])
+def test_every_family_components_come_back_exactly(model):
+    info = read_model(ensure_builtin(model))
+    components = _stage_components(info)
+    if model == "tiny-wan-i2v":  # the image encoder and the VAE's encoder half go with the text encoder
+        kinds = {type(m).__name__ for m in components["text_encoder"].values()}
+        assert {"CLIPVisionModel", "AutoencoderKLWan"} <= kinds
+    if model == "tiny-wan-i2v-a14b":
+        assert set(components["transformer"]) == {"transformer", "transformer_2"}
+    for tag, modules in components.items():
+        before = _sums(modules)
+        c = ComponentMemory(tag, modules, lambda: _stage_components(info)[tag])
+        assert c.release(1) == sum(m.nbytes for m in c.modules.values())
+        c.resume()
+        assert _sums(modules) == before, (model, tag, 1)
+        c.release(2)
+        assert all(p.numel() == 0 for m in modules.values() for p in m.parameters())
+        c.resume(reload="disk")
+        assert _sums(modules) == before, (model, tag, 2)
+
+
+def test_a_fresh_stage_reload_takes_the_same_weights(tiny_dir, tmp_path):
+    """The encoder and decode stages reload from disk by loading a fresh copy of themselves."""
+    from decode_worker.stage import DecodeStage
+
+    config = EngineConfig(model=str(tiny_dir), runtime_dir=str(tmp_path), router_endpoint="ipc://unused",
+                          workers=[WorkerSpec("decode", 0)])
+    stage = DecodeStage(config, config.workers[0])
+    stage.load()
+    before = _sums({n: m.module for n, m in stage.memory.modules.items()})
+    stage.memory.release(2)
+    stage.memory.resume(reload="disk")
+    assert _sums({n: m.module for n, m in stage.memory.modules.items()}) == before
