@@ -160,11 +160,12 @@ class WorkerRegistry:
             w.outstanding -= samples
 
     def health(self) -> tuple[bool, list[dict]]:
-        """Whether every worker is ready, and one ``/health`` row per worker in pipeline order."""
+        """Whether every worker is ready (or asleep on purpose), and one ``/health`` row per worker in pipeline
+        order."""
         now = self._clock()
         ordered = sorted(self.workers.items(), key=lambda kv: (ROLES.index(kv[0][0]), kv[0][1]))
         rows = [self._row(w, now) for _, w in ordered]
-        return all(r["state"] == "ready" for r in rows), rows
+        return all(r["state"] in ("ready", "sleeping") for r in rows), rows
 
     def _row(self, w: WorkerState, now: float) -> dict:
         return {

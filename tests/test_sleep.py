@@ -151,3 +151,24 @@ def test_a_fresh_stage_reload_takes_the_same_weights(tiny_dir, tmp_path):
     stage.memory.release(2)
     stage.memory.resume(reload="disk")
     assert _sums({n: m.module for n, m in stage.memory.modules.items()}) == before
+
+
+def test_the_sleep_endpoints_need_the_admin_key_and_is_sleeping_does_not():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from router.auth import ApiKeyMiddleware
+
+    app = FastAPI()
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"):
+        app.add_api_route(path, lambda: {"ok": True}, methods=["POST"])
+    app.add_api_route("/is_sleeping", lambda: {"ok": True}, methods=["GET"])
+    app.add_middleware(ApiKeyMiddleware, api_key="api-" + "k" * 16, admin_key="admin-" + "k" * 16)
+    http = TestClient(app)
+    api, admin = ({"authorization": f"Bearer {k}-{'k' * 16}"} for k in ("api", "admin"))
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"):
+        assert http.post(path, headers=api).status_code == 403
+        assert http.post(path, headers=admin).status_code == 200
+    assert http.get("/is_sleeping", headers=api).status_code == 200
+    assert http.get("/is_sleeping").status_code == 401
+
