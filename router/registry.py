@@ -62,7 +62,9 @@ class WorkerRegistry:
         self.workers = {(w.role, w.index): WorkerState(w) for w in specs}
         self.timeout_s = heartbeat_timeout_s
         self._clock = clock
-        self._rr = itertools.count()
+        # One round-robin counter per role: a shared one would advance by the number of roles a request
+        # reserves, and with two of them (a latent answer skips decode) always land on the same instance.
+        self._rr = {role: itertools.count() for role in ROLES}
 
     def heartbeat(self, hb: Heartbeat) -> str | None:
         """Record a heartbeat. Returns why the worker's previous process is lost when a new
@@ -145,7 +147,7 @@ class WorkerRegistry:
             raise EngineError(503, "unavailable", f"no ready {role} worker", role, "")
         low = min(w.outstanding for w in ready)
         ties = [w for w in ready if w.outstanding == low]
-        return ties[next(self._rr) % len(ties)]
+        return ties[next(self._rr[role]) % len(ties)]
 
     def reserve(self, roles: Iterable[str] = ROLES, samples: int = 1) -> dict[str, WorkerState]:
         """One instance per role for a new request, each counted as holding its ``samples`` until

@@ -72,6 +72,17 @@ def test_pick_breaks_ties_round_robin(registry):
     assert [registry.pick("denoise").spec.index for _ in range(4)] in ([0, 1, 0, 1], [1, 0, 1, 0])
 
 
+@pytest.mark.parametrize("roles", [("encoder", "denoise", "decode"), ("encoder", "denoise")],
+                         ids=["frames", "latent"])
+def test_idle_instances_take_turns_whatever_roles_a_request_reserves(registry, roles):
+    routes = []
+    for _ in range(4):  # one request after another, each answered before the next
+        chosen = registry.reserve(roles)
+        routes.append(chosen["denoise"].spec.index)
+        registry.release(chosen)
+    assert routes in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
 def test_reserve_counts_outstanding_until_released(registry):
     chosen = registry.reserve()
     assert {role: w.spec.index for role, w in chosen.items()}.keys() == {"encoder", "denoise", "decode"}
