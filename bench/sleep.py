@@ -11,6 +11,8 @@ there are, else the CPU) and holds a trainer-side copy of the transformer in hos
 - ``level 2 + push``: release at level 2 (the weights are dropped), push the trainer's copy from memory
   (``update_weights_from_tensors``, shared-memory buckets, ``checksum=False``), resume: each call and the sum;
 - ``level 2 + disk``: release at level 2, resume with ``reload="disk"`` (from the model directory);
+- ``push, awake``: the same push into the awake worker, for reference (the difference is the first touch of
+  the memory a level-2 push writes into); ``worker`` rows are the denoise worker's own ``load_s``;
 - ``memcpy``: ``dst.copy_(src)`` of the transformer's byte size in host memory (bench/weight_sync.py's).
 
 After each resume a small request (32x32, one frame, 2 steps) must equal the one before any release (max
@@ -41,9 +43,10 @@ from router.client import EngineClient  # noqa: E402
 
 CHECK = dict(prompt="a fox at dawn", seed=1, height=32, width=32, num_frames=1, num_inference_steps=2,
              output_type="latent")
-L1, L2_PUSH, L2_DISK, MEMCPY = "level 1", "level 2 + push", "level 2 + disk", "memcpy"
-ROWS = (f"{L1}: release", f"{L1}: resume", L1, f"{L2_PUSH}: release", f"{L2_PUSH}: push", f"{L2_PUSH}: resume",
-        L2_PUSH, f"{L2_DISK}: release", f"{L2_DISK}: resume", L2_DISK, MEMCPY)
+L1, L2_PUSH, L2_DISK, AWAKE, MEMCPY = "level 1", "level 2 + push", "level 2 + disk", "push, awake", "memcpy"
+ROWS = (f"{L1}: release", f"{L1}: resume", L1, f"{L2_PUSH}: release", f"{L2_PUSH}: push",
+        f"{L2_PUSH}: push, worker", f"{L2_PUSH}: resume", L2_PUSH, f"{L2_DISK}: release", f"{L2_DISK}: resume",
+        L2_DISK, AWAKE, f"{AWAKE}, worker", MEMCPY)
 MB = 1e6
 
 
@@ -76,11 +79,16 @@ class Cycles:
 
     def level2_push(self) -> tuple[dict[str, float], dict]:
         release, released = timed(self.c.release_memory_occupation, ["transformer"], level=2)
-        push, _ = timed(self.c.update_weights_from_tensors, self.trainer, checksum=False)
+        push, pushed = timed(self.c.update_weights_from_tensors, self.trainer, checksum=False)
         resume, resumed = timed(self.c.resume_memory_occupation, ["transformer"])
         self.check(L2_PUSH)
         return ({f"{L2_PUSH}: release": release, f"{L2_PUSH}: push": push, f"{L2_PUSH}: resume": resume,
-                 L2_PUSH: release + push + resume}, {"released": released, "resumed": resumed})
+                 f"{L2_PUSH}: push, worker": pushed["workers"][0]["load_s"], L2_PUSH: release + push + resume},
+                {"released": released, "resumed": resumed})
+
+    def awake_push(self) -> dict[str, float]:
+        push, pushed = timed(self.c.update_weights_from_tensors, self.trainer, checksum=False)
+        return {AWAKE: push, f"{AWAKE}, worker": pushed["workers"][0]["load_s"]}
 
     def level2_disk(self) -> dict[str, float]:
         release, _ = timed(self.c.release_memory_occupation, ["transformer"], level=2)
@@ -141,12 +149,15 @@ def main() -> None:
                     for k, v in part.items():
                         seconds[k].append(v)
                 part, memory = cycles.level2_push()
+                # Then into the same (now written) weights: a reload from disk leaves them mapped from the file,
+                # where a first write costs a copy-on-write fault per page.
+                part.update(cycles.awake_push())
                 for k, v in part.items():
                     seconds[k].append(v)
                 transformer_memory = transformer_memory or memory
                 seconds[MEMCPY].append(statistics.median(memcpy_seconds(nbytes)))
                 print(f"[{args.model}] repeat {r + 1}/{args.repeats}: " + ", ".join(
-                    f"{k} {seconds[k][-1]:.3f}s" for k in (L1, L2_PUSH, L2_DISK, MEMCPY)), flush=True)
+                    f"{k} {seconds[k][-1]:.3f}s" for k in (L1, L2_PUSH, L2_DISK, AWAKE, MEMCPY)), flush=True)
             everything = cycles.every_component()
     finally:
         eng.stop()

@@ -72,18 +72,18 @@ class SleepControl:
             registry = self.dispatcher.registry
             for tag in tags:
                 registry.set_sleeping(TAG_ROLES[tag], True)  # from now on no new work reaches them
-            try:
-                await asyncio.gather(*(self._quiet(TAG_ROLES[tag], mode == "abort") for tag in tags))
-                replies = await asyncio.gather(*(self._control(tag, "release_memory", level=level,
-                                                               abort=mode == "abort") for tag in tags))
-            except BaseException:
-                for tag in tags:  # what was asleep stays so; the rest serves again
-                    registry.set_sleeping(TAG_ROLES[tag], tag in self.levels)
-                raise
-            for tag in tags:
-                self.levels[tag] = max(level, self.levels.get(tag, 0))
-            if "transformer" in tags and level == 2:
-                self.pushed = set()
+            await asyncio.gather(*(self._quiet(TAG_ROLES[tag], mode == "abort") for tag in tags))
+            replies = await asyncio.gather(*(self._control(tag, "release_memory", level=level, abort=mode == "abort")
+                                             for tag in tags), return_exceptions=True)
+            for tag, reply in zip(tags, replies):
+                if not isinstance(reply, BaseException):
+                    self.levels[tag] = max(level, self.levels.get(tag, 0))
+                    if tag == "transformer" and level == 2:
+                        self.pushed = set()
+                registry.set_sleeping(TAG_ROLES[tag], tag in self.levels)  # a failed one serves again
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
             workers = [{"role": r.role, "index": r.index, "released_bytes": r.data.get("released_bytes"),
                         "memory_before": r.data.get("before"), "memory_after": r.data.get("after")}
                        for rs in replies for r in rs]

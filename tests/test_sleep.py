@@ -172,3 +172,63 @@ def test_the_sleep_endpoints_need_the_admin_key_and_is_sleeping_does_not():
     assert http.get("/is_sleeping", headers=api).status_code == 200
     assert http.get("/is_sleeping").status_code == 401
 
+
+
+class _Dispatcher:
+    """What SleepControl uses of the dispatcher, with workers that answer as ``fail`` says."""
+
+    def __init__(self, fail: set[str] = frozenset()):
+        from router.join import PendingTable
+        from router.registry import WorkerRegistry
+
+        self.config = EngineConfig(model="m", runtime_dir="/tmp", router_endpoint="ipc://x",
+                                   workers=[WorkerSpec(r, 0) for r in ("encoder", "denoise", "decode")])
+        self.registry = WorkerRegistry(self.config.workers, 10.0)
+        self.pending = PendingTable()
+        self.fail, self.sent = fail, []
+
+    async def control(self, role, op, only=None, **fields):
+        from common.protocol.messages import PROTOCOL_VERSION, ControlReply
+        from router.errors import EngineError
+
+        self.sent.append((role, op, fields))
+        if role in self.fail:
+            return [EngineError(500, "RuntimeError", "boom", role, "x")]
+        return [ControlReply(v=PROTOCOL_VERSION, request_id="x", role=role, index=0, data={"released_bytes": 1})]
+
+
+def test_sleep_control_keeps_what_each_release_did_and_refuses_a_resume_without_weights():
+    import asyncio
+
+    from router.control import WeightControl
+    from router.errors import EngineError
+    from router.sleep import SleepControl, components_of
+
+    every = components_of(["weights"])
+
+    async def body():
+        d = _Dispatcher(fail={"decode"})
+        weights = WeightControl(lambda role, op, **f: d.control(role, op, **f))
+        sleep = SleepControl(d, weights, ("transformer", "transformer_2"))
+        with pytest.raises(EngineError):
+            await sleep.release(["text_encoder", "vae"], level=1)
+        assert sleep.levels == {"text_encoder": 1}  # the encoder did sleep; the decode worker serves on
+        assert d.registry.asleep("encoder") and not d.registry.asleep("decode")
+        d.fail = set()
+        await sleep.release(["transformer"], level=2)
+        sent = len(d.sent)
+        with pytest.raises(EngineError) as e:
+            await sleep.resume(every)
+        assert (e.value.status, e.value.type) == (409, "weights_missing") and "transformer_2" in e.value.message
+        assert len(d.sent) == sent and sleep.levels == {"text_encoder": 1, "transformer": 2}  # nothing sent
+        sleep.supplied("transformer")
+        sleep.supplied("transformer_2")  # both experts pushed
+        out = await sleep.resume(every)
+        assert out["resumed"] == ["transformer", "text_encoder"] and not out["is_sleeping"]
+        assert weights.version == 0 and not d.registry.asleep("denoise")
+        await sleep.release(["transformer"], level=2)
+        out = await sleep.resume(["transformer"], reload="disk")  # the model directory's weights: a new version
+        assert out["weight_version"] == weights.version == 1
+        assert d.sent[-1] == ("denoise", "resume_memory", {"reload": "disk", "version": 1})
+
+    asyncio.run(body())
