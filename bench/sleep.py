@@ -166,10 +166,10 @@ def main() -> None:
     memcpy_gbs = nbytes / med[MEMCPY] / 1e9
     print(f"\n{args.model}: {nbytes / 1e9:.2f} GB transformer, workers on {', '.join(devices)}, "
           f"{args.repeats} repeats (median, best)")
-    print(f"  {'step':<26} {'median s':>9} {'best s':>8} {'GB/s':>8} {'of memcpy':>9}")
+    print(f"  {'step':<30} {'median s':>9} {'best s':>8} {'GB/s':>8} {'of memcpy':>9}")
     for k in ROWS:
         gbs = nbytes / med[k] / 1e9 if med[k] > 0 else float("inf")
-        print(f"  {k:<26} {med[k]:>9.3f} {min(seconds[k]):>8.3f} {gbs:>8.2f} {gbs / memcpy_gbs:>9.0%}")
+        print(f"  {k:<30} {med[k]:>9.3f} {min(seconds[k]):>8.3f} {gbs:>8.2f} {gbs / memcpy_gbs:>9.0%}")
     mem_t, mem_all = memory_rows(transformer_memory), memory_rows(everything)
     print_memory("level 2 + push of the transformer", mem_t)
     print_memory("level 1 of weights", mem_all)
