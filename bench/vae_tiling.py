@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -99,7 +100,7 @@ def measure_one(case: str, mode: str, out: Path, device: torch.device) -> dict:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     peak = meter.read() - before
-    torch.save(frames.cpu(), out)
+    save_file({"frames": frames.cpu().contiguous()}, out)
     return {"peak_bytes": peak, "seconds": seconds, "frames_bytes": frames.numel() * 4}
 
 
@@ -107,12 +108,12 @@ def run_case(case: str, threads: int, device: str) -> dict:
     row = {"case": case, **{k: CASES[case][k] for k in ("frames", "height", "width", "vae")}}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("off", "on"):
-            out = Path(tmp) / f"{mode}.pt"
+            out = Path(tmp) / f"{mode}.safetensors"
             r = subprocess.run([sys.executable, __file__, "--one", case, mode, str(out), "--threads", str(threads),
                                 "--frames", str(CASES["wan"]["frames"]), "--device", device], capture_output=True,
                                text=True, check=True)
             row[mode] = json.loads(r.stdout.strip().splitlines()[-1])
-        whole, tiled = torch.load(Path(tmp) / "off.pt"), torch.load(Path(tmp) / "on.pt")
+        whole, tiled = (load_file(Path(tmp) / f"{mode}.safetensors")["frames"] for mode in ("off", "on"))
     diff = (tiled - whole).abs()
     row.update(max_diff=diff.max().item(), mean_diff=diff.mean().item(),
                peak_ratio=row["on"]["peak_bytes"] / row["off"]["peak_bytes"],
