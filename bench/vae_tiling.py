@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.diffusion.vae_tiling import VaeTiling  # noqa: E402
+from common.runtime.component_memory import memory_usage  # noqa: E402
 from common.runtime.peak_memory import PeakMemory  # noqa: E402
 
 MiB = 1 << 20
@@ -46,10 +47,8 @@ CASES = {
 
 def _in_use(device: torch.device) -> int:
     """What the process holds now, as PeakMemory counts its peak: CUDA allocations, or the resident set."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    usage = memory_usage({device})
+    return usage[f"{device}.allocated"] if device.type == "cuda" else usage["rss"]
 
 
 def _decoder(case: str, tiling: VaeTiling, device: torch.device):
