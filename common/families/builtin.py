@@ -7,11 +7,17 @@ from pathlib import Path
 from common.families.flux.tiny_specs import SPECS as FLUX_SPECS
 from common.families.qwen_image.tiny_specs import SPECS as QWEN_IMAGE_SPECS
 from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
+from common.families.smooth_time import smooth_variants
 from common.families.tiny_cache import ensure
 from common.families.wan.tiny_specs import SPECS as WAN_SPECS
 from common.families.wan_i2v.tiny_specs import SPECS as WAN_I2V_SPECS
 
 BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS}
+# ``<name>-smooth``: the model with a timestep embedding that changes smoothly between steps, as a trained
+# one's (common/families/smooth_time.py), for step caching.
+SMOOTH_BASES = ("tiny", "small", "tiny-moe", "tiny-sd3", "small-sd3", "tiny-flux", "small-flux", "tiny-qwen-image",
+                "small-qwen-image", "tiny-wan-i2v", "small-wan-i2v")
+BUILTINS.update(smooth_variants(BUILTINS, SMOOTH_BASES))
 
 
 def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:
