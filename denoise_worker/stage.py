@@ -28,11 +28,13 @@ from common.transport.cuda_ipc import receiver_for
 from common.diffusion import schedulers
 from common.diffusion.compiled import compile_experts, warm_up
 from common.families import read_model
+from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.policy import Policy, uses_guidance
 from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
+from denoise_worker.caching import request_cache
+from denoise_worker.forward import step_velocities
 from denoise_worker.joint_step import advance_all
-from denoise_worker.packing import forward_parts
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
 from denoise_worker.ranks import FollowerProcesses, join_group
 from denoise_worker.task import DenoiseTask
@@ -84,6 +86,7 @@ class DenoiseStage(Stage):
         self.adapters = AdapterTable(self.config, self.policy)
         self.texts = TextTable(self.family, self.device, self.policy.dtype)
         self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
+        self.teacache = teacache_settings(self.info)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
@@ -124,9 +127,11 @@ class DenoiseStage(Stage):
                                                 if f.name in tensors})
         if image is None and self.family.image_input(self.info) == "required":
             raise RequestError(f"{self.family.pipeline} needs the image tensors {IMAGE_CONDITION.name}")
-        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
+        task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p),
                                   image=None if image is None else image.to(self.device))
+        task.cache = request_cache(task, self.teacache)
+        return task
 
     def _text(self, tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
         """A prompt's text tensors (by their cond names) from the message's ``names`` (the family's contract),
@@ -169,20 +174,18 @@ class DenoiseStage(Stage):
                 samples += a.task.n
         return batch
 
-    @torch.no_grad()
     def batched_velocity(self, tasks: list[DenoiseTask]) -> list[torch.Tensor]:
-        """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps: one forward,
-        or one per ``max_batch`` samples."""
-        outs: list[list[torch.Tensor]] = [[] for _ in tasks]
-        for part in forward_parts([t.model_input() for t in tasks], self.max_batch):
-            inputs = [x for _, x in part]
-            if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the count
-                p = tasks[0].params  # the tasks of one forward have one size
-                size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
-                             self.max_threads, self.family.image_seq_len(self.info, p.height, p.width, p.num_frames))
-            for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
-                outs[i].append(v)
-        return [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
+        """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps
+        (denoise_worker/forward.py)."""
+        before = None
+        if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the thread count
+            p = tasks[0].params  # the tasks of one forward have one size
+            tokens = self.family.image_seq_len(self.info, p.height, p.width, p.num_frames)
+
+            def before(inputs):
+                expert = self.policy.experts[self.policy.expert_for(inputs[0].timestep)]
+                size_threads(expert, inputs, self.max_threads, tokens)
+        return step_velocities(self.policy, tasks, self.max_batch, before)
 
     def _drop_expired(self) -> list[tuple[DenoiseRequest, BaseException]]:
         """Stop spending steps on requests the router has already answered with 504."""
@@ -232,7 +235,7 @@ class DenoiseStage(Stage):
         msg, task = a.msg, a.task
         timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
         info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
-                "batch": a.largest_batch}
+                "batch": a.largest_batch, **task.pass_counts()}
         if task.lora is not None:
             info.update(lora_name=task.lora[0].name, lora_version=task.lora[0].version)
         extras = task.extras()

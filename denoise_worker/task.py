@@ -30,6 +30,7 @@ from common.diffusion.binding import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
+from common.diffusion.step_cache import RequestCache
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -58,6 +59,7 @@ class DenoiseTask:
     sde: RolloutParams | None  # None: the serving scheduler steps this request
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
+    cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -136,6 +138,14 @@ class DenoiseTask:
         if self.wants_trajectory:
             self.trajectory.append(latents)
         self.step += 1
+
+    def pass_counts(self) -> dict[str, list[int]]:
+        """Per sample: full transformer forwards (summed over its CFG branches) and reused row-steps."""
+        if self.cache is not None:
+            return {"transformer_passes": list(self.cache.transformer_passes),
+                    "cached_steps": list(self.cache.cached_steps)}
+        passes = self.step * (1 if self.uncond is None else 2)
+        return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.config.engine import EngineConfig
+from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from common.protocol.messages import EXPERT_NAMES, REQUEST_IMAGES
@@ -193,8 +194,13 @@ class Routes:
         if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
             raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
         self.loras.check_name(body.lora_name)
-        return to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps,
-                         self.info.family)
+        params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps,
+                           self.info.family, self.config.cache)
+        if params.cache is not None:
+            problem = cache_problem(params.cache.method, self.info.family, self.config.workers)
+            if problem:
+                raise FieldError("cache.method", problem)
+        return params
 
     async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
         accept = request.headers.get("accept", "")

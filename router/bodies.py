@@ -20,7 +20,7 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, OUTPUT, ROLES, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
 from router import media
-from router.join import Outcome
+from router.join import PER_SAMPLE_INFO, Outcome
 from router.schemas import FieldError
 
 MSGPACK = "application/msgpack"
@@ -99,6 +99,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
         body["scheduler"] = o.info["scheduler"]
     if "batch" in o.info:
         body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
+    for key in PER_SAMPLE_INFO:  # its full transformer forwards (per CFG branch) and its reused row-steps
+        if key in o.info:
+            body[key] = o.info[key]
     body["lora_name"], body["lora_version"] = o.info.get("lora_name"), o.info.get("lora_version")
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)

@@ -19,6 +19,8 @@ from common.protocol.messages import (
 from router.errors import EngineError
 
 log = logging.getLogger("disagg.router")
+# A result's info entries that hold one value per sample (the denoise worker's pass counts).
+PER_SAMPLE_INFO = frozenset({"transformer_passes", "cached_steps"})
 LOG_EVERY_S = 5.0  # a request still denoising after this long is logged, and again every as long
 
 
@@ -63,7 +65,8 @@ class Outcome:
         """Sample ``i`` alone: its row of every per-sample tensor, the shared tensors as they are."""
         rows = {f.name for f in PER_SAMPLE}
         tensors = {k: v[i] if k in rows else v for k, v in self.tensors.items()}
-        return Outcome(tensors, self.timings, self.info, self.route, self.peak_memory)
+        info = {k: v[i] if k in PER_SAMPLE_INFO and isinstance(v, list) else v for k, v in self.info.items()}
+        return Outcome(tensors, self.timings, info, self.route, self.peak_memory)
 
 
 def sample_count_problem(tensors: dict[str, torch.Tensor], n: int) -> str | None:

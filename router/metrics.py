@@ -38,6 +38,8 @@ class Metrics:
         self.denoise_steps = Counter("disagg_denoise_steps", "denoising steps taken, one per sample per step",
                                      registry=r)
         self.samples = Counter("disagg_samples", "samples generated", registry=r)
+        self.row_steps = Counter("disagg_denoise_row_steps", "a sample's CFG branch at one step: computed by a "
+                                 "transformer forward, or cached (its last output reused)", ["kind"], registry=r)
         self.reruns = Counter("disagg_request_reruns", "generations run again because a worker died holding "
                               "them (answered; attempts beyond the first)", registry=r)
 
@@ -50,6 +52,9 @@ class Metrics:
         if info.get("batch") is not None:
             self.batch_size.observe(float(info["batch"]))
         self.denoise_steps.inc(steps * samples)
+        for kind, key in (("computed", "transformer_passes"), ("cached", "cached_steps")):
+            if isinstance(info.get(key), list):
+                self.row_steps.labels(kind).inc(sum(info[key]))
         self.samples.inc(samples)
         self.reruns.inc(info.get("attempts", 1) - 1)
 

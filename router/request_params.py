@@ -9,7 +9,8 @@ import math
 from common.config.engine import Limits
 from common.diffusion.binding import Binding
 from common.diffusion.sde import checked_noise_level
-from common.protocol.messages import GenerationParams, RolloutParams
+from common.diffusion import step_cache
+from common.protocol.messages import CacheParams, GenerationParams, RolloutParams
 from router.schemas import MAX_SEED, MEDIA_OUTPUTS, FieldError, GenerateBody, RolloutBody
 
 
@@ -187,10 +188,27 @@ def _max_sequence_length(body: GenerateBody, defaults: dict, family: Binding | N
     return length
 
 
+def cache_params(body: GenerateBody, default: CacheParams | None) -> CacheParams | None:
+    """The request's step caching: its ``cache`` (null: off), else the engine's default (--cache)."""
+    if "cache" not in body.model_fields_set:
+        return default
+    if body.cache is None:
+        return None
+    method = body.cache.method
+    threshold = body.cache.threshold
+    if threshold is None:
+        threshold = step_cache.METHODS[method].default_threshold
+    problem = step_cache.threshold_problem(method, threshold)
+    if problem:
+        raise FieldError("cache.threshold", problem)
+    return CacheParams(method=method, threshold=threshold)
+
+
 def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int = 1000,
-              family: Binding | None = None) -> GenerationParams:
+              family: Binding | None = None, cache: CacheParams | None = None) -> GenerationParams:
     """Fill model defaults and enforce the engine's limits (checked in this order). ``family``: the served
-    model's binding (its fields, sizes, one frame for images); None checks as for a video family."""
+    model's binding (its fields, sizes, one frame for images); None checks as for a video family. ``cache``:
+    the engine's default step caching."""
     if family is not None:
         check_family_fields(body, family)
     v = _filled(body, {"num_frames": 1, **defaults})
@@ -223,4 +241,5 @@ def to_params(body: GenerateBody, defaults: dict, limits: Limits, n_train: int =
         sigmas=body.sigmas,
         timesteps=body.timesteps,
         mu=body.mu,
+        cache=cache_params(body, cache),
     )

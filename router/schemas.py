@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, ExpertName, SdeType
+from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, SdeType
 
 MAX_SEED = 2**63 - 1
 # What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.
@@ -26,6 +26,15 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class CacheBody(BaseModel):
+    """A request's step caching (docs/api.md#step-caching)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    method: CacheMethod
+    threshold: float | None = Field(default=None, description="left out: the method's default")
 
 
 class GenerateBody(BaseModel):
@@ -59,6 +68,9 @@ class GenerateBody(BaseModel):
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
                                   description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0, description="the adapter's strength")
+    cache: CacheBody | None = Field(default=None, description="step caching: reuse a transformer output between "
+                                    "close steps (never on a rollout's SDE steps); left out: the engine's --cache, "
+                                    "null: off")
     image: str | None = Field(default=None, description="image-to-video models: the first frame, a base64 PNG, "
                               "JPEG or WEBP or a data: URL (the engine fetches no URL)")
     last_image: str | None = Field(default=None, description="first-last-frame models: the last frame, as image")

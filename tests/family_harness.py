@@ -1,7 +1,7 @@
 """The encoder, denoise and decode workers' path for any model family, in one process and without sockets.
 
 ``wire_tensors`` (the encoder worker) -> ``TextTable.conditioning`` -> ``DenoiseTask.create`` -> batched
-forwards in ``forward_parts`` (denoise_worker/stage.py ``batched_velocity``) -> ``advance_all`` -> the
+forwards (denoise_worker/forward.py ``step_velocities``) -> ``advance_all`` -> the
 family's decoder: the same objects the workers run, so that the family tests compare the engine's own maths
 against diffusers' pipelines and the trainer's recompute fast.
 """
@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 from common.diffusion import schedulers
+from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import Policy, uses_guidance
 from common.families import read_model
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
 from denoise_worker.joint_step import advance_all
-from denoise_worker.packing import forward_parts
+from denoise_worker.caching import request_cache
+from denoise_worker.forward import step_velocities
 from denoise_worker.task import DenoiseTask
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
@@ -79,24 +81,23 @@ class InProcess:
         beside = {k: t for k, t in pixels.items() if k in self.family.image_text_fields}
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
         uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
-        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
+        task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
                                   lora=lora, image=self.family.image_conditioning(pixels))
+        task.cache = request_cache(task, teacache_settings(self.info))
+        return task
 
     @torch.no_grad()
     def step(self, tasks: list[DenoiseTask]) -> None:
         """One step of the worker's loop for ``tasks`` (each at its own step): their forwards, then their steps."""
-        outs: list[list[torch.Tensor]] = [[] for _ in tasks]
         p = tasks[0].params
         tokens = self.family.image_seq_len(self.info, p.height, p.width, p.num_frames)
-        for part in forward_parts([t.model_input() for t in tasks], MAX_BATCH):
-            inputs = [x for _, x in part]
-            self.shared_forwards += len(part) > 1
+
+        def before(inputs):
+            self.shared_forwards += len(inputs) > 1
             # As the eager CPU worker: one thread for a small forward (every one of these tiny models').
             size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads,
                          tokens)
-            for (i, _), v in zip(part, self.policy.batched_velocity(inputs)):
-                outs[i].append(v)
-        velocities = [v[0] if len(v) == 1 else torch.cat(v) for v in outs]
+        velocities = step_velocities(self.policy, tasks, MAX_BATCH, before)
         assert advance_all(tasks, velocities) == [None] * len(tasks)
 
     def run(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from common.protocol.messages import ROLES
+from common.protocol.messages import ROLES, CacheParams
 
 CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
 DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,6 +93,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     weight_sync_from_memory: bool = False
     # Denoise workers: each expert through torch.compile (common/diffusion/compiled.py), warmed up before ready.
     compile: bool = False
+    # Step caching for requests that leave out ``cache`` (common/diffusion/step_cache.py); None: off.
+    cache: CacheParams | None = None
     # VAE calls (decode; image-to-video's image encode) tiled: "auto" above vae_tiling_pixels (one sample's
     # frames x height x width; None: common/diffusion/vae_tiling.py's default), "on", "off".
     vae_tiling: str = "auto"

@@ -175,6 +175,19 @@ class Binding:
         each keyword's [B, ...] tensor; ``guidance``: the rows' embedded guidance [B] (or None)."""
         return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
 
+    # --- step caching (common/diffusion/step_cache.py) -----------------------------------------------------
+    # TeaCache's polynomial (highest power first) from the relative change of :meth:`modulated_input` between
+    # steps to that of the output, and the steps it always computes first; a model directory's
+    # step_cache.json overrides both (see common/diffusion/cache_signals.py).
+    teacache_coefficients: tuple[float, ...] = (1.0, 0.0)
+    teacache_warmup: int = 1
+
+    def modulated_input(self, model: torch.nn.Module, timestep: torch.Tensor, text: dict[str, torch.Tensor],
+                        guidance: torch.Tensor | None) -> torch.Tensor:
+        """The timestep embedding that modulates the transformer's blocks, [B, ...], for rows' timesteps [B]
+        (as :meth:`forward` takes them), text keywords [B, ...] and embedded guidance [B] (or None)."""
+        raise NotImplementedError
+
     def example_text(self, info: "ModelInfo", model: torch.nn.Module, max_sequence_length: int,
                      generator: torch.Generator, device, dtype: torch.dtype) -> Conditioning:
         """A random conditioning of the right shapes for this model directory (compile warm-ups)."""

@@ -56,6 +56,9 @@ class ModelInput:
     grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), which [seq, C] hides
     embedded_guidance: float | None = None  # guidance-distilled transformers' guidance input (FLUX.1-dev)
     image: torch.Tensor | None = None  # image-to-video: the request's latent-side condition [1, ...] (Binding)
+    # One branch of a request's guidance run on its own (step caching): ``cond`` is its negative prompt, and
+    # with CFG parallel its rows go with the unconditional ones.
+    unconditional: bool = False
 
     @property
     def n(self) -> int:
@@ -197,19 +200,8 @@ class Policy:
             return [self.velocity(inputs[0])]
         name = self.expert_for(inputs[0].timestep)
         # CFG parallel splits the forward at cond_rows: every conditional row first.
-        blocks = _blocks_by_adapter(inputs, guidance_last=self.ranks is not None and self.ranks.cfg == 2)
-        f, info = self.family, self.info
-        h = torch.cat([f.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
-        h = h.to(self.dtypes[name])
-        ts = torch.cat([f.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
-                        for i, _ in blocks])
-        texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
-        loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
-        cond_rows = sum(inputs[i].n for i, uncond in blocks if not uncond)
-        guidance = None
-        if inputs[0].embedded_guidance is not None:
-            guidance = torch.cat([inputs[i].guidance_rows(inputs[i].n) for i, _ in blocks])
-        out = self.run(name, Rows.of(self.family, h, ts, texts, loras, cond_rows, inputs[0].grid, guidance))
+        rows, blocks = self.rows_of(name, inputs, guidance_last=self.ranks is not None and self.ranks.cfg == 2)
+        out = self.run(name, rows)
         at, start = {}, 0
         for block in blocks:
             at[block] = out[start : start + inputs[block[0]].n]
@@ -221,6 +213,23 @@ class Policy:
                 v = self.family.guide(v, at[(i, True)], self.guidance_scale(name, x))
             result.append(v)
         return result
+
+
+    def rows_of(self, name: str, inputs: list[ModelInput], guidance_last: bool = False):
+        """The rows of one forward of ``inputs`` on expert ``name``, and their blocks (:func:`_blocks_by_adapter`)."""
+        blocks = _blocks_by_adapter(inputs, guidance_last)
+        f, info = self.family, self.info
+        h = torch.cat([f.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
+        h = h.to(self.dtypes[name])
+        ts = torch.cat([f.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
+                        for i, _ in blocks])
+        texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
+        loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
+        cond_rows = sum(inputs[i].n for i, uncond in blocks if not (uncond or inputs[i].unconditional))
+        guidance = None
+        if inputs[0].embedded_guidance is not None:
+            guidance = torch.cat([inputs[i].guidance_rows(inputs[i].n) for i, _ in blocks])
+        return Rows.of(f, h, ts, texts, loras, cond_rows, inputs[0].grid, guidance), blocks
 
 
 def _text_rows(cond: Conditioning, n: int) -> dict[str, torch.Tensor]:
@@ -245,8 +254,10 @@ def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) ->
     for i, x in enumerate(inputs):
         first.setdefault(adapter(x), i)
     order = sorted(range(len(inputs)), key=lambda i: first[adapter(inputs[i])])
-    if guidance_last:
-        return [(i, False) for i in order] + [(i, True) for i in order if inputs[i].uncond is not None]
+    if guidance_last:  # (an unconditional branch on its own counts as unconditional)
+        return ([(i, False) for i in order if not inputs[i].unconditional]
+                + [(i, False) for i in order if inputs[i].unconditional]
+                + [(i, True) for i in order if inputs[i].uncond is not None])
     return [(i, uncond) for i in order for uncond in ((False, True) if inputs[i].uncond is not None else (False,))]
 
 

@@ -23,6 +23,8 @@ ROLES = ("encoder", "denoise", "decode")
 OutputType = Literal["frames", "latent"]
 SdeType = Literal["sde", "cps", "ode"]
 ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
+CacheMethod = Literal["teacache", "first_block"]  # step caching (common/diffusion/step_cache.py)
+Info = Union[str, int, float, list[int]]  # a result's facts: per request, or one int per sample
 OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
 SDE_TYPES: tuple[str, ...] = get_args(SdeType)
 EXPERT_NAMES: tuple[str, ...] = get_args(ExpertName)
@@ -176,6 +178,13 @@ class WeightBucket(_Strict, frozen=True):
     cuda: CudaIpcHandle | None = None
 
 
+class CacheParams(_Strict):
+    """A request's step caching: reuse a transformer output between close steps (serving, never an SDE step)."""
+
+    method: CacheMethod
+    threshold: float
+
+
 class RolloutParams(_Strict):
     """What ``/rollout/generate`` adds to a generation request."""
 
@@ -211,6 +220,7 @@ class GenerationParams(_Strict):
     lora_name: LoraName | None = None  # a loaded LoRA adapter, applied at lora_scale; None: the base model
     lora_scale: float = 1.0
     max_sequence_length: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 512  # the text encoder's token budget
+    cache: CacheParams | None = None  # None: every step runs the transformer
     # Absolute deadline (seconds since the epoch): past it, workers drop the request
     # instead of spending compute on an answer nobody waits for any more.
     deadline: float | None = None
@@ -260,19 +270,19 @@ class DecodeRequest(_Header, tag="decode", kw_only=True):
     params: GenerationParams
     timings: dict[str, float] = {}
     peak_memory: dict[str, int] = {}
-    info: dict[str, str | int | float] = {}
+    info: dict[str, Info] = {}
 
 
 class Result(_Header, tag="result", kw_only=True):
     """Final answer for one request. ``info`` holds per-request facts such as the
-    scheduler that ran and the weight version."""
+    scheduler that ran and the weight version, and per-sample counts (lists, one entry per sample)."""
 
     carries = (OUTPUT, *ROLLOUT_OUTPUTS)
 
     stage: str
     timings: dict[str, float] = {}
     peak_memory: dict[str, int] = {}
-    info: dict[str, str | int | float] = {}
+    info: dict[str, Info] = {}
 
 
 class ControlRequest(_Header, tag="control", kw_only=True):

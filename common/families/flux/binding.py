@@ -78,6 +78,13 @@ class FluxBinding(PackedBinding):
                      pooled_projections=text[POOLED], encoder_hidden_states=text[HIDDEN], txt_ids=txt_ids,
                      img_ids=image_ids(grid, device, dtype), return_dict=False)[0]
 
+    def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
+        dtype = text[HIDDEN].dtype  # as forward: the pipeline's t / 1000, scaled back by the transformer
+        t = timestep.to(dtype) / 1000 * 1000
+        if guidance is None:
+            return model.time_text_embed(t, text[POOLED])
+        return model.time_text_embed(t, guidance.to(dtype) * 1000, text[POOLED])
+
     def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         c = model.config
         return TextCond({

@@ -93,6 +93,13 @@ class QwenImageBinding(PackedBinding):
                      guidance=guidance, encoder_hidden_states=text[HIDDEN], encoder_hidden_states_mask=text.get(MASK),
                      img_shapes=[[(1, *grid)]], return_dict=False)[0]
 
+    def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
+        dtype = text[HIDDEN].dtype  # (the embedding reads only the dtype of the hidden states it is given)
+        t, like = timestep.to(dtype) / 1000, text[HIDDEN][:, :1]
+        if guidance is None:
+            return model.time_text_embed(t, like)
+        return model.time_text_embed(t, guidance.to(dtype) * 1000, like)
+
     def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         width = model.config.joint_attention_dim
         return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,

@@ -64,6 +64,9 @@ class SD3Binding(Binding):
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
         return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None], POOLED: wire[POOLED_PROMPT_EMBEDS.name][None]})
 
+    def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
+        return model.time_text_embed(timestep.to(text[POOLED].dtype), text[POOLED])
+
     def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
         c = model.config
         return TextCond({

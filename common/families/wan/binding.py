@@ -75,6 +75,17 @@ class WanBinding(Binding):
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> torch.Tensor:
         return pad_embeddings(wire[PROMPT_EMBEDS.name], max_sequence_length)
 
+    # TeaCache4Wan2.1's published polynomial for Wan2.1-T2V-1.3B on the 6 x D timestep projection (its
+    # "ret steps" mode: the first 5 steps always computed).
+    teacache_coefficients = (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02)
+    teacache_warmup = 5
+
+    def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
+        embedder = model.condition_embedder
+        t = embedder.timesteps_proj(timestep)
+        temb = embedder.time_embedder(t.to(next(iter(embedder.time_embedder.parameters())).dtype))
+        return embedder.time_proj(embedder.act_fn(temb))
+
     def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> torch.Tensor:
         return torch.randn(1, max_sequence_length, model.config.text_dim, generator=generator, device=device,
                            dtype=dtype)

@@ -34,6 +34,8 @@ class WanImageToVideoBinding(WanBinding):
     pipeline = "WanImageToVideoPipeline"
     image_fields = (IMAGE_EMBEDS, IMAGE_CONDITION)
     image_text_fields = frozenset({IMAGE_EMBEDS.name})
+    # TeaCache4Wan2.1's published polynomial for Wan2.1-I2V-14B-480P ("ret steps" mode, as Wan's).
+    teacache_coefficients = (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01)
 
     def image_input(self, info) -> str | None:
         return "required"

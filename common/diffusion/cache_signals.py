@@ -1,0 +1,124 @@
+"""What the step-caching methods measure (common/diffusion/step_cache.py), for every family.
+
+- :func:`modulated_input`: one request branch's timestep-modulated input (the family's
+  :meth:`Binding.modulated_input`): a few Linear layers, no pass of the transformer.
+- :func:`first_block_residuals`: the probe of ``first_block``: the rows' forward up to the first
+  transformer block (diffusers' block registry says which output is the image stream), stopped there; its
+  residual (output - input) per row. The probe runs eagerly (a compiled expert keeps its graphs: no
+  recompile per decision) and on this process only (a worker that splits the sequence over ranks cannot
+  serve it: the router refuses ``first_block`` there).
+- :func:`teacache_settings`: the model's TeaCache polynomial and warm-up: the family's, or its directory's
+  ``step_cache.json`` (``{"teacache_coefficients": [...], "teacache_warmup": N}``, as bench/fit_teacache.py
+  writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import torch
+from diffusers.hooks._helpers import TransformerBlockRegistry
+
+from common.diffusion.binding import text_kwargs
+from common.diffusion.model_info import ModelInfo
+from common.diffusion.policy import ModelInput, Policy
+from common.diffusion.rows import forward_rows
+
+SETTINGS_FILE = "step_cache.json"
+_BLOCK_LISTS = ("blocks", "transformer_blocks")  # Wan; SD3, FLUX (its double-stream blocks), Qwen-Image
+
+
+def teacache_settings(info: ModelInfo) -> tuple[tuple[float, ...], int]:
+    """(polynomial coefficients, warm-up steps) of TeaCache for this model directory."""
+    coefficients, warmup = info.family.teacache_coefficients, info.family.teacache_warmup
+    path = info.path / SETTINGS_FILE
+    if path.is_file():
+        data = json.loads(path.read_text())
+        coefficients = tuple(float(c) for c in data.get("teacache_coefficients", coefficients))
+        warmup = int(data.get("teacache_warmup", warmup))
+    return tuple(coefficients), warmup
+
+
+def cache_problem(method: str, family, workers) -> str | None:
+    """Why the engine cannot serve step caching ``method`` for this family on these workers (``workers``: the
+    engine's WorkerSpecs), or None."""
+    from common.diffusion.binding import Binding
+
+    if method == "teacache" and type(family).modulated_input is Binding.modulated_input:
+        return f"{family.pipeline}'s binding has no timestep-modulated input, so it cannot serve teacache"
+    if method == "first_block" and any(w.role == "denoise" and (w.ulysses > 1 or w.ring > 1) for w in workers):
+        return ("first_block probes the first block on one device; a denoise worker that splits the sequence "
+                "(ulysses, ring) cannot serve it (teacache can)")
+    return None
+
+
+@torch.no_grad()
+def modulated_input(policy: Policy, name: str, x: ModelInput) -> torch.Tensor:
+    """The modulated input [1, ...] of one branch piece ``x`` (every sample of a request shares it)."""
+    f = policy.family
+    t = f.row_timesteps(policy.info, x.timestep, x.latents[:1], x.image)
+    if t.dim() > 1:  # a timestep per token (Wan2.2 TI2V): the noisy tokens' one
+        t = t.amax(dim=1)
+    text = {k: v[:1] for k, v in text_kwargs(x.cond).items()}
+    return f.modulated_input(policy.experts[name], t, text, x.guidance_rows(1)).float()
+
+
+class _Probed(Exception):
+    """Raised by the tap once the first block has run: the rest of the forward is not wanted."""
+
+
+class _FirstBlockTap:
+    """A forward hook on an expert's first block that, while armed, keeps its residual and stops the forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        block = first_block(model)
+        self.index = TransformerBlockRegistry.get(type(block)).return_hidden_states_index
+        self.armed = False
+        self.residual: torch.Tensor | None = None
+        block.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        if not self.armed:
+            return None
+        before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        after = output if isinstance(output, torch.Tensor) else output[self.index]
+        self.residual = (after - before).float()
+        raise _Probed
+
+
+def first_block(model: torch.nn.Module) -> torch.nn.Module:
+    for name in _BLOCK_LISTS:
+        blocks = getattr(model, name, None)
+        if blocks is not None and len(blocks):
+            return blocks[0]
+    raise ValueError(f"{type(model).__name__} has none of the block lists {_BLOCK_LISTS}")
+
+
+_TAPS: "weakref.WeakKeyDictionary[torch.nn.Module, _FirstBlockTap]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def first_block_residuals(policy: Policy, name: str, inputs: list[ModelInput]) -> list[torch.Tensor]:
+    """The first block's residual [n, ...] (float32) of every row of each input (single-branch pieces)."""
+    model = policy.experts[name]
+    tap = _TAPS.get(model)
+    if tap is None:
+        tap = _TAPS[model] = _FirstBlockTap(model)
+    rows, blocks = policy.rows_of(name, inputs)
+    tap.armed, tap.residual = True, None
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            forward_rows(policy.family, model, policy.lora_hooks[name], policy._shared_text(name), rows)
+    except _Probed:
+        pass
+    finally:
+        tap.armed = False
+    residual, tap.residual = tap.residual, None
+    if residual is None:
+        raise RuntimeError(f"{type(model).__name__}: the forward never reached its first block")
+    out, start = [None] * len(inputs), 0
+    for i, _ in blocks:
+        out[i] = residual[start : start + inputs[i].n]
+        start += inputs[i].n
+    return out

@@ -1,0 +1,100 @@
+"""One batched step's forward inputs when requests cache steps, and each request's output from them.
+
+A request without caching brings its usual :class:`ModelInput` (guided by the policy). A request with
+caching (its task's :class:`~common.diffusion.step_cache.RequestCache`) brings each CFG branch as a piece
+of its own, holding only the rows that compute at this step; the rows that skip bring nothing to the
+forward. Its output is put together from the computed rows and its cache, then guided as the policy
+guides. The ``first_block`` probes of every request in the step run as one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from common.diffusion.cache_signals import first_block_residuals, modulated_input
+from common.diffusion.policy import ModelInput, Policy
+from common.diffusion.step_cache import RequestCache
+from denoise_worker.task import DenoiseTask
+
+
+@dataclass
+class StepPlan:
+    inputs: list[ModelInput]  # what this request adds to the step's forward (possibly nothing)
+    finish: Callable[[list[torch.Tensor]], torch.Tensor]  # the forward's outputs for ``inputs`` -> guided output
+
+
+def request_cache(task: DenoiseTask, settings: tuple[tuple[float, ...], int]) -> RequestCache | None:
+    """The caching state of a new task whose request asks for it (``settings``: the model's TeaCache ones)."""
+    if task.params.cache is None:
+        return None
+    coefficients, warmup = settings
+    teacache = task.params.cache.method == "teacache"
+    return RequestCache(task.params.cache, task.n, 1 if task.uncond is None else 2, len(task.scheduler.timesteps),
+                        warmup=warmup if teacache else 1, coefficients=coefficients)
+
+
+def plan_step(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
+    plans: list[StepPlan | None] = [None] * len(tasks)
+    branches: dict[int, list[ModelInput]] = {}
+    for i, task in enumerate(tasks):
+        if task.cache is None:
+            plans[i] = StepPlan([task.model_input()], lambda outs: outs[0])
+            continue
+        x = task.model_input()
+        branches[i] = [replace(x, uncond=None)]
+        if x.uncond is not None:
+            branches[i].append(replace(x, cond=x.uncond, uncond=None, unconditional=True))
+    if not branches:
+        return plans
+    name = policy.expert_for(tasks[next(iter(branches))].timestep)  # one expert per batched step
+    signals = _signals(policy, name, {i: (tasks[i], b) for i, b in branches.items()})
+    for i, pieces in branches.items():
+        plans[i] = _cached_plan(policy, name, tasks[i], pieces, signals.get(i))
+    return plans
+
+
+def _signals(policy: Policy, name: str, cached: dict[int, tuple[DenoiseTask, list[ModelInput]]]):
+    """Each caching request's signal per branch, or none where this step does not need one."""
+    out: dict[int, list[torch.Tensor]] = {}
+    probe: list[tuple[int, list[ModelInput]]] = []
+    for i, (task, pieces) in cached.items():
+        if not task.cache.wants_signal(task.step):
+            continue
+        if task.cache.method == "teacache":
+            out[i] = [modulated_input(policy, name, x) for x in pieces]
+        else:
+            probe.append((i, pieces))
+    if probe:
+        residuals = iter(first_block_residuals(policy, name, [x for _, pieces in probe for x in pieces]))
+        for i, pieces in probe:
+            out[i] = [next(residuals) for _ in pieces]
+    return out
+
+
+def _cached_plan(policy: Policy, name: str, task: DenoiseTask, pieces: list[ModelInput],
+                 signals: list[torch.Tensor] | None) -> StepPlan:
+    forced = task.sde is not None and task.sde_type_now() != "ode"  # a rollout's SDE step is never cached
+    masks = task.cache.decide(task.step, name, forced, signals)
+    inputs, which = [], []
+    for b, (x, mask) in enumerate(zip(pieces, masks)):
+        if bool(mask.all()):
+            inputs.append(x)
+        elif bool(mask.any()):
+            rows = mask.nonzero().flatten().to(x.latents.device)
+            t = x.timestep if x.timestep.dim() == 0 else x.timestep[rows]
+            inputs.append(replace(x, latents=x.latents[rows], timestep=t))
+        else:
+            continue
+        which.append(b)
+
+    def finish(outs: list[torch.Tensor]) -> torch.Tensor:
+        computed = dict(zip(which, outs))
+        full = [task.cache.output(b, mask, computed.get(b)) for b, mask in enumerate(masks)]
+        if len(full) == 1:
+            return full[0]
+        return policy.family.guide(full[0], full[1], policy.guidance_scale(name, pieces[0]))
+
+    return StepPlan(inputs, finish)
