@@ -4,8 +4,8 @@
   :meth:`Binding.modulated_input`): a few Linear layers, no pass of the transformer.
 - :func:`first_block_residuals`: the probe of ``first_block``: the rows' forward up to the first
   transformer block (diffusers' block registry says which output is the image stream), stopped there; its
-  residual (output - input) per row. The probe runs eagerly (a compiled expert keeps its graphs: no
-  recompile per decision) and on this process only (a worker that splits the sequence over ranks cannot
+  residual (output - input) per row. The probe runs eagerly, its hook in place only while it runs (a
+  compiled expert keeps its graphs, which guard on hooks: no recompile per decision) and on this process only (a worker that splits the sequence over ranks cannot
   serve it: the router refuses ``first_block`` there).
 - :func:`teacache_settings`: the model's TeaCache polynomial and warm-up: the family's, or its directory's
   ``step_cache.json`` (``{"teacache_coefficients": [...], "teacache_warmup": N}``, as bench/fit_teacache.py
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from diffusers.hooks._helpers import TransformerBlockRegistry
@@ -69,18 +71,25 @@ class _Probed(Exception):
 
 
 class _FirstBlockTap:
-    """A forward hook on an expert's first block that, while armed, keeps its residual and stops the forward."""
+    """A forward hook on an expert's first block, in place for one probe only, that keeps the block's residual
+    and stops the forward. (A compiled expert guards on its blocks' hooks: one left in place would make every
+    graph compile again.)"""
 
     def __init__(self, model: torch.nn.Module):
-        block = first_block(model)
-        self.index = TransformerBlockRegistry.get(type(block)).return_hidden_states_index
-        self.armed = False
+        self.block = first_block(model)
+        self.index = TransformerBlockRegistry.get(type(self.block)).return_hidden_states_index
         self.residual: torch.Tensor | None = None
-        block.register_forward_hook(self._hook, with_kwargs=True)
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        self.residual = None
+        handle = self.block.register_forward_hook(self._hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _hook(self, module, args, kwargs, output):
-        if not self.armed:
-            return None
         before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         after = output if isinstance(output, torch.Tensor) else output[self.index]
         self.residual = (after - before).float()
@@ -106,14 +115,11 @@ def first_block_residuals(policy: Policy, name: str, inputs: list[ModelInput]) -
     if tap is None:
         tap = _TAPS[model] = _FirstBlockTap(model)
     rows, blocks = policy.rows_of(name, inputs)
-    tap.armed, tap.residual = True, None
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with tap.armed(), torch.compiler.set_stance("force_eager"):
             forward_rows(policy.family, model, policy.lora_hooks[name], policy._shared_text(name), rows)
     except _Probed:
         pass
-    finally:
-        tap.armed = False
     residual, tap.residual = tap.residual, None
     if residual is None:
         raise RuntimeError(f"{type(model).__name__}: the forward never reached its first block")
