@@ -41,8 +41,7 @@ from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.families import UnknownFamily, read_model
 from common.families.builtin import BUILTINS, ensure_builtin, layout_problem
-from common.diffusion.cache_signals import cache_problem
-from common.diffusion.step_cache import parse_flag as parse_cache_flag
+from common.diffusion.step_cache import cli_flag as cache_flag
 from common.families.tiny_cache import CACHE_ENV as TINY_CACHE_ENV
 from common.families.tiny_cache import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
 from common.transport.security import provision_curve, remove_secrets
@@ -133,18 +132,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="denoise workers run each expert through torch.compile, warmed up at the model's default "
                         "request shape before they report ready")
-    p.add_argument("--cache", default=None, metavar="METHOD[:THRESHOLD]", type=_cache_flag,
+    p.add_argument("--cache", default=None, metavar="METHOD[:THRESHOLD]", type=cache_flag,
                    help="step caching for requests that leave out cache: teacache or first_block, at THRESHOLD "
                         "(default: the method's); a request's cache (null: off) overrides it")
     p.add_argument("--no-cuda-ipc", action="store_true",
                    help="stage CUDA tensors between GPU workers through host memory instead of CUDA IPC")
-
-
-def _cache_flag(text: str):
-    try:
-        return parse_cache_flag(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -383,10 +375,7 @@ def main(argv=None) -> int:
     runtime = _private_runtime_dir(args.runtime_dir)
     _warn_about_keys(args, api_key)
     config = engine_config(args, model, runtime, weight_roots)
-    problem = layout_problem(family, config.workers)
-    if problem is None and config.cache is not None:
-        problem = cache_problem(config.cache.method, family, config.workers)
-        problem = problem and f"--cache: {problem}"
+    problem = layout_problem(family, config.workers, config.cache)
     if problem:
         if args.runtime_dir is None:
             shutil.rmtree(runtime, ignore_errors=True)

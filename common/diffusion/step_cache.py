@@ -25,6 +25,7 @@ state is reset there), and every step the caller forces (a rollout's SDE steps).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,14 @@ def parse_flag(text: str) -> CacheParams:
     if problem:
         raise ValueError(problem)
     return CacheParams(method=method, threshold=threshold)
+
+
+def cli_flag(text: str) -> CacheParams:
+    """:func:`parse_flag` as an argparse ``type`` (its message as the flag's error)."""
+    try:
+        return parse_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def rel_l1(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

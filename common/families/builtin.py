@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.diffusion.cache_signals import cache_problem
 from common.families.flux.tiny_specs import SPECS as FLUX_SPECS
 from common.families.qwen_image.tiny_specs import SPECS as QWEN_IMAGE_SPECS
 from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
@@ -28,13 +29,13 @@ def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:
     return ensure(spec, cache_dir)
 
 
-def layout_problem(family, workers) -> str | None:
+def layout_problem(family, workers, cache=None) -> str | None:
     """Why the family's transformer cannot run the topology's denoise layouts (``workers``: the engine's
-    WorkerSpecs); None: it can."""
-    if family.context_parallel:
-        return None
-    for spec in workers:
-        if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
-            return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, so "
-                    "its denoise workers cannot use ulysses or ring (cfg works)")
-    return None
+    WorkerSpecs), or serve the default step caching ``cache`` (--cache) on them; None: it can."""
+    if not family.context_parallel:
+        for spec in workers:
+            if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
+                return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, "
+                        "so its denoise workers cannot use ulysses or ring (cfg works)")
+    problem = None if cache is None else cache_problem(cache.method, family, workers)
+    return problem and f"--cache: {problem}"
