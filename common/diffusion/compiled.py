@@ -99,7 +99,8 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
     by running it: seconds per expert.
 
     With a policy, its own forwards: ``velocity`` (one sample, guidance) and, when ``batch`` > 1,
-    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan), and for a family whose
+    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan) and of one row of each of two
+    texts (a step-caching request's branches), and for a family whose
     texts vary in size (``Binding.compile_dynamic``) one of two texts of different sizes (Qwen-Image pads
     and masks them: a graph of its own); with bare experts, one forward of a sample and one of ``batch``.
     On failure the experts are made eager again and :class:`CompileError` says why.
@@ -144,6 +145,10 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
                     policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
                     if batch > 1:
                         policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
+                    if batch > 1:  # a step-caching request's two branches as pieces: one row per text
+                        policy.batched_velocity([ModelInput(latents(1), t, texts[0], None, 1.0, **extra),
+                                                 ModelInput(latents(1), t, texts[1], None, 1.0, **extra,
+                                                            unconditional=True)])
                     if batch > 1 and policy.family.compile_dynamic:  # texts of two sizes in one forward
                         shorter = _shorter(texts[1], policy.family.compile_dynamic)
                         policy.batched_velocity([ModelInput(latents(batch), t, texts[0], shorter, 5.0, **extra)])
