@@ -81,6 +81,8 @@ class OpenAIRoutes:
                                                 "lora_scale", "timeout_s", "max_sequence_length")}
         if getattr(body, "image", None) is not None:
             extra["image"] = body.image
+        if "cache" in body.model_fields_set:  # left out: the engine's --cache; null: off
+            extra["cache"] = body.cache
         return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
                             output_type=output_type, **extra)
 

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.protocol.messages import LORA_NAME_PATTERN
-from router.schemas import MAX_SEED, FieldError
+from router.schemas import MAX_SEED, CacheBody, FieldError
 
 
 class EngineFields(BaseModel):
@@ -31,6 +31,7 @@ class EngineFields(BaseModel):
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0)
     timeout_s: float | None = Field(default=None, gt=0)
     max_sequence_length: int | None = Field(default=None, ge=1)
+    cache: CacheBody | None = Field(default=None, description="step caching, as /generate's (null: off)")
 
 
 class ImagesBody(EngineFields):

@@ -147,6 +147,19 @@ def test_jobs_are_listed_bounded_and_refused_clearly(client, engine):
     assert client.videos.list().data == []
 
 
+def test_images_take_step_caching_as_generate_does(client, engine):
+    cache = {"method": "first_block", "threshold": 1.0}  # the random tiny model: most steps reuse an output
+    wan = {k: v for k, v in BASE.items() if k != "prompt"}
+    r = client.images.generate(prompt=BASE["prompt"], size="48x32", extra_body={**wan, "seed": 3, "cache": cache})
+    png = np.array(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))))
+    cached = _frames(engine, seed=3, width=48, height=32, num_frames=1, cache=cache)
+    assert np.array_equal(png, to_uint8(cached)[0, 0])
+    assert not np.array_equal(png, to_uint8(_frames(engine, seed=3, width=48, height=32, num_frames=1))[0, 0])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(prompt="x", extra_body={"cache": {"method": "teacache", "threshold": 0}})
+    assert e.value.body["field"] == "cache.threshold"
+
+
 @pytest.mark.parametrize("fields, field", [
     ({"size": "40x32"}, "size"),  # not a multiple of 16
     ({"size": "4096x4096"}, "size"),  # beyond --max-height: the field the client sent
