@@ -5,7 +5,9 @@
 # worker (bench/weight_sync.py, with CUDA IPC), then one request on denoise layouts (bench/denoise_layouts.py:
 # --compile, and Ulysses 2 / CFG parallel where there are several GPUs), then releasing and resuming the
 # workers' weights (bench/sleep.py: times, and each worker's torch.cuda.memory_allocated / memory_reserved
-# before, released and resumed). Sized for one H100/H200-class GPU in about 11 minutes.
+# before, released and resumed), then step caching on the small -smooth models (bench/cache.py: teacache and
+# first_block against uncached requests, one at a time and 16 at once). Sized for one H100/H200-class GPU in
+# about 13 minutes.
 #
 #   bash bench/gpu.sh wheels            # on a machine with PyPI: fetch the Python packages a bare CUDA image
 #                                       # lacks into .cache/gpu-wheels (CPython 3.12, x86-64); take that folder along
@@ -17,8 +19,9 @@
 #   PYTHON                  interpreter (default: the first of .venv/bin/python, python3 whose torch sees a GPU)
 #   DISAGG_DIFFUSION_CACHE  model cache (default ~/.cache/disagg-diffusion); the only thing written outside
 #                           the repository apart from the engine's temporary directories
-#   TEST_TIMEOUT, TRANSFER_TIMEOUT, GEN_TIMEOUT, SERVE_TIMEOUT, WSYNC_TIMEOUT, LAYOUT_TIMEOUT, SLEEP_TIMEOUT
-#                           seconds per step (default 90, 60, 120, 300, 300, 420, 240; typical runs take far less)
+#   TEST_TIMEOUT, TRANSFER_TIMEOUT, GEN_TIMEOUT, SERVE_TIMEOUT, WSYNC_TIMEOUT, LAYOUT_TIMEOUT, SLEEP_TIMEOUT,
+#   CACHE_TIMEOUT           seconds per step (default 90, 60, 120, 300, 300, 420, 240, 300; typical runs take
+#                           far less)
 #   SERVE_ARGS              more bench/serve.py flags, e.g. SERVE_ARGS='--requests 4'
 #
 # Wheels found in .cache/gpu-wheels are installed (offline, no dependencies) into .cache/gpu-site, which goes
@@ -137,6 +140,7 @@ if [ "$DRY" = 1 ]; then
     WSYNC=(--models tiny --repeats 1)
     LAYOUTS=(--preset tiny --device cpu --repeats 1 --rows diffusers one compile cfg2)
     SLEEP=(--model tiny --repeats 1)
+    CACHE=(--models tiny-smooth --steps 6 --requests 1 --concurrency 2 --thresholds 0.08)
 else
     MODEL=wan2.1-1.3b
     SERVE=(--preset wan-1.3b --device cuda --dtype bfloat16)
@@ -144,6 +148,9 @@ else
     WSYNC=(--models wan2.1-1.3b --repeats 3)
     LAYOUTS=(--preset wan-1.3b --device cuda --repeats 3 --rows diffusers one compile)
     SLEEP=(--model wan2.1-1.3b --repeats 3)
+    # The 1.3B model has no -smooth variant (a random time MLP makes TeaCache's signal meaningless): the small
+    # ones at their Wan default size, 50 steps.
+    CACHE=(--models small-smooth small-flux-smooth --height 128 --width 128 --num-frames 9 --requests 3)
     if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         LAYOUTS+=(ulysses2 cfg2)  # each of those denoise workers takes two GPUs of the compact topology's round
     fi
@@ -186,6 +193,8 @@ if step model "${GEN_TIMEOUT:-120}" "$PY" -m common.families.wan.tiny_model --na
     # ---- 7. releasing and resuming the weights (a colocated trainer): times and each worker's GPU memory --------
     step sleep "${SLEEP_TIMEOUT:-240}" "$PY" bench/sleep.py "${SLEEP[@]}" --json "$OUT/sleep-gpu.json"
 fi
+# ---- 8. step caching: teacache and first_block against uncached requests (built-in models, generated here) ----
+step cache "${CACHE_TIMEOUT:-300}" "$PY" bench/cache.py "${CACHE[@]}" --json "$OUT/cache-gpu.json"
 
 echo "== results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -44,7 +44,7 @@ def test_every_base_has_a_smooth_variant_of_its_own_cache_key():
         spec = BUILTINS[f"{base}-smooth"]
         assert isinstance(spec, SmoothTimeSpec) and spec.base is BUILTINS[base]
         assert _cache_key(spec).startswith(f"{base}-smooth-") and _cache_key(spec) == _cache_key(
-            SmoothTimeSpec(name=spec.name, base=BUILTINS[base]))
+            SmoothTimeSpec(name=spec.name, base=BUILTINS[base], keep_rad=spec.keep_rad, drop_rad=spec.drop_rad))
 
 
 @pytest.mark.parametrize("base", TINY)
@@ -58,7 +58,8 @@ def test_only_the_time_embedders_first_layer_changes(base, built):
         a = cls.from_pretrained(base_dir / expert).state_dict()
         smooth = cls.from_pretrained(smooth_dir / expert)
         b = smooth.state_dict()
-        gains = column_gains(smooth)
+        spec = BUILTINS[f"{base}-smooth"]
+        gains = column_gains(smooth, spec.step, spec.keep_rad, spec.drop_rad)
         assert a.keys() == b.keys()
         assert {k for k in a if not torch.equal(a[k], b[k])} == set(gains)
         for k, g in gains.items():
