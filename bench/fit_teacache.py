@@ -14,7 +14,9 @@ transformer's output that ``x`` predicts. This script measures both over uncache
   transformer output (``Policy.batched_velocity`` on the single-branch pieces), both against the previous
   step on the same expert;
 - by default only the steps where TeaCache evaluates the polynomial (after the model's warm-up, before the
-  last step; ``--all-steps``: every pair); then ``numpy.polyfit(x, y, 4)``, highest power first.
+  last step; ``--all-steps``: every pair); then ``numpy.polyfit(x, y, --degree)``, highest power first
+  (4 as TeaCache's authors; 1 extrapolates sanely to schedules whose changes fall outside the fitted range,
+  e.g. fewer steps, where a quartic can turn anywhere).
 
 It prints the coefficients, the fit's residual, the range of ``x`` it covered (the polynomial means
 something only there: step_cache.py falls back to the raw change where it goes negative), x / y quantiles,
@@ -54,7 +56,6 @@ from denoise_worker.texts import TextTable  # noqa: E402
 
 DTYPE = torch.float32
 CPU = torch.device("cpu")
-DEGREE = 4
 PROMPTS = (
     "a red fox running through fresh snow at dawn",
     "a bowl of ramen on a wooden table, steam rising, studio lighting",
@@ -152,10 +153,10 @@ class Runner:
         return out
 
 
-def fit(pairs: list[Pair]) -> np.ndarray:
+def fit(pairs: list[Pair], degree: int) -> np.ndarray:
     x = np.array([q.x for q in pairs])
     y = np.array([q.y for q in pairs])
-    return np.polyfit(x, y, DEGREE)
+    return np.polyfit(x, y, degree)
 
 
 def skipped_share(pairs: list[Pair], coefficients, threshold: float, warmup: int, steps: int) -> tuple[int, int]:
@@ -232,13 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--height", type=int, help="default: the model's")
     ap.add_argument("--width", type=int, help="default: the model's")
     ap.add_argument("--frames", type=int, help="video models; default: the model's")
+    ap.add_argument("--degree", type=int, default=4, help="of the polynomial (default 4, as TeaCache's)")
     ap.add_argument("--all-steps", action="store_true",
                     help="fit every consecutive pair, not only the steps where teacache uses the polynomial")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     ap.add_argument("--write", action="store_true", help=f"write the fit as the model directory's {SETTINGS_FILE}")
     args = ap.parse_args(argv)
-    if args.steps < 3 or args.prompts < 1:
-        ap.error("--steps must be >= 3 and --prompts >= 1")
+    if args.steps < 3 or args.prompts < 1 or args.degree < 1:
+        ap.error("--steps must be >= 3, --prompts >= 1 and --degree >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     builtin = args.model in BUILTINS and not Path(args.model).is_dir()
@@ -256,9 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
     # teacache evaluates the polynomial at steps warmup .. steps - 2 (the last one always computes)
     first, last = (1, args.steps - 1) if args.all_steps else (max(warmup, METHODS["teacache"].warmup), args.steps - 2)
     used = [q for q in pairs if first <= q.step <= last]
-    if len(used) <= DEGREE:
-        sys.exit(f"only {len(used)} pairs to fit a degree-{DEGREE} polynomial: more --steps or --prompts")
-    coefficients = fit(used)
+    if len(used) <= args.degree:
+        sys.exit(f"only {len(used)} pairs to fit a degree-{args.degree} polynomial: more --steps or --prompts")
+    coefficients = fit(used, args.degree)
     result = report(args.model, runner, pairs, used, f"{first}..{last}", coefficients, current, warmup, args.steps,
                     branches, time.perf_counter() - t0)
     if args.write:

@@ -39,6 +39,8 @@ def test_fit_writes_settings_that_teacache_reads_and_predicts_its_skips(tmp_path
     assert 0 < lo < hi
     out = capsys.readouterr().out
     assert "fitted teacache_coefficients" in out and "x range covered" in out
+    line = fit_teacache.main([str(model), "--prompts", "1", "--steps", str(STEPS), "--degree", "1"])
+    assert len(line["coefficients"]) == 2 and line["x_range"] == result["x_range"]
 
     written = fit_teacache.main([str(model), "--prompts", "1", "--steps", str(STEPS), "--write"])
     assert written["coefficients"] == coefficients  # deterministic
