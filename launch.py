@@ -51,6 +51,7 @@ from common.config.topology import TRANSPORTS, parse_topology, port_picker, rout
 from router.app import create_app
 from router.dispatcher import Dispatcher
 from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
+from router.job_store import JobStore, open_or_exit as open_job_store
 
 ROOT = Path(__file__).resolve().parent
 log = logging.getLogger("disagg.launch")
@@ -95,6 +96,7 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
                    help="/v1/videos jobs held at once (queued, running or finished and not yet expired)")
     p.add_argument("--job-ttl", type=float, default=d.job_ttl_s,
                    help="seconds a finished /v1/videos job (and its MP4) is kept")
+    p.add_argument("--data-dir", default=d.data_dir, help="where jobs outlive a restart; one engine per dir")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
     p.add_argument("--max-attempts", type=int, default=d.max_attempts,
@@ -238,8 +240,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
             max_num_frames=args.max_num_frames,
             max_steps=args.max_steps,
             max_n=args.max_n,
-            max_jobs=args.max_jobs,
-            job_ttl_s=args.job_ttl,
+            max_jobs=args.max_jobs, job_ttl_s=args.job_ttl, data_dir=args.data_dir,  # /v1/videos jobs
             max_prompt_chars=args.max_prompt_chars,
             request_timeout_s=args.request_timeout,
             max_pending=args.max_pending,
@@ -323,11 +324,11 @@ def _place_workers(args: argparse.Namespace, config: EngineConfig) -> tuple[Engi
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, sockets: list[socket.socket],
-           api_key: str | None, admin_key: str | None, ray_workers: "RayWorkers | None") -> None:
+           api_key: str | None, admin_key: str | None, ray_workers: "RayWorkers | None", store: JobStore) -> None:
     """Start the workers and serve HTTP until a signal (or a failed start) stops the server."""
     dispatcher = Dispatcher(config)
     dispatcher.workers_restart = not args.no_restart
-    app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key)
+    app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key, store=store)
     supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit,
                             spawn=ray_workers.spawn if ray_workers else None)
     if ray_workers is not None:
@@ -369,6 +370,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
     api_key, admin_key, weight_roots = _keys_and_roots(args)
     sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
+    store = open_job_store(args.data_dir)  # locked until this process exits
     model = _load_model(args.model)
     family = model_family(model)
     log.info("model family: %s (%s)", family.family, family.pipeline)
@@ -386,7 +388,7 @@ def main(argv=None) -> int:
     config_path = runtime / CONFIG_NAME
     config.save(config_path)
     try:
-        _serve(args, config, config_path, sockets, api_key, admin_key, ray_workers)
+        _serve(args, config, config_path, sockets, api_key, admin_key, ray_workers, store)
     finally:
         _clean_up(config, shm_prefix, own_runtime=args.runtime_dir is None)
         log.info("stopped: all workers exited")

@@ -30,6 +30,7 @@ from router.lora import LoraControl
 from router.media import MEDIA_TYPES
 from router.metrics import EngineState, Metrics, RequestMetrics
 from router.http_errors import error_response, install_error_handlers
+from router.job_store import JobStore
 from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
 from router.schemas import (
@@ -285,31 +286,34 @@ def add_lora_routes(app: FastAPI, routes: Routes) -> None:
                       response_description="each adapter's name, version, rank, scale, target modules, experts")
 
 
-def _lifespan(dispatcher: Dispatcher):
+def _lifespan(dispatcher: Dispatcher, api: OpenAIRoutes):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await dispatcher.start()
+        api.jobs.start(api.rerun)  # the video jobs an earlier start left unfinished run again
         yield
+        await api.jobs.stop()  # first: a job the stop interrupts stays unfinished, not failed
         await dispatcher.stop()
 
     return lifespan
 
 
 def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo | None = None,
-               api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, admin_key: str | None = None, store: JobStore | None = None) -> FastAPI:
     """The router app over ``dispatcher``, which it starts and stops with itself.
 
     ``info``: the model's facts (default: read from ``config.model``). ``api_key`` /
-    ``admin_key``: see :mod:`router.auth` (never part of ``config``).
+    ``admin_key``: see :mod:`router.auth` (never part of ``config``). ``store``: the jobs' data dir, open
+    and locked (default: ``config.limits.data_dir``'s, opened here).
     """
     routes = Routes(config, dispatcher, info or read_model(config.model))
-    app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher))
+    api = OpenAIRoutes(routes, store or JobStore(config.limits.data_dir))
+    app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher, api))
     app.add_middleware(RequestMetrics, metrics=routes.metrics)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
     app.add_middleware(ReadBodyFirst)  # outermost: every early answer (413, 401, 404, ...) reads the body first
     install_error_handlers(app)
     add_routes(app, routes)
-    api = OpenAIRoutes(routes)
     add_openai_routes(app, api)
     registry = dispatcher.registry
     routes.metrics.watch(EngineState(

@@ -1,123 +1,255 @@
-"""``/v1/videos`` jobs: a generation the client polls for, and its MP4 once done. No sockets here.
+"""``/v1/videos`` jobs and recorded images: their lifecycle over a :class:`~router.job_store.JobStore`. No sockets.
 
-A job is created at once (``queued``), waits for room in the engine (a 429 from
-admission only delays it), runs as one request (``in_progress``, its progress
-from the denoise worker's step count) and ends ``completed`` with its MP4, or
-``failed`` with the request's error. The table holds at most ``max_jobs``;
-finished jobs are dropped ``ttl_s`` after they finished. Jobs live in the
-router's memory: a restarted engine has none (documented in docs/api.md).
+A video job is created at once (``queued``), waits for room in the engine (a 429
+from admission only delays it), runs as one request (``in_progress``, its
+progress from the denoise worker's step count) and ends ``completed`` with its
+MP4 as a file in the store, or ``failed`` with the request's error. Each image a
+generation made is recorded as a finished row of kind ``image``. The table holds
+at most ``max_jobs`` rows; an image record gives way (oldest first) to a new
+row. Finished rows are removed ``ttl_s`` after they finished.
+
+Rows outlive the router. At its start, the video jobs left unfinished run again
+from the start, through the same checks as a new job (``prepare``); one that no
+longer passes them fails with ``engine_restarted``. A stop is no failure: a job
+the stop interrupts stays unfinished in the store, for the next start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.errors import EngineError
+from router.job_store import JobRow, JobStore
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
+VIDEO, IMAGE = "video", "image"
+NOUN = {VIDEO: "video job", IMAGE: "image"}
 ROOM_POLL_S = 0.05  # how often a queued job asks admission again
+SWEEP_S = 60.0  # how often expired rows are removed when nobody asks
+log = logging.getLogger("disagg.jobs")
 
 
 @dataclass
-class VideoJob:
-    """One job, shaped as OpenAI's video object by :meth:`describe`."""
+class Live:
+    """What only this process knows of an unfinished job."""
 
-    id: str
-    prompt: str
-    model: str
-    size: str
-    seconds: str
-    created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = QUEUED
-    completed_at: int | None = None
-    expires_at: int | None = None
-    error: dict | None = None
-    content: bytes | None = None
-    request_id: str | None = None  # the engine request running it, once submitted
     progress: int = 0
+    request_id: str | None = None  # the engine request running it, once submitted
+    error: dict | None = None  # an end the store could not record
     task: asyncio.Task | None = None
 
-    def describe(self, progress_of: Callable[[str], int | None]) -> dict:
-        if self.status == IN_PROGRESS and self.request_id is not None:
-            self.progress = max(self.progress, progress_of(self.request_id) or 0)
-        return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
-                "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
-                "expires_at": self.expires_at, "size": self.size, "seconds": self.seconds, "prompt": self.prompt,
-                "error": self.error, "remixed_from_video_id": None}
 
-
-# run(job) submits the job's request (setting job.request_id), waits for it and returns the MP4.
-Runner = Callable[[VideoJob], Awaitable[bytes]]
+# run(started) waits for room, submits the job's request (calling started(request_id)) and returns the MP4.
+Runner = Callable[[Callable[[str], None]], Awaitable[bytes]]
+# A stored job's runner at a restart, from its row and request fields; raises when it can no longer run.
+Prepare = Callable[[JobRow, dict], Awaitable[Runner]]
 
 
 class JobTable:
-    def __init__(self, max_jobs: int, ttl_s: float, progress_of: Callable[[str], int | None]):
-        self.max_jobs, self.ttl_s, self.progress_of = max_jobs, ttl_s, progress_of
-        self._jobs: dict[str, VideoJob] = {}  # in creation order
+    def __init__(self, store: JobStore, max_jobs: int, ttl_s: float, progress_of: Callable[[str], int | None]):
+        self.store, self.max_jobs, self.ttl_s, self.progress_of = store, max_jobs, ttl_s, progress_of
+        self._live: dict[str, Live] = {}
+        self._background: list[asyncio.Task] = []
+        store.set_ttl(ttl_s)  # the --job-ttl of this start holds for rows an earlier one finished
+        self.expire()
 
-    def _expire(self) -> None:
-        now = time.time()
-        for job_id in [j.id for j in self._jobs.values() if j.expires_at is not None and j.expires_at <= now]:
-            del self._jobs[job_id]
+    # --- the router's start and stop --------------------------------------------------------------
+    def start(self, prepare: Prepare) -> None:
+        """In the event loop, at the router's start: run the unfinished video jobs again, sweep periodically."""
+        rows = self.store.unfinished(VIDEO)
+        for row in rows:
+            self.store.update(row.id, status=QUEUED, progress=0)
+            self._live[row.id] = Live()
+        self._background = [asyncio.create_task(self._resume(rows, prepare)), asyncio.create_task(self._sweep())]
 
-    def create(self, prompt: str, model: str, size: str, seconds: str, run: Runner) -> VideoJob:
-        self._expire()
-        if len(self._jobs) >= self.max_jobs:
-            raise EngineError(429, "too_many_jobs", f"{len(self._jobs)} video jobs are held, the most --max-jobs "
-                              "allows: wait for some to finish and expire, or delete finished ones", "router", "")
-        job = VideoJob(id=f"video_{uuid.uuid4().hex}", prompt=prompt, model=model, size=size, seconds=seconds)
-        self._jobs[job.id] = job
-        job.task = asyncio.create_task(self._run(job, run))
-        return job
+    async def stop(self) -> None:
+        """Cancel every run (their rows stay unfinished) before the dispatcher fails what is in flight."""
+        tasks = self._background + [live.task for live in self._live.values() if live.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, job: VideoJob, run: Runner) -> None:
-        try:
-            job.content = await run(job)
-            job.status, job.progress = COMPLETED, 100
-        except EngineError as e:
-            job.status, job.error = FAILED, {"code": e.type, "message": e.message}
-        except Exception as e:  # a bug must not leave the job running forever
-            job.status, job.error = FAILED, {"code": "internal_error", "message": f"{type(e).__name__}: {e}"}
-        finally:
-            job.completed_at = int(time.time())
-            job.expires_at = int(time.time() + self.ttl_s)
-            job.task = None
+    async def _resume(self, rows: list[JobRow], prepare: Prepare) -> None:
+        for row in rows:
+            live = self._live[row.id]
+            try:
+                run = await prepare(row, self.store.request_of(row.id) or {})
+            except Exception as e:  # a check the job no longer passes (another model, an adapter gone)
+                why = e.message if isinstance(e, EngineError) else str(e)
+                self._end(row.id, live, error={"code": "engine_restarted", "message": "the engine restarted and "
+                                               f"cannot run this job again: {why}"})
+                continue
+            live.task = asyncio.create_task(self._run(row.id, run, live))
 
-    def get(self, job_id: str) -> VideoJob:
-        self._expire()
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise EngineError(404, "not_found", f"no video job {job_id!r} (unknown, deleted or expired)",
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.expire()
+            except sqlite3.Error as e:
+                log.error("could not remove expired jobs from %s: %s", self.store.dir, e)
+
+    # --- video jobs -------------------------------------------------------------------------------
+    def create(self, prompt: str, model: str, size: str, seconds: str, request: dict, run: Runner) -> dict:
+        """A new video job (``request``: the fields that run it again after a restart), started at once; its
+        description."""
+        self.expire()
+        if not self._make_room():
+            raise EngineError(429, "too_many_jobs", f"{self.store.count()} video jobs are held, the most "
+                              "--max-jobs allows: wait for some to finish and expire, or delete finished ones",
                               "router", "")
-        return job
+        row = JobRow(id=f"video_{uuid.uuid4().hex}", kind=VIDEO, prompt=prompt, model=model, size=size,
+                     status=QUEUED, seconds=seconds)
+        self.store.add(row, request)
+        live = self._live[row.id] = Live()
+        live.task = asyncio.create_task(self._run(row.id, run, live))
+        return self._described(row, live)
 
-    def listed(self, after: str | None, limit: int, order: str) -> tuple[list[VideoJob], bool]:
-        """A page of jobs (oldest first for ``asc``), starting after the job ``after``; and whether more follow."""
-        self._expire()
-        jobs = list(self._jobs.values())
-        if order == "desc":
-            jobs.reverse()
-        if after is not None:
-            ids = [j.id for j in jobs]
-            jobs = jobs[ids.index(after) + 1:] if after in ids else []
-        return jobs[:limit], len(jobs) > limit
+    async def _run(self, job_id: str, run: Runner, live: Live) -> None:
+        try:
+            mp4 = await run(lambda request_id: self._started(job_id, live, request_id))
+        except EngineError as e:
+            if e.type != "shutting_down":  # the engine stops: the job stays unfinished, for the next start
+                self._end(job_id, live, error={"code": e.type, "message": e.message})
+            return
+        except Exception as e:  # a bug must not leave the job running forever
+            self._end(job_id, live, error={"code": "internal_error", "message": f"{type(e).__name__}: {e}"})
+            return
+        try:
+            name = await asyncio.to_thread(self.store.write_content, job_id, ".mp4", mp4)
+        except OSError as e:  # a full disk fails this job, nothing else
+            self._end(job_id, live, error={"code": "storage_error", "message": f"the MP4 could not be stored "
+                                           f"in {self.store.files}: {e}"})
+            return
+        self._end(job_id, live, content=name)
+
+    def _started(self, job_id: str, live: Live, request_id: str) -> None:
+        live.status, live.request_id = IN_PROGRESS, request_id
+        self._record(job_id, status=IN_PROGRESS)
+
+    def _end(self, job_id: str, live: Live, error: dict | None = None, content: str | None = None) -> None:
+        now = int(time.time())
+        live.status, live.error, live.task = (COMPLETED, None, None) if content else (FAILED, error, None)
+        live.progress = 100 if content else live.progress
+        if self._record(job_id, status=live.status, progress=live.progress, completed_at=now,
+                        expires_at=int(now + self.ttl_s), error=error, content=content):
+            del self._live[job_id]
+        else:  # the row says unfinished: this process says failed (the next start runs it again)
+            live.status, live.error = FAILED, {"code": "storage_error", "message": "the job's end could not be "
+                                               f"recorded in {self.store.dir} (see the engine's log)"}
+
+    def _record(self, job_id: str, **changes) -> bool:
+        try:
+            self.store.update(job_id, **changes)
+            return True
+        except sqlite3.Error as e:
+            log.error("could not record job %s in %s: %s", job_id, self.store.dir, e)
+            return False
 
     def delete(self, job_id: str) -> None:
-        job = self.get(job_id)
-        if job.status in (QUEUED, IN_PROGRESS):
-            raise EngineError(409, "job_running", f"video job {job_id} is {job.status}: it can be deleted once it "
+        row, live = self._get(job_id, VIDEO)
+        if live is not None and live.status in (QUEUED, IN_PROGRESS):
+            raise EngineError(409, "job_running", f"video job {job_id} is {live.status}: it can be deleted once it "
                               "has completed or failed", "router", "")
-        del self._jobs[job_id]
+        self.store.delete(row)
+        self._live.pop(job_id, None)
 
     def counts(self) -> dict[str, int]:
+        """Video jobs by status (metrics)."""
         out = {s: 0 for s in (QUEUED, IN_PROGRESS, COMPLETED, FAILED)}
-        for j in self._jobs.values():
-            out[j.status] += 1
+        for status, n in self.store.counts(VIDEO).items():
+            if status in (COMPLETED, FAILED):
+                out[status] += n
+        for live in self._live.values():
+            out[live.status] += 1
         return out
+
+    # --- image records ----------------------------------------------------------------------------
+    async def record_images(self, prompt: str, model: str, size: str, pngs: list[bytes]) -> None:
+        """Each PNG as a finished row of kind ``image``. Never fails the generation that made them: with no
+        room (a table full of video jobs) or a store error, the rest are not recorded and the log says why."""
+        for png in pngs:
+            job_id = f"img_{uuid.uuid4().hex}"
+            try:
+                name = await asyncio.to_thread(self.store.write_content, job_id, ".png", png)
+                self.expire()
+                if not self._make_room():
+                    self.store.remove_file(name)
+                    log.warning("images not recorded: %d video jobs fill --max-jobs", self.store.count())
+                    return
+                now = int(time.time())
+                self.store.add(JobRow(id=job_id, kind=IMAGE, prompt=prompt, model=model, size=size,
+                                      status=COMPLETED, progress=100, created_at=now, completed_at=now,
+                                      expires_at=int(now + self.ttl_s), content=name))
+            except (OSError, sqlite3.Error) as e:
+                log.warning("image %s not recorded in %s: %s", job_id, self.store.dir, e)
+                return
+
+    def _make_room(self) -> bool:
+        """Below --max-jobs rows, evicting the oldest image records if need be; False if only jobs are left."""
+        while self.store.count() >= self.max_jobs:
+            oldest = self.store.oldest_finished(IMAGE)
+            if oldest is None:
+                return False
+            self.store.delete(oldest)
+        return True
+
+    # --- both kinds -------------------------------------------------------------------------------
+    def expire(self) -> None:
+        for row in self.store.expired(time.time()):
+            self.store.delete(row)
+
+    def _get(self, job_id: str, kind: str) -> tuple[JobRow, Live | None]:
+        self.expire()
+        row = self.store.get(job_id, kind)
+        if row is None:
+            raise EngineError(404, "not_found", f"no {NOUN[kind]} {job_id!r} (unknown, deleted or expired)",
+                              "router", "")
+        return row, self._live.get(job_id)
+
+    def describe(self, job_id: str, kind: str) -> dict:
+        return self._described(*self._get(job_id, kind))
+
+    def listed(self, kind: str, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+        """A page of ``kind``'s rows described (oldest first for ``asc``), after the row ``after``; and whether
+        more follow."""
+        self.expire()
+        rows, more = self.store.page(kind, after, limit, order)
+        return [self._described(row, self._live.get(row.id)) for row in rows], more
+
+    def _described(self, row: JobRow, live: Live | None) -> dict:
+        """As OpenAI's video object (an image record: the same without seconds and remix)."""
+        status, progress, error = row.status, row.progress, row.error
+        if live is not None:
+            if live.status == IN_PROGRESS and live.request_id is not None:
+                live.progress = max(live.progress, self.progress_of(live.request_id) or 0)
+            status, progress, error = live.status, live.progress, live.error
+        out = {"id": row.id, "object": row.kind, "model": row.model, "status": status, "progress": progress,
+               "created_at": row.created_at, "completed_at": row.completed_at, "expires_at": row.expires_at,
+               "size": row.size, "prompt": row.prompt, "error": error}
+        if row.kind == VIDEO:
+            out |= {"seconds": row.seconds, "remixed_from_video_id": None}
+        return out
+
+    async def content(self, job_id: str, kind: str) -> bytes:
+        """A finished row's file (read off the event loop)."""
+        row, live = self._get(job_id, kind)
+        if row.content is None:
+            status, error = (live.status, live.error) if live is not None else (row.status, row.error)
+            raise EngineError(409, "not_ready", f"{NOUN[kind]} {job_id} is {status}, it has no content"
+                              + (f": {error['message']}" if error else ""), "router", "")
+        try:
+            return await asyncio.to_thread(self.store.read_content, row.content)
+        except OSError as e:
+            raise EngineError(500, "storage_error", f"the content of {job_id} could not be read: {e}",
+                              "router", "") from None
 
 
 async def wait_for_room(admit: Callable[[], None], deadline: float) -> None:

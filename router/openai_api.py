@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from common.protocol.messages import OUTPUT, ROLES
 from common.families.builtin import BUILTINS
@@ -23,9 +24,10 @@ from router import media
 from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body
 from router.errors import EngineError
-from router.jobs import JobTable, VideoJob, wait_for_room
+from router.job_store import JobRow, JobStore
+from router.jobs import IMAGE, VIDEO, JobTable, Runner, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
-from router.openapi import LIST_QUERY, VIDEO_ID_PATH, errors, request_body
+from router.openapi import IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, request_body
 from router.schemas import FieldError, GenerateBody
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
@@ -41,12 +43,12 @@ def served_model_id(path: Path) -> str:
 
 
 class OpenAIRoutes:
-    def __init__(self, routes):
+    def __init__(self, routes, store: JobStore):
         self.routes, self.info, self.config = routes, routes.info, routes.config
         self.dispatcher = routes.dispatcher
         self.model_id = served_model_id(Path(self.info.path))
         limits = self.config.limits
-        self.jobs = JobTable(limits.max_jobs, limits.job_ttl_s, self.progress_of)
+        self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, self.progress_of)
 
     def progress_of(self, request_id: str) -> int | None:
         """0-100 from where the request is: encoded, denoising step k of K, denoised (its latest run's)."""
@@ -103,6 +105,7 @@ class OpenAIRoutes:
         outcome = await self.routes.submit(params, uuid.uuid4().hex, body.timeout_s)
         pngs = await asyncio.to_thread(
             lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
+        await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
         return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
                              "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
 
@@ -134,6 +137,13 @@ class OpenAIRoutes:
 
     async def create_video(self, request: Request) -> JSONResponse:
         body = VideoBody.model_validate(await self._video_fields(request))
+        size, seconds, run = await self._video_run(body)
+        request_fields = body.model_dump(mode="json", exclude_unset=True)  # what runs it again after a restart
+        return self._job(self.jobs.create(body.prompt, self.model_id, size, seconds, request_fields, run))
+
+    async def _video_run(self, body: VideoBody) -> tuple[str, str, Runner]:
+        """Every check of a video job (a new one, or one run again after a restart): its size, its seconds,
+        and how to run it."""
         self._check_model(body.model)
         if not self.info.family.video:
             raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
@@ -145,23 +155,40 @@ class OpenAIRoutes:
         images = await self.routes.images_of(gen, names=INPUT_REFERENCE)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
-        async def run(job: VideoJob) -> bytes:
+        async def run(started) -> bytes:
             await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
-            job.status, job.request_id = "in_progress", uuid.uuid4().hex
-            outcome = await self.routes.submit(params, job.request_id, timeout_s, images)
+            request_id = uuid.uuid4().hex
+            started(request_id)
+            outcome = await self.routes.submit(params, request_id, timeout_s, images)
             return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
 
-        job = self.jobs.create(body.prompt, self.model_id, f"{width}x{height}", seconds_of(frames, self.info.fps), run)
-        return self._job(job)
+        return f"{width}x{height}", seconds_of(frames, self.info.fps), run
 
-    def _job(self, job: VideoJob) -> JSONResponse:
-        return JSONResponse(job.describe(self.progress_of), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+    async def rerun(self, row: JobRow, request: dict) -> Runner:
+        """A job stored by an earlier start, checked again as a new one (router/jobs.py fails it if it raises)."""
+        if row.model != self.model_id:
+            raise FieldError("model", f"this engine now serves {self.model_id!r}, not {row.model!r}")
+        try:
+            body = VideoBody.model_validate(request)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise FieldError(".".join(map(str, first["loc"])) or "body", first["msg"]) from None
+        return (await self._video_run(body))[2]
+
+    def _job(self, described: dict) -> JSONResponse:
+        return JSONResponse(described, headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     # Path parameters are read by hand, like the bodies: a bad one is the router's 400, never FastAPI's 422.
     async def retrieve_video(self, request: Request) -> JSONResponse:
-        return self._job(self.jobs.get(request.path_params["video_id"]))
+        return self._job(self.jobs.describe(request.path_params["video_id"], VIDEO))
 
     async def list_videos(self, request: Request) -> JSONResponse:
+        return self._listed(request, VIDEO)
+
+    async def list_images(self, request: Request) -> JSONResponse:
+        return self._listed(request, IMAGE)
+
+    def _listed(self, request: Request, kind: str) -> JSONResponse:
         q = request.query_params
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -169,8 +196,7 @@ class OpenAIRoutes:
         limit = q.get("limit", "20")
         if not limit.isdigit() or not 1 <= int(limit) <= 100:
             raise FieldError("limit", f"must be an integer within 1..100, got {limit!r}")
-        page, more = self.jobs.listed(q.get("after"), int(limit), order)
-        data = [j.describe(self.progress_of) for j in page]
+        data, more = self.jobs.listed(kind, q.get("after"), int(limit), order)
         return JSONResponse({"object": "list", "data": data, "has_more": more,
                              "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
@@ -184,12 +210,13 @@ class OpenAIRoutes:
         variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise FieldError("variant", f"only video (the MP4) is kept, not {variant!r}")
-        job = self.jobs.get(video_id)
-        if job.content is None:
-            raise EngineError(409, "not_ready", f"video job {video_id} is {job.status}, it has no content"
-                              + (f": {job.error['message']}" if job.error else ""), "router", "")
-        return Response(job.content, media_type=media.MP4,
+        return Response(await self.jobs.content(video_id, VIDEO), media_type=media.MP4,
                         headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+
+    async def image_content(self, request: Request) -> Response:
+        image_id = request.path_params["image_id"]
+        return Response(await self.jobs.content(image_id, IMAGE), media_type=media.PNG,
+                        headers={"Content-Disposition": f'attachment; filename="{image_id}.png"'})
 
 
 def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
@@ -210,4 +237,10 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
                       openapi_extra={"parameters": [*VIDEO_ID_PATH["parameters"], {
                           "name": "variant", "in": "query", "required": False,
                           "schema": {"type": "string", "enum": ["video"]}}]},
-                      summary="A completed job's MP4", responses=errors(400, 401, 404, 409))
+                      summary="A completed job's MP4", responses=errors(400, 401, 404, 409, 500))
+    # The engine's own (not OpenAI's): the images /v1/images/generations made, kept as --job-ttl says.
+    app.add_api_route("/v1/images", api.list_images, methods=["GET"], openapi_extra=LIST_QUERY,
+                      summary="The images generated recently (engine extension)", responses=errors(400, 401))
+    app.add_api_route("/v1/images/{image_id}/content", api.image_content, methods=["GET"],
+                      openapi_extra=IMAGE_ID_PATH, summary="A generated image's PNG (engine extension)",
+                      responses=errors(401, 404, 500))

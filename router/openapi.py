@@ -48,6 +48,8 @@ MODULE_QUERY = {"parameters": [{
 
 VIDEO_ID_PATH = {"parameters": [{"name": "video_id", "in": "path", "required": True, "description": "the job's id",
                                  "schema": {"type": "string"}}]}
+IMAGE_ID_PATH = {"parameters": [{"name": "image_id", "in": "path", "required": True,
+                                 "description": "the image's id (img_...)", "schema": {"type": "string"}}]}
 LIST_QUERY = {"parameters": [
     {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
     {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
@@ -64,12 +66,13 @@ ERROR_DESCRIPTIONS = {
     400: "invalid_request: a field is invalid (error.field names it)",
     401: "unauthorized: missing or wrong API key",
     403: "forbidden: needs the admin key, or weight updates are disabled",
-    404: "not_found: no such video job (unknown, deleted or expired)",
+    404: "not_found: no such video job or image (unknown, deleted or expired)",
     409: "job_running / not_ready: the video job has not finished; weights_changed: a rollout run again after "
          "a worker died would have run on other weights or another adapter version",
     413: "body_too_large: the body exceeds --max-body-bytes",
     429: "overloaded: too many requests in flight (Retry-After); too_many_jobs: --max-jobs video jobs held",
-    500: "a worker failed the request (error.stage names it), or workers now disagree",
+    500: "a worker failed the request (error.stage names it), or workers now disagree; storage_error: a stored "
+         "file could not be read",
     503: "shutting_down, unavailable (no ready worker) or worker_lost (after --max-attempts runs)",
     504: "timeout: no answer in time",
 }

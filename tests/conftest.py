@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.config.engine import DATA_DIR_ENV  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -24,6 +25,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "heavy" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_data_dir(tmp_path_factory):
+    """launch.py started directly (not through EngineProcess, which gives each engine its own) keeps its jobs
+    in this session's dir, never in the user's default one."""
+    os.environ[DATA_DIR_ENV] = str(tmp_path_factory.mktemp("data-dir"))
 
 
 def pid_alive(pid: int) -> bool:

@@ -16,6 +16,13 @@ import torch
 from common.protocol.messages import ROLES, CacheParams
 
 CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
+# Where /v1/videos jobs outlive the router (router/job_store.py); the variable overrides the default, so that
+# tests keep engines away from the user's.
+DEFAULT_DATA_DIR, DATA_DIR_ENV = "~/.cache/disagg-diffusion/jobs", "DISAGG_DATA_DIR"
+
+
+def default_data_dir() -> str:
+    return str(Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser())
 DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,6 +76,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     # MP4 stays downloadable.
     max_jobs: int = 64
     job_ttl_s: float = 3600.0
+    data_dir: str = msgspec.field(default_factory=default_data_dir)  # the jobs' rows and files; one engine each
     # A request held by a worker that died runs again, up to this many runs in all (router/attempts.py);
     # while a role has no ready worker, a request waits this long (within its deadline) for one.
     max_attempts: int = 3

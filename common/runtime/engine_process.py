@@ -38,8 +38,11 @@ class EngineProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.workdir / "engine.log"
         self.runtime = self.workdir / "rt"
+        extra = list(extra or [])
+        if not any(a == "--data-dir" or a.startswith("--data-dir=") for a in extra):
+            extra += ["--data-dir", str(self.workdir / "jobs")]  # never another engine's, nor the user's
         cmd = [sys.executable, str(ROOT / "launch.py"), "--model", model, "--topology", topology,
-               "--port", str(self.port), "--runtime-dir", str(self.runtime), *(extra or [])]
+               "--port", str(self.port), "--runtime-dir", str(self.runtime), *extra]
         self._log = open(self.log_path, "wb")
         # Own session: a stop can reach every descendant even if the launcher is gone.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
