@@ -42,6 +42,7 @@ from router.images import decode_image
 from router.request_params import check_family_fields, check_image_fields, check_model_fields, to_params
 from router.sleep import SleepControl
 from router.sleep_api import SleepRoutes, add_sleep_routes
+from router.web import add_web_routes
 from router.weight_sync import MemorySync
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
@@ -308,13 +309,15 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
     """
     routes = Routes(config, dispatcher, info or read_model(config.model))
     api = OpenAIRoutes(routes, store or JobStore(config.limits.data_dir))
-    app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher, api))
+    # /docs from the package's own Swagger UI files (router/web.py), not a CDN; no ReDoc (a CDN's too).
+    app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(dispatcher, api), docs_url=None, redoc_url=None)
     app.add_middleware(RequestMetrics, metrics=routes.metrics)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
     app.add_middleware(ReadBodyFirst)  # outermost: every early answer (413, 401, 404, ...) reads the body first
     install_error_handlers(app)
     add_routes(app, routes)
     add_openai_routes(app, api)
+    add_web_routes(app)  # the page at / and /docs
     registry = dispatcher.registry
     routes.metrics.watch(EngineState(
         workers=lambda: dispatcher.health()[1], jobs=api.jobs.counts, weights=lambda: routes.weights.version,

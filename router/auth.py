@@ -1,7 +1,8 @@
 """API keys on the router: ``Authorization: Bearer <key>``.
 
-* With an API key, every endpoint except ``GET /health`` needs it; a missing or
-  wrong key gets 401 with ``WWW-Authenticate: Bearer``.
+* With an API key, every endpoint except ``GET /health`` and the web page's files
+  (``GET /``, ``GET /docs``, ``GET /static/...``: no data in them, router/web.py) needs
+  it; a missing or wrong key gets 401 with ``WWW-Authenticate: Bearer``.
 * With an admin key, the admin endpoints (weight updates) need the admin key
   instead: the API key alone gets 403. Without an admin key they take the API
   key (if any).
@@ -30,8 +31,10 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/v1/load_lora_adapter", "
                          "/weight_sync", "/update_weights_from_tensors", "/init_weights_group",
                          "/update_weights_from_distributed", "/destroy_weights_group",
                          "/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"})
-# (method, path) pairs anyone may call.
-OPEN_ENDPOINTS = frozenset({("GET", "/health")})
+# (method, path) pairs anyone may call: health, and the web page and API docs (static, no data: what they show
+# comes from endpoints that need the key, /openapi.json included).
+OPEN_ENDPOINTS = frozenset({("GET", "/health"), ("GET", "/"), ("GET", "/docs")})
+OPEN_PREFIX = ("GET", "/static/")  # the page's files (router/static/), served by StaticFiles only
 
 
 def check_key(key: str | None, what: str) -> str | None:
@@ -97,7 +100,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         method, path = scope.get("method", "GET"), scope.get("path", "")
-        if (method, path) in OPEN_ENDPOINTS:
+        if (method, path) in OPEN_ENDPOINTS or (method == OPEN_PREFIX[0] and path.startswith(OPEN_PREFIX[1])):
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope.get("headers", []))

@@ -90,10 +90,14 @@ class OpenAIRoutes:
 
     # --- GET /v1/models ---------------------------------------------------------------
     async def models(self) -> JSONResponse:
+        # Engine extensions (the web page starts from them): the request fields' serving defaults, whether it
+        # makes videos (/v1/videos) or images, whether it takes an input image, and its videos' frame rate.
+        info = self.info
         return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": int(Path(self.info.path).stat().st_mtime),
-             "owned_by": "disagg-diffusion", "family": self.info.family.family,
-             "pipeline": self.info.family.pipeline}]})
+            {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
+             "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
+             "defaults": info.defaults, "video": info.family.video,
+             "image_input": info.family.image_input(info) or "none", "fps": info.fps}]})
 
     # --- POST /v1/images/generations --------------------------------------------------
     async def images(self, request: Request) -> JSONResponse:

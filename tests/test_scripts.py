@@ -41,8 +41,9 @@ def repo(tmp_path):
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     log = tmp_path / "calls.log"
-    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log)}
-    for name in ("SETUP_FORCE", "TORCH_VERSION", "FAKE_PIP_FAIL", "DISAGG_DIFFUSION_CACHE"):
+    # CHROMIUM: a browser that is there (scripts/test.sh installs none).
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "CHROMIUM": str(fake)}
+    for name in ("SETUP_FORCE", "TORCH_VERSION", "FAKE_PIP_FAIL", "DISAGG_DIFFUSION_CACHE", "SETUP_BROWSER"):
         env.pop(name, None)
 
     class Repo:
@@ -108,3 +109,22 @@ def test_ci_runs_the_tests_and_fails_when_they_fail(repo, rc):
     assert r.returncode == rc, r.stdout + r.stderr
     assert calls[-1] == "-m pytest -q"  # pyproject.toml's testpaths: tests/
     assert f"DISAGG_DIFFUSION_CACHE={repo.path / '.cache'}" in r.stdout
+
+
+def test_the_tests_install_chromium_only_where_it_is_missing(repo, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    apt = fake_bin / "apt-get"
+    apt.write_text('#!/usr/bin/env bash\necho "apt-get $*" >> "$FAKE_LOG"\n')
+    apt.chmod(0o755)
+    path = f"{fake_bin}:{os.environ['PATH']}"
+    apt_calls = lambda calls: [c for c in calls if c.startswith("apt-get")]  # noqa: E731
+    r, calls = repo.run("scripts/test.sh", PATH=path)  # chromium is there: nothing to do
+    assert r.returncode == 0 and apt_calls(calls) == [] and calls[-1] == "-m pytest -q", r.stdout + r.stderr
+    missing = str(tmp_path / "no-chromium")
+    r, calls = repo.run("scripts/test.sh", PATH=path, CHROMIUM=missing)
+    assert r.returncode == 0 and calls[-1] == "-m pytest -q", r.stdout + r.stderr
+    as_root = ["apt-get update -qq", "apt-get install -y -qq chromium"]
+    assert apt_calls(calls) == (as_root if os.geteuid() == 0 else [])
+    r, calls = repo.run("scripts/test.sh", PATH=path, CHROMIUM=missing, SETUP_BROWSER="0")
+    assert r.returncode == 0 and apt_calls(calls) == []

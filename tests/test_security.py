@@ -104,8 +104,13 @@ def test_api_key_is_required_except_for_health(engines):
                                       "request_id": None, "stage": "router"}}
         assert API_KEY not in r.text
     for method, path in (("GET", "/weights_checksum"), ("POST", "/rollout/generate"), ("GET", "/openapi.json"),
-                         ("GET", "/docs"), ("POST", "/health"), ("GET", "/no-such-path")):
+                         ("POST", "/docs"), ("POST", "/"), ("POST", "/static/app.js"), ("POST", "/health"),
+                         ("GET", "/no-such-path"), ("GET", "/v1/videos"), ("GET", "/progress/x")):
         assert http.request(method, path).status_code == 401, (method, path)
+    # The web page and the API docs hold no data (router/web.py): they load without the key, then ask for it.
+    for path in ("/", "/docs", "/static/app.js", "/static/swagger/swagger-ui-bundle.js"):
+        assert http.get(path).status_code == 200, path
+    assert http.get("/static/%2e%2e/auth.py").status_code == 404  # only the static files, nothing beside them
     r = http.post("/generate", json=REQUEST, headers=_auth(API_KEY))
     assert r.status_code == 200, r.text
     assert http.get("/weights_checksum", headers=_auth(API_KEY)).status_code == 200
