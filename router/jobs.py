@@ -47,7 +47,8 @@ class Live:
 
 
 # run(started) waits for room, submits the job's request (calling started(request_id)) and returns the MP4.
-Runner = Callable[[Callable[[str], None]], Awaitable[bytes]]
+Started = Callable[[str], None]
+Runner = Callable[[Started], Awaitable[bytes]]
 # A stored job's runner at a restart, from its row and request fields; raises when it can no longer run.
 Prepare = Callable[[JobRow, dict], Awaitable[Runner]]
 

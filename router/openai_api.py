@@ -25,7 +25,7 @@ from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body
 from router.errors import EngineError
 from router.job_store import JobRow, JobStore
-from router.jobs import IMAGE, VIDEO, JobTable, Runner, wait_for_room
+from router.jobs import IMAGE, VIDEO, JobTable, Runner, Started, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
 from router.openapi import IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, request_body
 from router.schemas import FieldError, GenerateBody
@@ -159,7 +159,7 @@ class OpenAIRoutes:
         images = await self.routes.images_of(gen, names=INPUT_REFERENCE)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
-        async def run(started) -> bytes:
+        async def run(started: Started) -> bytes:
             await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
             request_id = uuid.uuid4().hex
             started(request_id)
