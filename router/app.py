@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 import torch
@@ -33,6 +32,7 @@ from router.http_errors import error_response, install_error_handlers
 from router.job_store import JobStore
 from router.openai_api import OpenAIRoutes, add_openai_routes
 from router.openapi import MODULE_QUERY, errors, request_body
+from router.progress import REQUEST_ID_PARAMETER, REQUEST_ID_PATH, InFlight, request_id_of
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
     UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody, checked_module,
@@ -59,6 +59,7 @@ class Routes:
         experts = EXPERT_NAMES if info.has_transformer_2 else EXPERT_NAMES[:1]
         self.sleep = SleepControl(dispatcher, self.weights, experts)
         self.metrics = Metrics()
+        self.in_flight = InFlight(dispatcher.pending, config.limits.max_attempts)  # GET /progress/{id}
         self.weights.on_supplied = self.loras.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
 
@@ -205,6 +206,7 @@ class Routes:
         return params
 
     async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
+        rid = request_id_of(request)
         accept = request.headers.get("accept", "")
         if "output_type" not in body.model_fields_set:  # an Accept for a file chooses it; the field wins
             for kind, media_type in MEDIA_TYPES.items():
@@ -212,10 +214,10 @@ class Routes:
                     body = body.model_copy(update={"output_type": kind})
         params = self.params_for(body)
         images = await self.images_of(body)
-        self.dispatcher.admit(params.n)
-        rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        outcome = await self.submit(params, rid, body.timeout_s, images)  # the n samples as one unit
+        with self.in_flight.claim(rid):
+            self.dispatcher.admit(params.n)
+            outcome = await self.submit(params, rid, body.timeout_s, images)  # the n samples as one unit
         if body.output_type in MEDIA_TYPES:
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
@@ -233,11 +235,12 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/health", routes.health, methods=["GET"], summary="Workers and their states",
                       response_description="every worker is ready (503: not every one)")
     app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos (or images)",
-                      openapi_extra=request_body(GenerateBody), response_description=SAMPLES,
-                      responses=errors(400, 401, 413, 429, 500, 503, 504))
+                      openapi_extra={**request_body(GenerateBody), "parameters": [REQUEST_ID_PARAMETER]},
+                      response_description=SAMPLES, responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
                       summary="Generate with SDE log-probs (and trajectories) for RL",
-                      openapi_extra=request_body(RolloutBody), response_description=SAMPLES,
+                      openapi_extra={**request_body(RolloutBody), "parameters": [REQUEST_ID_PARAMETER]},
+                      response_description=SAMPLES,
                       responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
     app.add_api_route("/update_weights_from_disk", routes.update_weights_from_disk, methods=["POST"],
                       summary="Load new weights into every denoise worker",
@@ -248,6 +251,9 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       summary="SHA-256 of a module's weights on every denoise worker", openapi_extra=MODULE_QUERY,
                       response_description="checksums, and whether every worker agrees",
                       responses=errors(400, 401, 500, 503, 504))
+    app.add_api_route("/progress/{request_id}", routes.in_flight.endpoint, methods=["GET"],
+                      summary="Where a request sent with X-Request-Id is: stage, denoising step, 0-100",
+                      openapi_extra=REQUEST_ID_PATH, responses=errors(401, 404))
     add_lora_routes(app, routes)
     add_weight_sync_routes(app, routes)
     add_sleep_routes(app, SleepRoutes(routes.sleep, routes.config.limits.max_body_bytes))

@@ -18,22 +18,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from common.protocol.messages import OUTPUT, ROLES
+from common.protocol.messages import OUTPUT
 from common.families.builtin import BUILTINS
 from router import media
-from router.attempts import attempt_id
 from router.bodies import check_declared_length, parse_body
 from router.errors import EngineError
 from router.job_store import JobRow, JobStore
 from router.jobs import IMAGE, VIDEO, JobTable, Runner, Started, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
 from router.openapi import IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, request_body
+from router.progress import REQUEST_ID_PARAMETER, request_id_of
 from router.schemas import FieldError, GenerateBody
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
 INPUT_REFERENCE = {"image": "input_reference"}
 POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
-ENCODE_DONE, DENOISE_SPAN = 5, 85  # progress: 5 once encoded, up to 90 over the denoising steps
 
 
 def served_model_id(path: Path) -> str:
@@ -51,16 +50,8 @@ class OpenAIRoutes:
         self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, self.progress_of)
 
     def progress_of(self, request_id: str) -> int | None:
-        """0-100 from where the request is: encoded, denoising step k of K, denoised (its latest run's)."""
-        runs = range(self.config.limits.max_attempts, 0, -1)
-        p = next(filter(None, (self.dispatcher.pending.get(attempt_id(request_id, k)) for k in runs)), None)
-        if p is None:
-            return None
-        if p.done_stage >= ROLES.index("denoise"):
-            return ENCODE_DONE + DENOISE_SPAN
-        if p.steps:
-            return ENCODE_DONE + DENOISE_SPAN * p.step // p.steps
-        return ENCODE_DONE if p.done_stage >= 0 else 0
+        """0-100 from where the request is, as GET /progress/{id} says (router/progress.py)."""
+        return self.routes.in_flight.percent(request_id)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -101,12 +92,14 @@ class OpenAIRoutes:
 
     # --- POST /v1/images/generations --------------------------------------------------
     async def images(self, request: Request) -> JSONResponse:
+        rid = request_id_of(request)
         body = ImagesBody.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
         self._check_model(body.model)
         width, height = parse_size(body.size, self.info.defaults)
         params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
-        self.dispatcher.admit(params.n)
-        outcome = await self.routes.submit(params, uuid.uuid4().hex, body.timeout_s)
+        with self.routes.in_flight.claim(rid):
+            self.dispatcher.admit(params.n)
+            outcome = await self.routes.submit(params, rid, body.timeout_s)
         pngs = await asyncio.to_thread(
             lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
         await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
@@ -227,7 +220,8 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
     app.add_api_route("/v1/models", api.models, methods=["GET"], summary="The served model (OpenAI-style)")
     app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
                       summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
-                      openapi_extra=request_body(ImagesBody), responses=errors(400, 401, 413, 429, 500, 503, 504))
+                      openapi_extra={**request_body(ImagesBody), "parameters": [REQUEST_ID_PARAMETER]},
+                      responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
     app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
                       summary="Create a video job (OpenAI-style; multipart form or JSON)",
                       openapi_extra=request_body(VideoBody), responses=errors(400, 401, 413, 429))

@@ -25,6 +25,7 @@ PACKAGES = {
     "decode_worker": {"decode_worker"},
     "router": {"router"},
     "rl": {"rl"},
+    "disagg": {"disagg", "launch"},  # the command: an engine as a child process, or launch.py itself (serve)
 }
 OURS = {"common", "launch", *PACKAGES}
 MAX_PRODUCT_LINES = 400
