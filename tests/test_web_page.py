@@ -239,10 +239,11 @@ def test_an_image_model_shows_its_image_and_lists_it(web, engine_factory):
     page = open_page(web, eng.url)
     assert not page.is_visible("#num_frames") and not page.is_visible("#image")
     page.evaluate(WATCH_PROGRESS)
-    fill(page, "a lighthouse <b>at dusk</b>", width=128, height=128, num_inference_steps=40)
+    # Large enough that it runs for several of the page's polls (the denoise worker reports steps over time).
+    fill(page, "a lighthouse <b>at dusk</b>", width=512, height=512, num_inference_steps=50)
     page.click("#submit")
     page.wait_for_function("() => { const i = document.getElementById('picture');"
-                           " return !i.hidden && i.complete && i.naturalWidth === 128; }", timeout=WAIT_MS)
+                           " return !i.hidden && i.complete && i.naturalWidth === 512; }", timeout=WAIT_MS)
     seen = progress_seen(page)
     assert seen[-1] == 100 and seen == sorted(seen), seen
     if "/progress/{request_id}" in eng.http.get("/openapi.json").json()["paths"]:
@@ -256,6 +257,27 @@ def test_an_image_model_shows_its_image_and_lists_it(web, engine_factory):
     page.wait_for_function("() => document.getElementById('download').download.startsWith('img_')",
                            timeout=WAIT_MS)
     assert downloaded(page) == png
+
+
+@pytest.mark.heavy
+def test_an_image_to_video_model_takes_the_uploaded_image(web, engine_factory, tmp_path):
+    from PIL import Image
+
+    eng = engine_factory("tiny-wan-i2v")
+    model = eng.http.get("/v1/models").json()["data"][0]
+    assert model["video"] is True and model["image_input"] == "required"
+    page = open_page(web, eng.url)
+    assert page.is_visible("#image") and page.text_content("label[for=image]") == "Input image (required)"
+    fill(page, "a fox wakes up", num_inference_steps=2)
+    page.click("#submit")  # no image: the engine says what is missing
+    page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
+    assert "makes videos from an image" in page.text_content("#error")
+    first = tmp_path / "first.png"
+    Image.new("RGB", (model["defaults"]["width"], model["defaults"]["height"]), (200, 40, 30)).save(first)
+    page.set_input_files("#image", str(first))  # sent as the job's input_reference
+    page.click("#submit")
+    page.wait_for_function(VIDEO_READY, timeout=WAIT_MS)
+    assert page.is_hidden("#error") and recent_prompts(page)[0] == "a fox wakes up"
 
 
 def test_static_files_ship_with_the_package():
