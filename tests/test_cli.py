@@ -128,8 +128,9 @@ def test_failures_exit_with_the_message_and_no_traceback(engine, tmp_path):
 
 def test_progress_follows_the_denoising_steps(engine):
     rid, seen, answer = f"progress-{uuid.uuid4().hex[:8]}", [], {}
-    # The denoise worker reports a request's step every 0.5 s: a few seconds of steps show it moving.
-    body = {"prompt": PROMPT, "num_inference_steps": 300, "width": 64, "height": 64, "num_frames": 1,
+    # The denoise worker reports a request's step every 0.5 s: a few seconds of steps show it moving (1000
+    # steps of 64x64x5: several seconds even on a fast machine).
+    body = {"prompt": PROMPT, "num_inference_steps": 1000, "width": 64, "height": 64, "num_frames": 5,
             "output_type": "latent"}
     post = threading.Thread(target=lambda: answer.update(r=engine.http.post(
         "/generate", json=body, headers={**AUTH, "X-Request-Id": rid})))
@@ -145,7 +146,7 @@ def test_progress_follows_the_denoising_steps(engine):
     assert answer["r"].status_code == 200 and answer["r"].json()["request_id"] == rid
     steps = [s["step"] for s in seen if s["stage"] == "denoise"]
     assert len(set(steps) - {0}) >= 2 and steps == sorted(steps), steps  # it moves, forwards only
-    assert {s["steps"] for s in seen if s["stage"] == "denoise" and s["step"]} == {300}
+    assert {s["steps"] for s in seen if s["stage"] == "denoise" and s["step"]} == {1000}
     percents = [s["progress"] for s in seen]
     assert percents == sorted(percents) and percents[-1] < 100
     gone = engine.http.get(f"/progress/{rid}", headers=AUTH)  # answered: no longer in flight
@@ -198,7 +199,8 @@ def test_without_url_an_engine_of_its_own_leaves_no_process(tmp_path):
 def test_ctrl_c_stops_its_engine(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     proc = subprocess.Popen([sys.executable, "-m", "disagg", "generate", PROMPT, "-o", str(tmp_path / "x.mp4"),
-                             "--steps", "500", "-v"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                             "--steps", "1000", "--size", "64x64", "--frames", "9", "-v"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stderr:  # wait until the engine is up, then interrupt the request in flight
         lines.append(line)

@@ -33,8 +33,9 @@ def _run_grpo(*flags: str) -> list[dict]:
 def test_grpo_example_raises_the_reward(flags):
     rows = _run_grpo(*flags)
     assert [r["iter"] for r in rows] == list(range(8))
-    gap = 0.0 if "--colocate" in flags else 1e-5  # pushed from memory: the trainer's bytes exactly
-    assert all(r["sum_ok"] and r["gap"] <= gap for r in rows), rows
+    # Float32 rounding: the weights are the trainer's bytes (checksums), but the engine's forward may run on
+    # another thread count than the trainer's (denoise_worker/threads.py), which moves the last bit (1.2e-7 seen).
+    assert all(r["sum_ok"] and r["gap"] <= 1e-5 for r in rows), rows
     rewards = [r["reward"] for r in rows]
     # Noisy per iteration (new seeds each time), so compare halves, and the last iteration with the first.
     assert sum(rewards[4:]) > sum(rewards[:4]) + 0.4, rewards
