@@ -200,7 +200,9 @@ def test_ctrl_c_stops_its_engine(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     proc = subprocess.Popen([sys.executable, "-m", "disagg", "generate", PROMPT, "-o", str(tmp_path / "x.mp4"),
                              "--steps", "1000", "--size", "64x64", "--frames", "9", "-v"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            # A test run started in the background ignores SIGINT, and so would the command.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stderr:  # wait until the engine is up, then interrupt the request in flight
         lines.append(line)
