@@ -54,7 +54,8 @@ def test_killed_worker_fails_its_requests_at_once_and_comes_back(two_denoise):
     eng = two_denoise
     victim = _pid(eng, "denoise", 0)
     with EngineClient(eng.url) as c, ThreadPoolExecutor(4) as pool:
-        futs = [pool.submit(_call, c, i) for i in range(4)]
+        # A few seconds of steps each: in flight when the worker is killed, however fast the machine.
+        futs = [pool.submit(_call, c, i, num_inference_steps=200) for i in range(4)]
         time.sleep(0.3)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
