@@ -176,11 +176,15 @@ class JobTable:
     async def record_images(self, prompt: str, model: str, size: str, pngs: list[bytes]) -> None:
         """Each PNG as a finished row of kind ``image``. Never fails the generation that made them: with no
         room (a table full of video jobs) or a store error, the rest are not recorded and the log says why."""
+        try:
+            self.expire()
+        except sqlite3.Error as e:
+            log.warning("images not recorded in %s: %s", self.store.dir, e)
+            return
         for png in pngs:
             job_id = f"img_{uuid.uuid4().hex}"
             try:
                 name = await asyncio.to_thread(self.store.write_content, job_id, ".png", png)
-                self.expire()
                 if not self._make_room():
                     self.store.remove_file(name)
                     log.warning("images not recorded: %d video jobs fill --max-jobs", self.store.count())

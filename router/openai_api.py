@@ -47,11 +47,8 @@ class OpenAIRoutes:
         self.dispatcher = routes.dispatcher
         self.model_id = served_model_id(Path(self.info.path))
         limits = self.config.limits
-        self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, self.progress_of)
-
-    def progress_of(self, request_id: str) -> int | None:
-        """0-100 from where the request is, as GET /progress/{id} says (router/progress.py)."""
-        return self.routes.in_flight.percent(request_id)
+        # A job's progress is its request's, as GET /progress/{id} says (router/progress.py).
+        self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, routes.in_flight.percent)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
