@@ -34,7 +34,7 @@ from pathlib import Path
 
 import uvicorn
 
-from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits
+from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits, default_data_dir
 from common.runtime.http_sockets import bind_http_or_exit
 from common.runtime.memory_flags import add_memory_flags, check_memory_flags, memory_settings
 from common.runtime.supervisor import Supervisor
@@ -96,7 +96,7 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
                    help="/v1/videos jobs held at once (queued, running or finished and not yet expired)")
     p.add_argument("--job-ttl", type=float, default=d.job_ttl_s,
                    help="seconds a finished /v1/videos job (and its MP4) is kept")
-    p.add_argument("--data-dir", default=d.data_dir, help="where jobs outlive a restart; one engine per dir")
+    p.add_argument("--data-dir", help="where jobs outlive a restart; one engine per dir (default: one per HOST-PORT)")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds before a request gets 504")
     p.add_argument("--max-attempts", type=int, default=d.max_attempts,
@@ -370,6 +370,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
     api_key, admin_key, weight_roots = _keys_and_roots(args)
     sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
+    args.data_dir = args.data_dir or default_data_dir(args.host, sockets[0].getsockname()[1])  # --port 0: the one bound
     store = open_job_store(args.data_dir)  # locked until this process exits
     model = _load_model(args.model)
     family = model_family(model)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from common.config.engine import DATA_DIR_ENV
 from common.runtime.engine_process import EngineProcess
 from router.errors import EngineError
 from router.job_store import DataDirInUse, JobRow, JobStore
@@ -279,6 +280,33 @@ def test_a_second_engine_on_a_data_dir_in_use_is_refused(engine):
     assert r.returncode != 0
     assert r.stderr.splitlines() == [f"launch.py: error: data dir {data_dir} is in use by another engine (it holds "
                                      f"{data_dir / 'lock'}): pass another --data-dir"]
+
+
+def test_engines_with_default_flags_on_two_ports_each_keep_their_own_jobs(tmp_path, monkeypatch):
+    """No --data-dir: each engine takes the dir of the address it serves, below $DISAGG_DATA_DIR (here a temp
+    root); a restart on the same port finds its jobs again."""
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "root"))
+    image = {"prompt": "a red kite", "size": "32x16", "num_inference_steps": 1, "seed": 4}
+
+    def listed(e):
+        return [i["id"] for i in e.http.get("/v1/images").json()["data"]]
+
+    a = EngineProcess("tiny", workdir=tmp_path / "a", own_data_dir=False)
+    try:
+        with EngineProcess("tiny", workdir=tmp_path / "b", own_data_dir=False) as b:
+            made = a.http.post("/v1/images/generations", json=image)
+            assert made.status_code == 200, made.text
+            ids = listed(a)
+            assert len(ids) == 1 and listed(b) == []
+            assert b.http.post("/v1/images/generations", json=image).status_code == 200
+            assert len(listed(b)) == 1 and listed(b) != ids and listed(a) == ids
+        port = a.port
+    finally:
+        a.stop()
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == sorted(
+        [f"127.0.0.1-{port}", f"127.0.0.1-{b.port}"])
+    with EngineProcess("tiny", workdir=tmp_path / "again", own_data_dir=False, port=port) as again:
+        assert listed(again) == ids
 
 
 @pytest.mark.heavy

@@ -16,13 +16,17 @@ import torch
 from common.protocol.messages import ROLES, CacheParams
 
 CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
-# Where /v1/videos jobs outlive the router (router/job_store.py); the variable overrides the default, so that
-# tests keep engines away from the user's.
-DEFAULT_DATA_DIR, DATA_DIR_ENV = "~/.cache/disagg-diffusion/jobs", "DISAGG_DATA_DIR"
+# Where /v1/videos jobs outlive the router (router/job_store.py): by default one dir per address the engine
+# listens on, below a root that the variable overrides (so that tests keep engines away from the user's). Two
+# engines on one host (other ports) never share a dir; the same flags after a restart find the same one.
+DEFAULT_DATA_ROOT, DATA_DIR_ENV = "~/.cache/disagg-diffusion/jobs", "DISAGG_DATA_DIR"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
-def default_data_dir() -> str:
-    return str(Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser())
+def default_data_dir(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
+    root = Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_ROOT).expanduser()
+    return str(root / f"{host}-{port}")
+
 DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

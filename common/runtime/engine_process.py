@@ -30,16 +30,17 @@ def free_port() -> int:
 class EngineProcess:
     def __init__(self, model: str = "tiny", topology: str = "encoder=1,denoise=1,decode=1",
                  extra: list[str] | None = None, workdir: str | Path | None = None, ready_timeout_s: float = 300,
-                 env: dict[str, str] | None = None):
-        """``env``: variables added to the launcher's environment (e.g. ``DISAGG_API_KEY``)."""
+                 env: dict[str, str] | None = None, port: int | None = None, own_data_dir: bool = True):
+        """``env``: variables added to the launcher's environment (e.g. ``DISAGG_API_KEY``); ``port``: the
+        one to serve on (default: a free one); ``own_data_dir=False``: launch.py's default data dir."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="disagg-engine-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.workdir / "engine.log"
         self.runtime = self.workdir / "rt"
         extra = list(extra or [])
-        if not any(a == "--data-dir" or a.startswith("--data-dir=") for a in extra):
+        if own_data_dir and not any(a == "--data-dir" or a.startswith("--data-dir=") for a in extra):
             extra += ["--data-dir", str(self.workdir / "jobs")]  # never another engine's, nor the user's
         cmd = [sys.executable, str(ROOT / "launch.py"), "--model", model, "--topology", topology,
                "--port", str(self.port), "--runtime-dir", str(self.runtime), *extra]
