@@ -40,7 +40,7 @@ from common.runtime.memory_flags import add_memory_flags, check_memory_flags, me
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.families import UnknownFamily, read_model
-from common.families.builtin import BUILTINS, ensure_builtin, layout_problem
+from common.families.builtin import BUILTINS, ModelNotFound, layout_problem, resolve as resolve_builtin_or_dir
 from common.diffusion.step_cache import cli_flag as cache_flag
 from common.families.tiny_cache import CACHE_ENV as TINY_CACHE_ENV
 from common.families.tiny_cache import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
@@ -161,10 +161,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def resolve_model(name: str) -> Path:
-    return ensure_builtin(name) if name in BUILTINS else Path(name).resolve()
-
-
 def model_family(model: Path):
     """The model's family binding; an unknown pipeline class ends the launcher in one line."""
     try:
@@ -271,7 +267,10 @@ def _load_model(name: str) -> Path:
     if name in BUILTINS:
         cache = Path(os.environ.get(TINY_CACHE_ENV) or TINY_CACHE_DIR).expanduser()
         log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache)
-    return resolve_model(name)
+    try:
+        return resolve_builtin_or_dir(name)
+    except ModelNotFound as e:
+        sys.exit(f"launch.py: error: {e}")
 
 
 def _private_runtime_dir(path: str | None) -> Path:
@@ -370,7 +369,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
     api_key, admin_key, weight_roots = _keys_and_roots(args)
     sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
-    args.data_dir = args.data_dir or default_data_dir(args.host, sockets[0].getsockname()[1])  # --port 0: the one bound
+    args.port = sockets[0].getsockname()[1]  # --port 0: the one it was given
+    args.data_dir = args.data_dir or default_data_dir(args.host, args.port)
     store = open_job_store(args.data_dir)  # locked until this process exits
     model = _load_model(args.model)
     family = model_family(model)

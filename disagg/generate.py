@@ -104,18 +104,38 @@ def request(url: str, fields: dict, headers: dict[str, str]) -> tuple[bytes, str
     """POST /generate under an id of ours while a bar follows its steps; (the file, the seed it used)."""
     request_id = uuid.uuid4().hex
     headers = {**headers, "X-Request-Id": request_id}
-    with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as http, \
-            StepBar(url, headers, request_id, fields.get("num_inference_steps")) as bar:
+    with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as http:
         try:
-            r = http.post("/generate", json=fields)
+            steps = fields.get("num_inference_steps") or default_steps(http)
         except httpx.ConnectError as e:
             raise Failed(f"cannot reach {url}: {e}") from None
-        except httpx.TransportError as e:  # the engine went away mid-request
-            raise Failed(f"lost {url}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise Failed(engine_message(r))
-        bar.finish()
+        with StepBar(url, headers, request_id, steps) as bar:
+            r = post(http, url, fields)
+            bar.finish()
     return r.content, r.headers["x-seed"]
+
+
+def default_steps(http: httpx.Client) -> int | None:
+    """The served model's default step count (GET /v1/models), so that the bar has its total from the first
+    step; None where the engine does not say (the bar learns it from the progress it reports)."""
+    r = http.get("/v1/models")
+    try:
+        return int(r.json()["data"][0]["defaults"]["num_inference_steps"]) if r.status_code == 200 else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def post(http: httpx.Client, url: str, fields: dict) -> httpx.Response:
+    """POST /generate; an answer other than 200, or none, is a failure in one line."""
+    try:
+        r = http.post("/generate", json=fields)
+    except httpx.ConnectError as e:
+        raise Failed(f"cannot reach {url}: {e}") from None
+    except httpx.TransportError as e:  # the engine went away mid-request
+        raise Failed(f"lost {url}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise Failed(engine_message(r))
+    return r
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         with ExitStack() as stack:
-            url = args.url.rstrip("/") if args.url else start_engine(stack, args.model or "tiny", args.verbose)
+            url = args.url.rstrip("/") if args.url else start_engine(stack, model_argument(args.model or "tiny"),
+                                                                       args.verbose)
             t0 = time.perf_counter()
             data, seed = request(url, fields, headers)
             elapsed = time.perf_counter() - t0
@@ -138,6 +159,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(f"saved {args.output} (seed {seed}) in {elapsed:.1f} s")
     return 0
+
+
+def model_argument(model: str) -> str:
+    """``--model`` as the engine must read it: a path (anything but a built-in name) made absolute against
+    where the command runs, since the engine runs in the repository's directory."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if "/" in model or model.startswith((".", "~")) or path.exists() else model
 
 
 def start_engine(stack: ExitStack, model: str, verbose: bool) -> str:

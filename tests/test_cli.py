@@ -44,12 +44,12 @@ FIELDS = dict(prompt=PROMPT, seed=3, num_inference_steps=2, width=48, height=32,
 LUMA = torch.tensor([0.299, 0.587, 0.114])
 
 
-def disagg(*args: str, key: str | None = API_KEY, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m disagg ARGS`` (the installed command's module), with ``key`` as $DISAGG_API_KEY."""
+def disagg(*args: str, key: str | None = API_KEY, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m disagg ARGS`` (the installed command's module) in ``cwd``, with ``key`` as $DISAGG_API_KEY."""
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     if key is not None:
         env[API_KEY_ENV] = key
-    return subprocess.run([sys.executable, "-m", "disagg", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "disagg", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -111,6 +111,16 @@ def test_a_seed_left_out_is_the_engines_and_reported(engine, tmp_path):
     assert r.content == out.read_bytes()
 
 
+def test_the_bar_has_its_total_from_the_first_step(engine, tmp_path):
+    """No --steps: the bar's total is the model's default step count (from GET /v1/models) before the
+    engine reports any progress, and it ends full."""
+    steps = engine.http.get("/v1/models", headers=AUTH).json()["data"][0]["defaults"]["num_inference_steps"]
+    run = disagg("generate", PROMPT, "-o", str(tmp_path / "bar.png"), "--url", engine.url)
+    assert run.returncode == 0, run.stderr
+    bars = [b for b in re.split(r"[\r\n]", run.stderr) if "step" in b]
+    assert f" 0/{steps} " in bars[0] and f" {steps}/{steps} " in bars[-1], bars
+
+
 def test_failures_exit_with_the_message_and_no_traceback(engine, tmp_path):
     out = tmp_path / "x.png"
     failed_with(disagg("generate", PROMPT, "-o", str(out), "--url", engine.url, "--size", "48x7"),
@@ -166,7 +176,7 @@ def test_an_id_in_flight_is_refused_with_its_retries():
             assert (e.value.status, e.value.type) == (409, "request_id_in_use")
         with in_flight.claim("a.4"), in_flight.claim("b"):  # a's third run is a.3: a.4 is free
             pass
-        table.add("a.2", Pending(None, None, done_stage=0, step=3, steps=10))  # its second run, denoising
+        table.add("a.2", Pending(None, None, done_stage=0, step=3, steps=10, client_id="a"))  # its second run
         assert in_flight.state("a") == {"stage": "denoise", "step": 3, "steps": 10, "progress": 5 + 85 * 3 // 10}
     assert in_flight.state("b") is None
     with pytest.raises(EngineError):  # a run in flight under another client's id (a video job's) is taken too
@@ -186,11 +196,13 @@ def _pids(run_stderr: str) -> list[int]:
     return [int(m.group(1)), *map(int, m.group(2).split())]
 
 
-def test_without_url_an_engine_of_its_own_leaves_no_process(tmp_path):
-    out = tmp_path / "own.png"
-    run = disagg("generate", PROMPT, "-o", str(out), "--steps", "2", "--seed", "5", "-v", key=None)
+def test_without_url_an_engine_of_its_own_leaves_no_process(tmp_path, tiny_dir):
+    """Run from another directory: ``--model ./mymodel`` and ``-o`` are paths relative to it."""
+    (tmp_path / "mymodel").symlink_to(tiny_dir)
+    run = disagg("generate", PROMPT, "-o", "own.png", "--model", "./mymodel", "--steps", "2", "--seed", "5", "-v",
+                 key=None, cwd=tmp_path)
     assert saved_seed(run) == 5
-    assert Image.open(out).size == (32, 32)  # tiny's default size, one frame
+    assert Image.open(tmp_path / "own.png").size == (32, 32)  # tiny's default size, one frame
     pids = _pids(run.stderr)
     assert len(pids) == 4 and not [p for p in pids if pid_alive(p)], "processes outlived the command"
 

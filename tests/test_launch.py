@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from common.families.builtin import BUILTINS
 from common.runtime.engine_process import EngineProcess
 from conftest import ROOT, pid_alive
 
@@ -51,6 +54,21 @@ def test_an_address_of_another_host_fails_at_once(tmp_path):
         "choose another --host or --port")
 
 
+@pytest.mark.parametrize("model, why", [
+    ("tiny-wan", "{path} does not exist; did you mean tiny-wan-i2v or "),  # a typo of a built-in name
+    ("/nonexistent/dir", "{path} does not exist (built-in models: "),
+    (".", "{path} has no model_index.json (not a diffusers model directory) (built-in models: "),
+])
+def test_an_unknown_model_lists_the_built_in_names_and_whether_the_path_exists(tmp_path, model, why):
+    r, elapsed = _launch("--model", model, "--port", "0", "--runtime-dir", str(tmp_path / "rt"))
+    [line] = r.stderr.splitlines()
+    path = (ROOT / model).resolve()
+    assert line.startswith(f"launch.py: error: --model {model}: not a built-in model, and "
+                           + why.format(path=path)), line
+    assert line.endswith(f"(built-in models: {', '.join(BUILTINS)})")
+    assert r.returncode != 0 and not (tmp_path / "rt").exists()
+
+
 def test_start_is_announced_and_ctrl_c_stop_is_logged(tmp_path):
     eng = EngineProcess("tiny", workdir=tmp_path)
     try:
@@ -70,3 +88,18 @@ def test_start_is_announced_and_ctrl_c_stop_is_logged(tmp_path):
     assert first("loading model") < starting < first("ready on")  # said before the (possibly long) loading
     assert lines[-1].endswith("launch INFO stopped: all workers exited")
     assert not [p for p in pids if pid_alive(p)]
+
+
+def test_no_torchvision_warnings_from_the_families_pipelines():
+    """Without torchvision, transformers warned at every image family's start (diffusers' pipeline modules
+    import CLIP's and SigLIP's image processors); the engine binds the PIL processors the fallback would use."""
+    code = ("import common.families, importlib.util, transformers\n"
+            "from diffusers import StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, WanImageToVideoPipeline\n"
+            "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"
+            "print(importlib.util.find_spec('torchvision') is None, CLIPImageProcessor.__name__, "
+            "SiglipImageProcessor.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if r.stdout.split()[0] == "True":  # the case the engine handles: the PIL twins, as transformers' fallback
+        assert r.stdout.split()[1:] == ["CLIPImageProcessorPil", "SiglipImageProcessorPil"]
+    assert "torchvision" not in r.stderr, r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from common.diffusion.cache_signals import cache_problem
@@ -31,6 +32,26 @@ def ensure_builtin(name, cache_dir: str | Path | None = None) -> Path:
     if spec is None:
         raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}")
     return ensure(spec, cache_dir)
+
+
+class ModelNotFound(ValueError):
+    """``--model`` names neither a built-in model nor a diffusers model directory."""
+
+
+def resolve(name: str) -> Path:
+    """A built-in model's directory (generated on first use), or ``name`` as a model directory. A name that
+    is neither is refused saying whether the path exists, with the built-in names (and the closest ones)."""
+    if name in BUILTINS:
+        return ensure_builtin(name)
+    path = Path(name).expanduser().resolve()
+    if (path / "model_index.json").is_file():
+        return path
+    close = difflib.get_close_matches(name, list(BUILTINS), n=3)
+    why = ("does not exist" if not path.exists() else "is not a directory" if not path.is_dir()
+           else "has no model_index.json (not a diffusers model directory)")
+    raise ModelNotFound(f"--model {name}: not a built-in model, and {path} {why}"
+                        + (f"; did you mean {' or '.join(close)}?" if close else "")
+                        + f" (built-in models: {', '.join(BUILTINS)})")
 
 
 def layout_problem(family, workers, cache=None) -> str | None:
