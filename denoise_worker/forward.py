@@ -7,11 +7,12 @@ from typing import Callable
 import torch
 
 from common.diffusion.policy import ModelInput, Policy
-from denoise_worker.caching import plan_step
+from denoise_worker.caching import StepPlan, plan_step
 from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
 
 BeforeForward = Callable[[list[ModelInput]], None]  # called with each forward's inputs (e.g. to size threads)
+Outcome = torch.Tensor | Exception  # a task's guided output, or the error of its own forwards
 
 
 @torch.no_grad()
@@ -20,8 +21,56 @@ def step_velocities(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
     """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps; the rows that
     requests with caching skip take no part in the forwards (denoise_worker/caching.py)."""
     plans = plan_step(policy, tasks)
+    return _finish(policy, plans, max_batch, before, raise_errors=True)
+
+
+@torch.no_grad()
+def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
+              before: BeforeForward | None = None) -> tuple[list[Outcome], bool]:
+    """:func:`step_velocities` where a failure fails only the tasks that fail alone: when the tasks' shared
+    forwards fail, each task runs its step in forwards of its own, and one whose own forward fails gets its
+    error in place of its output. Also whether the outputs came from the shared forwards.
+
+    Planning (the caching requests' decisions) happens once: a retry re-runs the forwards of the same plans,
+    so each task's cache state advances one step, as alone. Planning computes every task's signal (a probe
+    forward of several tasks) before any decision: when that fails, each task plans and runs alone.
+    """
+    try:
+        plans = plan_step(policy, tasks)
+    except Exception as e:
+        if len(tasks) == 1:
+            return [e], True
+        return [step_each(policy, [t], max_batch, before)[0][0] for t in tasks], False
+    try:
+        return _finish(policy, plans, max_batch, before), True
+    except Exception as e:
+        if sum(bool(plan.inputs) for plan in plans) <= 1:  # no batch mate to blame: the error is the task's own
+            return [e if plan.inputs else _guided(plan, []) for plan in plans], True
+        return [_alone(policy, plan, max_batch, before) for plan in plans], False
+
+
+def _finish(policy: Policy, plans: list[StepPlan], max_batch: int, before: BeforeForward | None,
+            raise_errors: bool = False) -> list[Outcome]:
+    """The plans' forwards (a failure raises), then each plan's guided output (or its own error)."""
     outs = iter(forward_inputs(policy, [x for plan in plans for x in plan.inputs], max_batch, before))
-    return [plan.finish([next(outs) for _ in plan.inputs]) for plan in plans]
+    given = [[next(outs) for _ in plan.inputs] for plan in plans]
+    if raise_errors:
+        return [plan.finish(o) for plan, o in zip(plans, given)]
+    return [_guided(plan, o) for plan, o in zip(plans, given)]
+
+
+def _alone(policy: Policy, plan: StepPlan, max_batch: int, before: BeforeForward | None) -> Outcome:
+    try:
+        return _finish(policy, [plan], max_batch, before)[0]
+    except Exception as e:
+        return e
+
+
+def _guided(plan: StepPlan, outs: list[torch.Tensor]) -> Outcome:
+    try:
+        return plan.finish(outs)
+    except Exception as e:  # one request's failure is its own
+        return e
 
 
 def forward_inputs(policy: Policy, inputs: list[ModelInput], max_batch: int,

@@ -33,7 +33,7 @@ from common.diffusion.policy import Policy, uses_guidance
 from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.caching import request_cache
-from denoise_worker.forward import step_velocities
+from denoise_worker.forward import Outcome, step_each, step_velocities
 from denoise_worker.joint_step import advance_all
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
 from denoise_worker.ranks import FollowerProcesses, join_group
@@ -158,13 +158,16 @@ class DenoiseStage(Stage):
     def _next_batch(self) -> list[_Active]:
         """The oldest request plus others that can share its forward, up to ``max_batch`` samples in all.
 
-        Sharing needs the same latent shape, size (packed latents of two sizes may share a shape) and expert; each request
-        keeps its own timestep, text embeddings and guidance scale. A request
+        Sharing needs the same latent shape, size (packed latents of two sizes may share a shape), expert and
+        texts the transformer takes together (``Binding.text_key``: texts of one length, unless it masks
+        padding); each request keeps its own timestep, text embeddings and guidance scale. A request
         larger than ``max_batch`` runs alone, its forward in parts.
         """
         def key(a: _Active):
-            p = a.task.params
-            return tuple(a.task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(a.task.timestep)
+            p, task = a.task.params, a.task
+            texts = [t for t in (task.cond, task.uncond) if t is not None]
+            return (tuple(task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(task.timestep),
+                    self.family.text_key(texts))
 
         oldest = min(self.active, key=lambda a: a.seq)
         batch, samples = [], 0
@@ -174,9 +177,10 @@ class DenoiseStage(Stage):
                 samples += a.task.n
         return batch
 
-    def batched_velocity(self, tasks: list[DenoiseTask]) -> list[torch.Tensor]:
-        """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps
-        (denoise_worker/forward.py)."""
+    def batched_velocity(self, tasks: list[DenoiseTask]) -> tuple[list[Outcome], bool]:
+        """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps, or a task's own
+        error, and whether they shared forwards (denoise_worker/forward.py). On several ranks a failure raises:
+        it left their collectives half done."""
         before = None
         if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the thread count
             p = tasks[0].params  # the tasks of one forward have one size
@@ -185,7 +189,9 @@ class DenoiseStage(Stage):
             def before(inputs):
                 expert = self.policy.experts[self.policy.expert_for(inputs[0].timestep)]
                 size_threads(expert, inputs, self.max_threads, tokens)
-        return step_velocities(self.policy, tasks, self.max_batch, before)
+        if self.followers is not None:
+            return step_velocities(self.policy, tasks, self.max_batch, before), True
+        return step_each(self.policy, tasks, self.max_batch, before)
 
     def _drop_expired(self) -> list[tuple[DenoiseRequest, BaseException]]:
         """Stop spending steps on requests the router has already answered with 504."""
@@ -203,16 +209,19 @@ class DenoiseStage(Stage):
         if not self.active:
             return done
         batch = self._next_batch()
-        try:
-            velocities = self.batched_velocity([a.task for a in batch])
-        except Exception as e:  # a failed forward fails the requests that were in it, nothing else
-            if self.followers is not None:  # ... except on several ranks, whose collectives it left undone
+        try:  # one process: a failed shared forward runs each request alone; those that fail alone fail
+            outcomes, shared = self.batched_velocity([a.task for a in batch])
+        except Exception as e:  # several ranks: collectives left undone; the worker goes, its requests run again
+            if self.followers is not None:
                 self.followers.abandon(f"a forward failed: {type(e).__name__}: {e}")
             return done + [self._leave(a, e) for a in batch]
-        samples = sum(a.task.n for a in batch)
+        samples = sum(a.task.n for a in batch)  # (each alone when not shared)
+        done += [self._leave(a, v) for a, v in zip(batch, outcomes) if isinstance(v, Exception)]
+        stepped = [(a, v) for a, v in zip(batch, outcomes) if not isinstance(v, Exception)]
+        batch, velocities = [a for a, _ in stepped], [v for _, v in stepped]
         now = time.perf_counter()
         for a, error in zip(batch, advance_all([a.task for a in batch], velocities)):
-            a.largest_batch = max(a.largest_batch, samples)
+            a.largest_batch = max(a.largest_batch, samples if shared else a.task.n)
             if error is None and not a.task.done and now - a.reported_at >= PROGRESS_INTERVAL_S:
                 a.reported_at = now
                 self._notices.append(Forward("router", StepProgress(

@@ -121,3 +121,47 @@ def compare_tasks(a: DenoiseTask, b: DenoiseTask) -> float:
     if LOG_PROB_STEPS.name in ea:
         assert torch.equal(ea[LOG_PROB_STEPS.name], eb[LOG_PROB_STEPS.name])
     return max(diffs)
+
+
+class InStage:
+    """A denoise worker's own stage (``DenoiseStage``: its batch choice, its forwards, its failure path) in this
+    process, fed the encoder worker's wire tensors as a denoise message brings them (``eng``'s encoder and image
+    side); what it answers is what the worker would send on."""
+
+    def __init__(self, eng: InProcess, runtime_dir: Path, max_batch: int = MAX_BATCH):
+        from common.config.engine import EngineConfig, WorkerSpec
+        from denoise_worker.stage import DenoiseStage
+
+        self.eng = eng
+        config = EngineConfig(model=str(eng.info.path), workers=[WorkerSpec(role="denoise", index=0)],
+                              router_endpoint="", runtime_dir=str(runtime_dir), max_batch_size=max_batch)
+        self.stage = DenoiseStage(config, config.workers[0])
+        self.stage.load()
+
+    def message(self, request_id: str, p: GenerationParams, image=None):
+        """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
+        from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
+
+        guided = uses_guidance(self.eng.family.cfg_scale(p))
+        texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
+        wires = self.eng.encoder.wire_tensors(texts, p.max_sequence_length)
+        tensors = {k: t.clone() for k, t in wires[0].items()}
+        if guided:
+            tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})
+        tensors.update(self.eng.image_wire(p, image))
+        msg = DenoiseRequest(v=PROTOCOL_VERSION, request_id=request_id, route=Route(encoder=0, denoise=0, decode=0),
+                             params=p)
+        return msg, tensors
+
+    def serve(self, requests: dict[str, tuple[GenerationParams, object]]) -> dict:
+        """Every request (id -> (params, image or None)) held at once, the worker's turns until none is left:
+        per id, what the stage sent on (a ``Forward``) or the error it answered with."""
+        for rid, (p, image) in requests.items():
+            self.stage.accept(*self.message(rid, p, image))
+        out = {}
+        while self.stage.has_work():
+            for msg, outcome in self.stage.work():
+                assert msg.request_id not in out  # one answer per request
+                out[msg.request_id] = outcome
+        assert set(out) == set(requests)
+        return out

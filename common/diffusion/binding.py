@@ -145,9 +145,23 @@ class Binding:
         shape = self.latent_shape(info, height, width, num_frames)
         return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
 
+    # The transformer takes a mask over a text's padding tokens that leaves each row's output what it is alone
+    # (``stack_texts`` pads and masks: Qwen-Image's ``encoder_hidden_states_mask``), so texts of different
+    # lengths share a forward. diffusers' Wan, SD3 and FLUX transformers take none: a text's length is part of
+    # what it says (Wan's zero padding and the T5 padding tokens are attended), so their rows share a forward
+    # only with texts of the same shapes (:meth:`text_key`).
+    masks_text_padding: bool = False
+
     def stack_texts(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Distinct texts' keyword tensors ([1, ...] each) as one [U, ...] tensor per keyword."""
         return {k: torch.cat([t[k] for t in texts]) for k in texts[0]}
+
+    def text_key(self, texts: list[Conditioning]) -> tuple:
+        """What a request's texts (its prompt's and negative prompt's conditioning) must have in common with
+        those of the other requests of a forward: each keyword's shape, unless the transformer masks padding."""
+        if self.masks_text_padding:
+            return ()
+        return tuple(sorted({(k, tuple(v.shape[1:])) for t in texts for k, v in text_kwargs(t).items()}))
 
     def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
         """The pipeline's defaults for this directory (some depend on its config, e.g. SD3's sample size)."""

@@ -37,6 +37,7 @@ class QwenImageBinding(PackedBinding):
     fields = frozenset({"max_sequence_length", "true_cfg_scale"})
     max_sequence_length_limit = 1024  # QwenImagePipeline.check_inputs
     text_fields = (PROMPT_EMBEDS,)
+    masks_text_padding = True  # QwenImageTransformer2DModel's encoder_hidden_states_mask (see stack_texts)
     # Texts are their prompt's own length (padded and masked only in a forward of several): under --compile
     # the text length is dynamic, else every new prompt length compiles new graphs.
     compile_dynamic = {HIDDEN: (1,), MASK: (1,)}
