@@ -161,10 +161,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_family(model: Path):
-    """The model's family binding; an unknown pipeline class ends the launcher in one line."""
+def model_info(model: Path):
+    """The model's facts (its family's binding); an unknown pipeline class ends the launcher in one line."""
     try:
-        return read_model(model).family
+        return read_model(model)
     except (UnknownFamily, FileNotFoundError) as e:
         sys.exit(f"launch.py: error: {e}")
 
@@ -373,12 +373,12 @@ def main(argv=None) -> int:
     args.data_dir = args.data_dir or default_data_dir(args.host, args.port)
     store = open_job_store(args.data_dir)  # locked until this process exits
     model = _load_model(args.model)
-    family = model_family(model)
-    log.info("model family: %s (%s)", family.family, family.pipeline)
+    info = model_info(model)
+    log.info("model family: %s (%s)", info.family.family, info.family.pipeline)
     runtime = _private_runtime_dir(args.runtime_dir)
     _warn_about_keys(args, api_key)
     config = engine_config(args, model, runtime, weight_roots)
-    problem = layout_problem(family, config.workers, config.cache)
+    problem = layout_problem(info, config.workers, config.cache)
     if problem:
         if args.runtime_dir is None:
             shutil.rmtree(runtime, ignore_errors=True)

@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     runner = Runner(model_dir)
     current, warmup = teacache_settings(runner.info)
+    current = current or (1.0, 0.0)  # a model without one yet: compared with the identity
     pairs: list[Pair] = []
     branches = 1
     for i in range(args.prompts):
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write:
         path = model_dir / SETTINGS_FILE
         data = {"teacache_coefficients": result["coefficients"], "teacache_warmup": warmup,
-                "x_range": result["x_range"]}
+                "x_range": result["x_range"], "source": f"fitted on this directory by bench/fit_teacache.py "
+                f"(degree {args.degree}, {args.prompts} prompts, {args.steps} steps)"}
         path.write_text(json.dumps(data, indent=2) + "\n")
         note = " (a built-in's generated directory: every later use of it reads this)" if builtin else ""
         print(f"wrote {path}{note}")

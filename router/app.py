@@ -200,7 +200,7 @@ class Routes:
         params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps,
                            self.info.family, self.config.cache)
         if params.cache is not None:
-            problem = cache_problem(params.cache.method, self.info.family, self.config.workers)
+            problem = cache_problem(params.cache.method, self.info.family, self.config.workers, self.info)
             if problem:
                 raise FieldError("cache.method", problem)
         return params

@@ -29,7 +29,9 @@ STEPS = 12
 def test_fit_writes_settings_that_teacache_reads_and_predicts_its_skips(tmp_path, capsys):
     model = tmp_path / "tiny-sd3-smooth"
     shutil.copytree(ensure_builtin("tiny-sd3-smooth"), model)
+    (model / SETTINGS_FILE).unlink()  # as a checkpoint that no one fitted a polynomial for
     family_coefficients, warmup = teacache_settings(read_model(model))
+    assert family_coefficients == ()
 
     result = fit_teacache.main([str(model), "--prompts", "1", "--steps", str(STEPS)])
     assert not (model / SETTINGS_FILE).exists()  # nothing written without --write
@@ -45,7 +47,7 @@ def test_fit_writes_settings_that_teacache_reads_and_predicts_its_skips(tmp_path
     written = fit_teacache.main([str(model), "--prompts", "1", "--steps", str(STEPS), "--write"])
     assert written["coefficients"] == coefficients  # deterministic
     data = json.loads((model / SETTINGS_FILE).read_text())
-    assert data["teacache_warmup"] == warmup
+    assert data["teacache_warmup"] == warmup and data["source"].startswith("fitted on this directory by bench/fit_teacache.py")
     assert teacache_settings(read_model(model)) == (tuple(coefficients), warmup)
     assert family_coefficients != tuple(coefficients)
 

@@ -190,10 +190,12 @@ class Binding:
         return model(hidden_states=hidden_states, timestep=timestep, return_dict=False, **text)[0]
 
     # --- step caching (common/diffusion/step_cache.py) -----------------------------------------------------
-    # TeaCache's polynomial (highest power first) from the relative change of :meth:`modulated_input` between
-    # steps to that of the output, and the steps it always computes first; a model directory's
-    # step_cache.json overrides both (see common/diffusion/cache_signals.py).
-    teacache_coefficients: tuple[float, ...] = (1.0, 0.0)
+    # TeaCache's published polynomial (highest power first) from the relative change of
+    # :meth:`modulated_input` between steps to that of the output, where one exists, and where it comes from
+    # (None: none is published; a model directory then needs its own step_cache.json, as bench/fit_teacache.py
+    # writes it, which overrides both); the steps it always computes first. common/diffusion/cache_signals.py.
+    teacache_coefficients: tuple[float, ...] | None = None
+    teacache_source: str | None = None
     teacache_warmup: int = 1
 
     def modulated_input(self, model: torch.nn.Module, timestep: torch.Tensor, text: dict[str, torch.Tensor],

@@ -7,9 +7,11 @@
   residual (output - input) per row. The probe runs eagerly, its hook in place only while it runs (a
   compiled expert keeps its graphs, which guard on hooks: no recompile per decision) and on this process only (a worker that splits the sequence over ranks cannot
   serve it: the router refuses ``first_block`` there).
-- :func:`teacache_settings`: the model's TeaCache polynomial and warm-up: the family's, or its directory's
-  ``step_cache.json`` (``{"teacache_coefficients": [...], "teacache_warmup": N}``, as bench/fit_teacache.py
-  writes it).
+- :func:`teacache_settings`: the model's TeaCache polynomial and warm-up: its directory's ``step_cache.json``
+  (``{"teacache_coefficients": [...], "teacache_warmup": N, "source": "..."}``, as bench/fit_teacache.py
+  writes it, and the built-in models of families without a published polynomial carry it), else the family's
+  published one; :func:`teacache_source` says which, and a model with neither cannot serve teacache
+  (:func:`cache_problem`): a polynomial fitted on another model would decide its steps on a guess.
 """
 
 from __future__ import annotations
@@ -23,32 +25,46 @@ import torch
 from diffusers.hooks._helpers import TransformerBlockRegistry
 
 from common.diffusion.binding import text_kwargs
-from common.diffusion.model_info import ModelInfo
+from common.diffusion.model_info import STEP_CACHE_FILE, ModelInfo
 from common.diffusion.policy import ModelInput, Policy
 from common.diffusion.rows import forward_rows
 
-SETTINGS_FILE = "step_cache.json"
+SETTINGS_FILE = STEP_CACHE_FILE
 _BLOCK_LISTS = ("blocks", "transformer_blocks")  # Wan; SD3, FLUX (its double-stream blocks), Qwen-Image
 
 
-def teacache_settings(info: ModelInfo) -> tuple[tuple[float, ...], int]:
-    """(polynomial coefficients, warm-up steps) of TeaCache for this model directory."""
-    coefficients, warmup = info.family.teacache_coefficients, info.family.teacache_warmup
+def _directory_settings(info: ModelInfo) -> dict:
     path = info.path / SETTINGS_FILE
-    if path.is_file():
-        data = json.loads(path.read_text())
-        coefficients = tuple(float(c) for c in data.get("teacache_coefficients", coefficients))
-        warmup = int(data.get("teacache_warmup", warmup))
-    return tuple(coefficients), warmup
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return data if data.get("teacache_coefficients") else {}
 
 
-def cache_problem(method: str, family, workers) -> str | None:
+def teacache_settings(info: ModelInfo) -> tuple[tuple[float, ...], int]:
+    """(polynomial coefficients, warm-up steps) of TeaCache for this model directory; no coefficients (())
+    where it has none (:func:`teacache_source` is None: requests are refused before they get here)."""
+    data = _directory_settings(info)
+    coefficients = data.get("teacache_coefficients", info.family.teacache_coefficients) or ()
+    return tuple(float(c) for c in coefficients), int(data.get("teacache_warmup", info.family.teacache_warmup))
+
+
+def teacache_source(info: ModelInfo) -> str | None:
+    """Where this model's TeaCache polynomial comes from; None: it has none."""
+    data = _directory_settings(info)
+    if data:
+        return data.get("source") or f"{info.path / SETTINGS_FILE}"
+    return info.family.teacache_source if info.family.teacache_coefficients else None
+
+
+def cache_problem(method: str, family, workers, info: ModelInfo | None = None) -> str | None:
     """Why the engine cannot serve step caching ``method`` for this family on these workers (``workers``: the
-    engine's WorkerSpecs), or None."""
+    engine's WorkerSpecs) and, given ``info``, this model directory; or None."""
     from common.diffusion.binding import Binding
 
     if method == "teacache" and type(family).modulated_input is Binding.modulated_input:
         return f"{family.pipeline}'s binding has no timestep-modulated input, so it cannot serve teacache"
+    if method == "teacache" and info is not None and teacache_source(info) is None:
+        return (f"{family.pipeline} has no published TeaCache polynomial and this model directory has no "
+                f"{SETTINGS_FILE}: fit one with bench/fit_teacache.py MODEL_DIR --write, or use first_block")
     if method == "first_block" and any(w.role == "denoise" and (w.ulysses > 1 or w.ring > 1) for w in workers):
         return ("first_block probes the first block on one device; a denoise worker that splits the sequence "
                 "(ulysses, ring) cannot serve it (teacache can)")

@@ -17,6 +17,7 @@ from pathlib import Path
 from common.diffusion.binding import Binding
 
 SERVING_DEFAULTS_FILE = "serving_defaults.json"
+STEP_CACHE_FILE = "step_cache.json"  # the directory's TeaCache polynomial (common/diffusion/cache_signals.py)
 
 
 def flow_shift_of(scheduler_config) -> float:

@@ -54,13 +54,15 @@ def resolve(name: str) -> Path:
                         + f" (built-in models: {', '.join(BUILTINS)})")
 
 
-def layout_problem(family, workers, cache=None) -> str | None:
-    """Why the family's transformer cannot run the topology's denoise layouts (``workers``: the engine's
-    WorkerSpecs), or serve the default step caching ``cache`` (--cache) on them; None: it can."""
+def layout_problem(info, workers, cache=None) -> str | None:
+    """Why the model's (``info``: its ModelInfo) transformer cannot run the topology's denoise layouts
+    (``workers``: the engine's WorkerSpecs), or serve the default step caching ``cache`` (--cache) on them;
+    None: it can."""
+    family = info.family
     if not family.context_parallel:
         for spec in workers:
             if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
                 return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, "
                         "so its denoise workers cannot use ulysses or ring (cfg works)")
-    problem = None if cache is None else cache_problem(cache.method, family, workers)
+    problem = None if cache is None else cache_problem(cache.method, family, workers, info)
     return problem and f"--cache: {problem}"

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from common.diffusion.model_info import SERVING_DEFAULTS_FILE
+from common.diffusion.model_info import SERVING_DEFAULTS_FILE, STEP_CACHE_FILE
 
 CACHE_ENV = "DISAGG_DIFFUSION_CACHE"
 DEFAULT_CACHE_DIR = Path("~/.cache/disagg-diffusion")
@@ -105,4 +105,10 @@ def save_built(spec, make_pipeline: Callable[[], object], out_dir: str | Path, d
     pipe.save_pretrained(out, safe_serialization=True)
     defaults = {k: getattr(spec, k) for k in default_keys}
     (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
+    coefficients = getattr(spec, "teacache_coefficients", None)
+    if coefficients is not None:  # a family without a published TeaCache polynomial: the one fitted for its built-ins
+        settings = {"teacache_coefficients": list(coefficients), "teacache_warmup": 1,
+                    "source": f"fitted on the built-in {spec.TEACACHE_FITTED_ON} (random weights) by "
+                              "bench/fit_teacache.py --degree 1"}
+        (out / STEP_CACHE_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return out

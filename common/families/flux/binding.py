@@ -78,10 +78,8 @@ class FluxBinding(PackedBinding):
                      pooled_projections=text[POOLED], encoder_hidden_states=text[HIDDEN], txt_ids=txt_ids,
                      img_ids=image_ids(grid, device, dtype), return_dict=False)[0]
 
-    # No published TeaCache polynomial for this signal: a line fitted on the built-in small-flux-smooth
-    # (R^2 0.96; a line, not a quartic, so that other schedules' changes extrapolate sanely). A real
-    # checkpoint should take its own: bench/fit_teacache.py MODEL_DIR --write (docs/operations.md).
-    teacache_coefficients = (9.44586980e-01, 1.04665274e-02)
+    # No published TeaCache polynomial for this signal: teacache needs the directory's step_cache.json (the
+    # built-in models carry one fitted on small-flux-smooth; a real checkpoint: bench/fit_teacache.py MODEL_DIR --write).
 
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
         dtype = text[HIDDEN].dtype  # as forward: the pipeline's t / 1000, scaled back by the transformer

@@ -3,6 +3,7 @@ the table of named specs, :data:`SPECS` (see :mod:`common.families.flux.tiny_mod
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,11 @@ class TinyFluxSpec:
     """One tiny FLUX.1 text-to-image configuration plus the request it is meant to serve."""
 
     name: str
+    # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
+    # a line fitted on small-flux-smooth by bench/fit_teacache.py --degree 1 (R^2 0.96; a line, not a quartic, so that
+    # other schedules' changes extrapolate sanely).
+    teacache_coefficients: tuple[float, ...] = (9.44586980e-01, 1.04665274e-02)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-flux-smooth"
     # Transformer (FluxTransformer2DModel). Its joint_attention_dim and pooled_projection_dim follow from
     # the text encoders' sizes (see the properties below).
     num_layers: int = 1

@@ -94,10 +94,8 @@ class QwenImageBinding(PackedBinding):
                      guidance=guidance, encoder_hidden_states=text[HIDDEN], encoder_hidden_states_mask=text.get(MASK),
                      img_shapes=[[(1, *grid)]], return_dict=False)[0]
 
-    # No published TeaCache polynomial for this signal: a line fitted on the built-in small-qwen-image-smooth
-    # (R^2 0.96; a line, not a quartic, so that other schedules' changes extrapolate sanely). A real
-    # checkpoint should take its own: bench/fit_teacache.py MODEL_DIR --write (docs/operations.md).
-    teacache_coefficients = (2.41230363e-01, 1.06307260e-02)
+    # No published TeaCache polynomial for this signal: teacache needs the directory's step_cache.json (the
+    # built-in models carry one fitted on small-qwen-image-smooth; a real checkpoint: bench/fit_teacache.py MODEL_DIR --write).
 
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
         dtype = text[HIDDEN].dtype  # (the embedding reads only the dtype of the hidden states it is given)

@@ -3,6 +3,7 @@ serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.q
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,11 @@ class TinyQwenImageSpec:
     """One tiny Qwen-Image text-to-image configuration plus the request it is meant to serve."""
 
     name: str
+    # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
+    # a line fitted on small-qwen-image-smooth by bench/fit_teacache.py --degree 1 (R^2 0.96; a line, not a quartic, so that
+    # other schedules' changes extrapolate sanely).
+    teacache_coefficients: tuple[float, ...] = (2.41230363e-01, 1.06307260e-02)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-qwen-image-smooth"
     # Transformer (QwenImageTransformer2DModel, no guidance embedding); its joint_attention_dim is the text
     # encoder's hidden size.
     num_layers: int = 2

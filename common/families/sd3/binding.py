@@ -64,10 +64,8 @@ class SD3Binding(Binding):
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
         return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None], POOLED: wire[POOLED_PROMPT_EMBEDS.name][None]})
 
-    # No published TeaCache polynomial for this signal: a line fitted on the built-in small-sd3-smooth
-    # (R^2 0.35; a line, not a quartic, so that other schedules' changes extrapolate sanely). A real
-    # checkpoint should take its own: bench/fit_teacache.py MODEL_DIR --write (docs/operations.md).
-    teacache_coefficients = (4.17453858e-01, 2.38088636e-02)
+    # No published TeaCache polynomial for this signal: teacache needs the directory's step_cache.json (the
+    # built-in models carry one fitted on small-sd3-smooth; a real checkpoint: bench/fit_teacache.py MODEL_DIR --write).
 
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
         return model.time_text_embed(timestep.to(text[POOLED].dtype), text[POOLED])

@@ -3,6 +3,7 @@ the table of named specs, :data:`SPECS` (see :mod:`common.families.sd3.tiny_mode
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,11 @@ class TinySD3Spec:
     """One tiny SD3 / SD3.5 text-to-image configuration plus the request it is meant to serve."""
 
     name: str
+    # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
+    # a line fitted on small-sd3-smooth by bench/fit_teacache.py --degree 1 (R^2 0.35; a line, not a quartic, so that
+    # other schedules' changes extrapolate sanely).
+    teacache_coefficients: tuple[float, ...] = (4.17453858e-01, 2.38088636e-02)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-sd3-smooth"
     # Transformer (SD3Transformer2DModel). Its caption_projection_dim, joint_attention_dim and
     # pooled_projection_dim follow from the other sizes (see the properties below).
     num_layers: int = 2

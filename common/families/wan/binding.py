@@ -78,6 +78,7 @@ class WanBinding(Binding):
     # TeaCache4Wan2.1's published polynomial for Wan2.1-T2V-1.3B on the 6 x D timestep projection (its
     # "ret steps" mode: the first 5 steps always computed).
     teacache_coefficients = (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02)
+    teacache_source = "published: TeaCache4Wan2.1, fitted on Wan2.1-T2V-1.3B"
     teacache_warmup = 5
 
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:

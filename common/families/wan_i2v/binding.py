@@ -36,6 +36,7 @@ class WanImageToVideoBinding(WanBinding):
     image_text_fields = frozenset({IMAGE_EMBEDS.name})
     # TeaCache4Wan2.1's published polynomial for Wan2.1-I2V-14B-480P ("ret steps" mode, as Wan's).
     teacache_coefficients = (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01)
+    teacache_source = "published: TeaCache4Wan2.1, fitted on Wan2.1-I2V-14B-480P"
 
     def image_input(self, info) -> str | None:
         return "required"
