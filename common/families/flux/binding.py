@@ -43,6 +43,8 @@ class FluxBinding(PackedBinding):
                 "true_cfg_scale": 1.0, "max_sequence_length": 512}
     fields = frozenset({"max_sequence_length", "true_cfg_scale"})
     text_fields = (PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
+    # FluxTransformer2DModel takes no text mask (FluxPipeline passes none): T5's padding tokens are attended.
+    masks_text_padding = False
     context_parallel = True  # FluxTransformer2DModel has a _cp_plan
     # Flow-GRPO's FLUX LoRA: both streams' attention projections.
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",

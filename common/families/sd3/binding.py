@@ -34,6 +34,8 @@ class SD3Binding(Binding):
                 "max_sequence_length": 256}
     fields = frozenset({"max_sequence_length"})
     text_fields = (PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
+    # SD3Transformer2DModel takes no text mask: the joint attention attends CLIP's and T5's padding tokens.
+    masks_text_padding = False
     guidance_in_one_forward = True
     # Flow-GRPO's SD3 LoRA: both streams' attention projections of every joint block.
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",

@@ -44,6 +44,8 @@ class WanBinding(Binding):
                 "max_sequence_length": MAX_SEQUENCE_LENGTH}
     fields = frozenset({"num_frames", "guidance_scale_2", "max_sequence_length"})
     text_fields = (PROMPT_EMBEDS,)
+    # WanTransformer3DModel takes no text mask: the zero padding to max_sequence_length is attended.
+    masks_text_padding = False
     shares_text = True
     context_parallel = True
     # Wan2.1 / Wan2.2 text-to-video models make 16 frames per second (diffusers' examples export at 16).
