@@ -20,6 +20,7 @@ from common.diffusion.binding import Conditioning, cond_to
 from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
+from common.runtime.component_memory import settle_held
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TrainerPolicy:
         self.dtype = dtype
         self.family = self.info.family
         self.text_encoder = self.family.load_text_encoder(self.info, dtype, self.device)
+        settle_held(text_encoder=self.text_encoder)  # as the encoder worker's lies: the same embeddings
         self.policy = Policy.load(self.info, dtype, self.device, trainable=True)
         self._images = None  # the image side, loaded by the first image()
 
@@ -68,6 +70,7 @@ class TrainerPolicy:
 
         if self._images is None:
             self._images = self.family.load_image_conditioner(self.info, self.dtype, self.device, self.vae_tiling)
+            settle_held(images=self._images)
         d = self.info.defaults
 
         def pil(x):

@@ -17,6 +17,7 @@ from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import Policy, uses_guidance
 from common.families import read_model
+from common.runtime.component_memory import settle_held
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
 from denoise_worker.joint_step import advance_all
 from denoise_worker.caching import request_cache
@@ -50,6 +51,8 @@ class InProcess:
         self.images = None  # image-to-video models: the encoder worker's image side
         if self.family.image_input(self.info) is not None:
             self.images = self.family.load_image_conditioner(self.info, DTYPE, CPU)
+        # Laid out as the workers' (their ComponentMemory settles them): the same outputs, bit for bit.
+        settle_held(encoder=self.encoder, decoder=self.decoder, images=self.images)
         self.max_threads = torch.get_num_threads()
         self.shared_forwards = 0  # forwards that held more than one task (batching tests)
 

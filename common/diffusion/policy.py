@@ -32,6 +32,7 @@ from common.diffusion.rows import Rows, forward_rows
 from common.diffusion.sde import Generators, SdeStep, sde_step
 from common.diffusion import shared_text
 from common.diffusion.shared_text import SharedText
+from common.diffusion.weight_storage import settle
 
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
@@ -109,7 +110,8 @@ class Policy:
         experts = {}
         for name in names:
             model = info.family.load_expert(info.path / name, dtype)
-            experts[name] = model.to(device).eval().requires_grad_(trainable)
+            # Laid out as a push or a resume lays it out: the same bytes give the same outputs (weight_storage).
+            experts[name] = settle(model.to(device).eval().requires_grad_(trainable))
         return cls(info, experts)
 
     def cover(self, adapter: LoraAdapter) -> None:

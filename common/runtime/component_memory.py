@@ -4,7 +4,8 @@ Level 1 moves every tensor of a module's state dict to host memory (pinned when 
 brings the same bytes back; level 2 drops them, and they come back from a push (the weight-sync paths
 fill a :meth:`ModuleMemory.materialize`-d module), or from a fresh load of the model directory. Either
 way each tensor keeps its identity (``tensor.data`` is swapped), so whatever holds the parameters (LoRA
-hooks, compiled graphs, context-parallel hooks) still holds them afterwards.
+hooks, compiled graphs, context-parallel hooks) still holds them afterwards, and each lies as it did before
+the release (:mod:`common.diffusion.weight_storage`: its own aligned storage), so outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -16,17 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from common.diffusion.weight_storage import settle, weight_tensors
 from common.protocol.errors import WeightsMissing
-
-
-def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state-dict tensors themselves (parameters and persistent buffers), each once."""
-    out, seen = {}, set()
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
 
 
 def modules_of(holders: Mapping[str, object], depth: int = 3) -> dict[str, torch.nn.Module]:
@@ -50,6 +42,13 @@ def modules_of(holders: Mapping[str, object], depth: int = 3) -> dict[str, torch
         walk(name, obj, depth)
     inner = {id(sub) for m in found.values() for sub in m.modules() if sub is not m}
     return {path: m for path, m in found.items() if id(m) not in inner}
+
+
+def settle_held(**holders: object) -> None:
+    """Every module ``holders`` hold laid out as a worker's component is (a trainer's own copy of a stage's
+    encoders: its outputs then equal the worker's bit for bit)."""
+    for module in modules_of(holders).values():
+        settle(module)
 
 
 def return_freed_memory(devices: set[torch.device] = frozenset()) -> None:
@@ -85,7 +84,7 @@ class ModuleMemory:
     """One module's weights: on their device, in host memory (level 1), or dropped (level 2)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        self.module = settle(module)  # laid out as every resume and push will lay it out
         self.level = 0  # 0: the weights are on their device
         self._host: dict[str, torch.Tensor] = {}
         self._meta: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
@@ -97,13 +96,13 @@ class ModuleMemory:
     @property
     def devices(self) -> set[torch.device]:
         if self.present:
-            return {t.device for t in _own_tensors(self.module).values()}
+            return {t.device for t in weight_tensors(self.module).values()}
         return {d for _, _, d in self._meta.values()}
 
     @property
     def nbytes(self) -> int:
         if self.present:
-            return sum(t.numel() * t.element_size() for t in _own_tensors(self.module).values())
+            return sum(t.numel() * t.element_size() for t in weight_tensors(self.module).values())
         return sum(s.numel() * torch.empty(0, dtype=d).element_size() for s, d, _ in self._meta.values())
 
     def release(self, level: int) -> None:
@@ -114,7 +113,7 @@ class ModuleMemory:
             self._host = {}
             self.level = 2
             return
-        tensors = _own_tensors(self.module)
+        tensors = weight_tensors(self.module)
         self._meta = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items()}
         if level == 1:
             self._host = {name: _to_host(t.data) for name, t in tensors.items()}
@@ -128,7 +127,7 @@ class ModuleMemory:
         """Level 1's host copies back onto their devices, bit for bit."""
         if self.level != 1:
             raise RuntimeError(f"no host copy to restore (level {self.level})")
-        for name, t in _own_tensors(self.module).items():
+        for name, t in weight_tensors(self.module).items():
             host = self._host[name]
             t.data = host if host.device == self._meta[name][2] else host.to(self._meta[name][2], copy=True)
         self._host = {}
@@ -140,7 +139,7 @@ class ModuleMemory:
         if self.level == 1:
             self.restore()
         elif self.level == 2:
-            for name, t in _own_tensors(self.module).items():
+            for name, t in weight_tensors(self.module).items():
                 shape, dtype, device = self._meta[name]
                 t.data = torch.empty(shape, dtype=dtype, device=device)
             self.level = 0
@@ -148,13 +147,14 @@ class ModuleMemory:
     def take(self, fresh: torch.nn.Module) -> None:
         """The weights of ``fresh``, a newly loaded module of the same class and config (its storage is
         taken over, not copied)."""
-        mine, theirs = _own_tensors(self.module), fresh.state_dict(keep_vars=True)
+        mine, theirs = weight_tensors(self.module), fresh.state_dict(keep_vars=True)
         missing = sorted(set(mine) - set(theirs))
         if missing:
             raise RuntimeError(f"the reloaded module lacks {', '.join(missing[:5])}")
         for name, t in mine.items():
             _, dtype, device = self._meta.get(name, (None, t.dtype, t.device))
             t.data = theirs[name].data.to(device=device, dtype=dtype)
+        settle(self.module)  # a module loaded some other way than the stages load theirs
         self._host = {}
         self.level = 0
 
