@@ -31,7 +31,9 @@ from router.metrics import EngineState, Metrics, RequestMetrics
 from router.http_errors import error_response, install_error_handlers
 from router.job_store import JobStore
 from router.openai_api import OpenAIRoutes, add_openai_routes
-from router.openapi import MODULE_QUERY, errors, request_body
+from router import answers
+from router.body_facts import body_facts
+from router.openapi import MODULE_QUERY, engine_openapi, errors, ok, request_body
 from router.progress import REQUEST_ID_PARAMETER, REQUEST_ID_PATH, InFlight, request_id_of
 from router.schemas import (
     FieldError, GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
@@ -233,27 +235,30 @@ SAMPLES = ("samples (tensors as {dtype, shape, data}; raw bytes with Accept: app
 
 def add_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/health", routes.health, methods=["GET"], summary="Workers and their states",
-                      response_description="every worker is ready (503: not every one)")
+                      responses={**ok(answers.Health, "every worker is ready"),
+                                 503: {"model": answers.Health, "description": "not every worker is ready "
+                                       "(starting, loading, lost): the same body, ok false"}})
     app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos (or images)",
                       openapi_extra={**request_body(GenerateBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      response_description=SAMPLES, responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
+                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
+                                 **errors(400, 401, 409, 413, 429, 500, 503, 504)})
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
                       summary="Generate with SDE log-probs (and trajectories) for RL",
                       openapi_extra={**request_body(RolloutBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      response_description=SAMPLES,
-                      responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
+                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
+                                 **errors(400, 401, 409, 413, 429, 500, 503, 504)})
     app.add_api_route("/update_weights_from_disk", routes.update_weights_from_disk, methods=["POST"],
                       summary="Load new weights into every denoise worker",
                       openapi_extra=request_body(UpdateWeightsBody),
-                      response_description="the new weight_version and each worker's checksum",
-                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+                      responses={**ok(answers.WeightsUpdated, "the new weight_version and each worker's checksum"),
+                                 **errors(400, 401, 403, 413, 500, 503, 504)})
     app.add_api_route("/weights_checksum", routes.weights_checksum, methods=["GET"],
                       summary="SHA-256 of a module's weights on every denoise worker", openapi_extra=MODULE_QUERY,
-                      response_description="checksums, and whether every worker agrees",
-                      responses=errors(400, 401, 500, 503, 504))
+                      responses={**ok(answers.Checksums, "checksums, and whether every worker agrees"),
+                                 **errors(400, 401, 500, 503, 504)})
     app.add_api_route("/progress/{request_id}", routes.in_flight.endpoint, methods=["GET"],
                       summary="Where a request sent with X-Request-Id is: stage, denoising step, 0-100",
-                      openapi_extra=REQUEST_ID_PATH, responses=errors(401, 404))
+                      openapi_extra=REQUEST_ID_PATH, responses={**ok(answers.Progress), **errors(401, 404)})
     add_lora_routes(app, routes)
     add_weight_sync_routes(app, routes)
     add_sleep_routes(app, SleepRoutes(routes.sleep, routes.config.limits.max_body_bytes))
@@ -263,34 +268,36 @@ def add_weight_sync_routes(app: FastAPI, routes: Routes) -> None:
     updated = "the new weight_version and each worker's checksum"
     app.add_api_route("/weight_sync", routes.weight_sync, methods=["GET"],
                       summary="Whether weight sync from memory is on, the shared-memory prefix for buckets, the group",
-                      responses=errors(401))
+                      responses={**ok(answers.WeightSyncInfo), **errors(401)})
     app.add_api_route("/update_weights_from_tensors", routes.update_weights_from_tensors, methods=["POST"],
                       summary="Load the trainer's tensors from shared-memory buckets into every denoise worker",
-                      openapi_extra=request_body(UpdateWeightsFromTensorsBody), response_description=updated,
-                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+                      openapi_extra=request_body(UpdateWeightsFromTensorsBody),
+                      responses={**ok(answers.WeightsUpdated, updated), **errors(400, 401, 403, 413, 500, 503, 504)})
     app.add_api_route("/init_weights_group", routes.init_weights_group, methods=["POST"],
                       summary="Every denoise worker joins the trainer's torch.distributed group (trainer: rank 0)",
-                      openapi_extra=request_body(InitWeightsGroupBody), response_description="world size and ranks",
-                      responses=errors(400, 401, 403, 500, 503, 504))
+                      openapi_extra=request_body(InitWeightsGroupBody),
+                      responses={**ok(answers.GroupJoined, "world size and ranks"),
+                                 **errors(400, 401, 403, 500, 503, 504)})
     app.add_api_route("/update_weights_from_distributed", routes.update_weights_from_distributed, methods=["POST"],
                       summary="Announce an update the trainer then broadcasts over the weights group",
-                      openapi_extra=request_body(UpdateWeightsFromDistributedBody), response_description=updated,
-                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+                      openapi_extra=request_body(UpdateWeightsFromDistributedBody),
+                      responses={**ok(answers.WeightsUpdated, updated), **errors(400, 401, 403, 413, 500, 503, 504)})
     app.add_api_route("/destroy_weights_group", routes.destroy_weights_group, methods=["POST"],
-                      summary="Leave the weights group", responses=errors(401, 403, 500, 503, 504))
+                      summary="Leave the weights group",
+                      responses={**ok(answers.GroupDestroyed), **errors(401, 403, 500, 503, 504)})
 
 
 def add_lora_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"],
                       summary="Load (or replace) a LoRA adapter in every denoise worker",
-                      openapi_extra=request_body(LoadLoraBody),
-                      response_description="the adapter's lora_version, rank, target modules, experts and sha256",
-                      responses=errors(400, 401, 403, 413, 500, 503, 504))
+                      openapi_extra=request_body(LoadLoraBody, LoadLoraTensorsBody),
+                      responses={**ok(answers.LoraLoaded, "the adapter's lora_version, rank, target modules, "
+                                      "experts and sha256"), **errors(400, 401, 403, 413, 500, 503, 504)})
     app.add_api_route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"],
                       summary="Unload a LoRA adapter", openapi_extra=request_body(UnloadLoraBody),
-                      responses=errors(400, 401, 403, 500, 503, 504))
+                      responses={**ok(answers.LoraUnloaded), **errors(400, 401, 403, 500, 503, 504)})
     app.add_api_route("/v1/lora_adapters", routes.lora_adapters, methods=["GET"], summary="The loaded LoRA adapters",
-                      response_description="each adapter's name, version, rank, scale, target modules, experts")
+                      responses={**ok(answers.LoraAdapters), **errors(401)})
 
 
 def _lifespan(dispatcher: Dispatcher, api: OpenAIRoutes):
@@ -331,5 +338,7 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
         restarts=lambda: {key: len(w.dead_pids) for key, w in registry.workers.items()},
         shm=dispatcher.shm.counts))
     app.add_api_route("/metrics", lambda: routes.metrics.exposition(), methods=["GET"],
-                      summary="Prometheus metrics (text exposition format)", responses=errors(401))
+                      summary="Prometheus metrics (text exposition format)", response_class=Response,
+                      responses={**ok(None, "the text exposition format", media=["text/plain"]), **errors(401)})
+    app.openapi = engine_openapi(app, body_facts(config, routes.info))  # this engine's limits in the schema
     return app

@@ -14,6 +14,8 @@ import msgpack
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
@@ -22,6 +24,7 @@ from common.protocol.messages import (
 from router import media
 from router.join import PER_SAMPLE_INFO, Outcome
 from router.schemas import FieldError
+from router.values import check_values
 
 MSGPACK = "application/msgpack"
 
@@ -63,12 +66,39 @@ def decode_body(raw: bytes, request: Request) -> dict:
     """Raw body bytes as a dict, by the request's content-type."""
     is_msgpack = MSGPACK in request.headers.get("content-type", "")
     try:
-        data = msgpack.unpackb(raw, raw=False) if is_msgpack else json.loads(raw or b"null")
+        # Strings that are not UTF-8 come through as lone surrogates, so that check_values names their field.
+        data = (msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape") if is_msgpack
+                else json.loads(raw or b"null"))
     except Exception as e:
         raise FieldError("body", f"not valid {'msgpack' if is_msgpack else 'JSON'}: {e}") from None
     if not isinstance(data, dict):
         raise FieldError("body", "must be a JSON object")
+    check_values(data)
     return data
+
+
+class _StrictForm(MultiPartParser):
+    """Starlette's multipart parser, except that a text field whose bytes are not in the form's charset
+    (UTF-8 unless it says otherwise) is a 400 naming the field; Starlette would read it as Latin-1."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset or "utf-8")
+            except (UnicodeDecodeError, LookupError):
+                raise FieldError(part.field_name or "body", "form fields must be UTF-8 text") from None
+        super().on_part_end()
+
+
+async def read_form(request: Request, max_part_size: int, max_fields: int = 64, max_files: int = 1) -> FormData:
+    """A multipart body's fields and files (close it once read); malformed: a 400 naming the body."""
+    parser = _StrictForm(request.headers, request.stream(), max_files=max_files, max_fields=max_fields,
+                         max_part_size=max_part_size)
+    try:
+        return await parser.parse()
+    except MultiPartException as e:
+        raise FieldError("body", e.message) from None
 
 
 def wants_msgpack(request: Request) -> bool:

@@ -2,11 +2,15 @@
 
 That includes what FastAPI/Starlette would otherwise answer in their own
 ``{"detail": ...}`` shape: unknown paths (404 ``not_found``), wrong methods
-(405 ``method_not_allowed``, with ``Allow``) and parameter validation (400).
+(405 ``method_not_allowed``, with ``Allow``) and parameter validation (400), and
+any exception nothing else answers: a 500 ``internal_error`` with the request's
+id, its traceback logged once (:class:`GuardRequests`).
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -14,10 +18,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 
 from router.bodies import BodyTooLarge
 from router.errors import EngineError
 from router.schemas import FieldError
+from router.values import raw_text_problem
+
+log = logging.getLogger("disagg.router")
+REQUEST_ID_HEADER = b"x-request-id"
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="what went wrong, e.g. invalid_request, overloaded, worker_lost, timeout")
@@ -97,7 +106,56 @@ async def http_error(request: Request, e: StarletteHTTPException) -> JSONRespons
                           headers=dict(e.headers or {}))
 
 
+def internal_error(request_id: str | None) -> JSONResponse:
+    return error_response(500, "internal_error", "the router failed on this request; the engine's log has the "
+                          "traceback under this request id", request_id=request_id)
+
+
+async def unexpected(request: Request, e: Exception) -> JSONResponse:
+    """An exception raised outside :class:`GuardRequests` (in a middleware): the server logs it once."""
+    return internal_error(request.headers.get("x-request-id"))
+
+
+class GuardRequests:
+    """ASGI middleware, innermost (inside the API keys, the metrics and the body drain): a query or path that
+    is not UTF-8 is a 400 naming it before any route runs (router/values.py); a request without an
+    ``X-Request-Id`` is given a random one here, so that every answer, a 500 included, can name it; an
+    exception no handler answered is logged once with its traceback and becomes a 500 ``internal_error``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        problem = raw_text_problem(scope)
+        if problem is not None:
+            await error_response(400, "invalid_request", str(problem), field=problem.field)(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if REQUEST_ID_HEADER not in headers:
+            headers[REQUEST_ID_HEADER] = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*scope["headers"], (REQUEST_ID_HEADER, headers[REQUEST_ID_HEADER])]}
+        rid = headers[REQUEST_ID_HEADER].decode("latin-1")
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("%s %s failed (request %s)", scope["method"], scope["path"], rid[:80])
+            if not started:  # else the client sees the answer cut short: nothing more can be said
+                await internal_error(rid[:80])(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.user_middleware.append(Middleware(GuardRequests))  # innermost, whatever was added before
+    app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(EngineError, engine_error)
     app.add_exception_handler(BodyTooLarge, body_too_large)
     app.add_exception_handler(ValidationError, invalid_body)

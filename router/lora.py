@@ -53,7 +53,7 @@ class LoraControl:
 
     async def load_tensors(self, body: LoadLoraTensorsBody) -> dict:
         try:
-            blob = body_to_tensor(body.blob).reshape(-1)
+            blob = body_to_tensor(body.blob.model_dump()).reshape(-1)
         except (KeyError, TypeError, ValueError) as e:
             raise FieldError("blob", f"not a tensor body {{dtype, shape, data}}: {e}") from None
         if not blob.is_floating_point():

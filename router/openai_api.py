@@ -21,18 +21,21 @@ from pydantic import ValidationError
 from common.protocol.messages import OUTPUT
 from common.families.builtin import BUILTINS
 from router import media
-from router.bodies import check_declared_length, parse_body
+from router.bodies import check_declared_length, parse_body, read_form
 from router.errors import EngineError
 from router.job_store import JobRow, JobStore
 from router.jobs import IMAGE, VIDEO, JobTable, Runner, Started, wait_for_room
 from router.openai_schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
-from router.openapi import IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, request_body
+from router import answers
+from router.openapi import BINARY, IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, ok, request_body
 from router.progress import REQUEST_ID_PARAMETER, request_id_of
 from router.schemas import FieldError, GenerateBody
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
 INPUT_REFERENCE = {"image": "input_reference"}
 POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
+# /v1/videos as multipart form fields: input_reference is an image file there; in JSON {"image_url": "data:..."}.
+VIDEO_FORM_FILES = {"input_reference": {**BINARY, "description": "image-to-video models: the first frame"}}
 
 
 def served_model_id(path: Path) -> str:
@@ -119,14 +122,17 @@ class OpenAIRoutes:
                 fields["image"] = ref["image_url"]
             return fields
         check_declared_length(request, limit, required=True)  # the form parser reads the body itself
-        form = await request.form(max_files=1, max_fields=64, max_part_size=limit)
-        fields = {k: v for k, v in form.items() if isinstance(v, str)}
-        ref = form.get("input_reference")
-        if ref is not None:
-            if isinstance(ref, str):
-                raise FieldError("input_reference", "must be an image file (multipart), not a text field")
-            raw = await ref.read(self.config.limits.max_image_bytes + 1)
-            fields["image"] = base64.b64encode(raw).decode("ascii")  # router/images.py checks it whole
+        form = await read_form(request, limit)  # text fields that are not UTF-8: a 400 naming them
+        try:
+            fields = {k: v for k, v in form.items() if isinstance(v, str)}
+            ref = form.get("input_reference")
+            if ref is not None:
+                if isinstance(ref, str):
+                    raise FieldError("input_reference", "must be an image file (multipart), not a text field")
+                raw = await ref.read(self.config.limits.max_image_bytes + 1)
+                fields["image"] = base64.b64encode(raw).decode("ascii")  # router/images.py checks it whole
+        finally:
+            await form.close()
         return fields
 
     async def create_video(self, request: Request) -> JSONResponse:
@@ -214,28 +220,34 @@ class OpenAIRoutes:
 
 
 def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
-    app.add_api_route("/v1/models", api.models, methods=["GET"], summary="The served model (OpenAI-style)")
+    app.add_api_route("/v1/models", api.models, methods=["GET"], summary="The served model (OpenAI-style)",
+                      responses={**ok(answers.Models), **errors(401)})
     app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
                       summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
                       openapi_extra={**request_body(ImagesBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      responses=errors(400, 401, 409, 413, 429, 500, 503, 504))
+                      responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 500, 503, 504)})
     app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
                       summary="Create a video job (OpenAI-style; multipart form or JSON)",
-                      openapi_extra=request_body(VideoBody), responses=errors(400, 401, 413, 429))
+                      openapi_extra=request_body(VideoBody, form=VIDEO_FORM_FILES),
+                      responses={**ok(answers.Job, "the job, queued"), **errors(400, 401, 413, 429)})
     app.add_api_route("/v1/videos", api.list_videos, methods=["GET"], summary="The video jobs held",
-                      openapi_extra=LIST_QUERY, responses=errors(400, 401))
+                      openapi_extra=LIST_QUERY, responses={**ok(answers.Jobs), **errors(400, 401)})
     app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"], openapi_extra=VIDEO_ID_PATH,
-                      summary="A video job: status and progress", responses=errors(401, 404))
+                      summary="A video job: status and progress", responses={**ok(answers.Job), **errors(401, 404)})
     app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"], openapi_extra=VIDEO_ID_PATH,
-                      summary="Delete a finished video job", responses=errors(401, 404, 409))
+                      summary="Delete a finished video job",
+                      responses={**ok(answers.JobDeleted), **errors(401, 404, 409)})
     app.add_api_route("/v1/videos/{video_id}/content", api.video_content, methods=["GET"],
                       openapi_extra={"parameters": [*VIDEO_ID_PATH["parameters"], {
                           "name": "variant", "in": "query", "required": False,
                           "schema": {"type": "string", "enum": ["video"]}}]},
-                      summary="A completed job's MP4", responses=errors(400, 401, 404, 409, 500))
+                      summary="A completed job's MP4", response_class=Response,
+                      responses={**ok(None, "the MP4", media=[media.MP4]), **errors(400, 401, 404, 409, 500)})
     # The engine's own (not OpenAI's): the images /v1/images/generations made, kept as --job-ttl says.
     app.add_api_route("/v1/images", api.list_images, methods=["GET"], openapi_extra=LIST_QUERY,
-                      summary="The images generated recently (engine extension)", responses=errors(400, 401))
+                      summary="The images generated recently (engine extension)",
+                      responses={**ok(answers.Jobs), **errors(400, 401)})
     app.add_api_route("/v1/images/{image_id}/content", api.image_content, methods=["GET"],
                       openapi_extra=IMAGE_ID_PATH, summary="A generated image's PNG (engine extension)",
-                      responses=errors(401, 404, 500))
+                      response_class=Response, responses={**ok(None, "the PNG", media=[media.PNG]),
+                                                          **errors(401, 404, 500)})

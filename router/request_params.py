@@ -52,13 +52,18 @@ def check_family_fields(body: GenerateBody, family: Binding) -> None:
         raise FieldError(name, f"{family.pipeline} {what}, got {value}")
 
 
+def size_multiple(info) -> int:
+    """What height and width must be multiples of on this model directory (``info``: its ModelInfo)."""
+    return max(info.family.size_multiple, info.vae_scale_spatial * info.patch_size[-1])
+
+
 def check_model_fields(body: GenerateBody, info) -> None:
     """The fields whose meaning depends on the model directory (``info``: its ModelInfo), not only its family."""
     family = info.family
     if body.mu is not None and not info.dynamic_shifting:
         raise FieldError("mu", f"this model's scheduler has no dynamic shifting (use_dynamic_shifting is false), "
                                f"so {family.pipeline} takes no mu")
-    multiple = max(family.size_multiple, info.vae_scale_spatial * info.patch_size[-1])
+    multiple = size_multiple(info)
     for name in ("height", "width"):  # e.g. Wan2.2 TI2V: a 16x VAE and 2x2 patches, so multiples of 32
         value = getattr(body, name)
         if value is not None and value % multiple:

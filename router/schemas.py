@@ -8,9 +8,9 @@ limits that depend on the engine's flags and on the model are checked in
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, SdeType
 
@@ -48,18 +48,20 @@ class GenerateBody(BaseModel):
     height: int | None = None
     width: int | None = None
     num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (image families: 1)")
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    guidance_scale_2: float | None = Field(default=None,
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0,
                                            description="two-expert models: guidance of the low-noise expert")
-    true_cfg_scale: float | None = Field(default=None, description="FLUX and Qwen-Image: classifier-free guidance "
-                                         "with negative_prompt (their guidance_scale is the embedded guidance)")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0, description="FLUX and Qwen-Image: "
+                                         "classifier-free guidance with negative_prompt (their guidance_scale is the "
+                                         "embedded guidance)")
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     n: int = Field(default=1, ge=1, description="samples, with seeds seed, seed+1, ...")
-    sigmas: list[float] | None = Field(default=None, description="custom schedule in [0, 1]; replace num_inference_steps")
-    timesteps: list[float] | None = Field(default=None,
-                                          description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
-    mu: float | None = None
+    sigmas: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = Field(
+        default=None, min_length=1, description="custom schedule in [0, 1]; replace num_inference_steps")
+    timesteps: list[Annotated[float, Field(ge=0.0)]] | None = Field(
+        default=None, min_length=1, description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
+    mu: float | None = Field(default=None, ge=-100.0, le=100.0)
     max_sequence_length: int | None = Field(default=None, ge=1, description="the text encoder's token budget "
                                             "(as the family's diffusers pipeline: Wan 512, SD3 256)")
     output_type: HttpOutputType = Field(default="frames", description="frames or latent tensors, or frames as an "
@@ -85,8 +87,8 @@ class RolloutBody(GenerateBody):
     rollout: bool = True
     sde_type: SdeType = "sde"
     noise_level: float = Field(default=0.7, ge=0.0, le=10.0)
-    sde_step_indices: list[int] | None = Field(default=None,
-                                               description="0-based steps that use the SDE (default: every step)")
+    sde_step_indices: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="0-based steps that use the SDE (default: every step)")
     return_trajectory: bool = False
     return_log_probs: bool = True
     output_type: HttpOutputType = "latent"
@@ -110,7 +112,25 @@ class LoraTensorBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=512)
-    shape: list[int] = Field(min_length=1, max_length=2)
+    shape: list[Annotated[int, Field(ge=1, le=1 << 32)]] = Field(min_length=1, max_length=2)
+
+
+class TensorBlobBody(BaseModel):
+    """Tensors in a body: ``{dtype, shape, data}``, ``data`` the raw little-endian C-order bytes (base64 in
+    JSON)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    dtype: str = Field(min_length=1, max_length=16, description="a wire dtype name, e.g. float32")
+    shape: list[Annotated[int, Field(ge=0, le=1 << 40)]] = Field(max_length=8)
+    data: Annotated[Any, WithJsonSchema({"type": "string", "description": "base64 (JSON); the bytes (msgpack)"})]
+
+    @field_validator("data")
+    @classmethod
+    def _text_or_bytes(cls, value):
+        if not isinstance(value, (str, bytes)):
+            raise ValueError("must be base64 text (JSON) or the raw bytes (msgpack)")
+        return value
 
 
 class LoadLoraTensorsBody(BaseModel):
@@ -120,8 +140,8 @@ class LoadLoraTensorsBody(BaseModel):
 
     lora_name: str = Field(pattern=LORA_NAME_PATTERN)
     tensors: list[LoraTensorBody] = Field(min_length=1, max_length=100_000)
-    blob: dict
-    rank: int = Field(ge=1)
+    blob: TensorBlobBody = Field(description="every tensor's values, flat, in one floating-point tensor")
+    rank: int = Field(ge=1, le=1 << 16)
     alpha: float | None = None
     module: ExpertName = "transformer"
 
@@ -171,7 +191,7 @@ class WeightTensorBody(BaseModel):
     name: str = Field(min_length=1, max_length=512)
     dtype: str = Field(min_length=1, max_length=16, description="a wire dtype name, e.g. bfloat16")
     shape: list[Annotated[int, Field(ge=0, le=1 << 40)]] = Field(max_length=8)
-    bucket: int = Field(ge=0)
+    bucket: int = Field(ge=0, lt=100_000)
     offset: int = Field(ge=0, le=1 << 48)
 
 
@@ -206,7 +226,7 @@ class LoraFromMemoryBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     lora_name: str = Field(pattern=LORA_NAME_PATTERN)
-    rank: int = Field(ge=1)
+    rank: int = Field(ge=1, le=1 << 16)
     alpha: float | None = Field(default=None, description="peft's lora_alpha; none: alpha = rank (scale 1)")
 
 

@@ -8,7 +8,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from router.bodies import decode_body, read_limited
-from router.openapi import errors, request_body
+from router import answers
+from router.openapi import errors, ok, request_body
 from router.schemas import FieldError, ReleaseMemoryBody, ResumeMemoryBody
 from router.sleep import SleepControl, components_of
 
@@ -76,15 +77,18 @@ def add_sleep_routes(app: FastAPI, routes: SleepRoutes) -> None:
     slept = "the components' states after it (is_sleeping, components), each worker's released bytes"
     app.add_api_route("/release_memory_occupation", routes.release, methods=["POST"],
                       summary="Release the weights of the tagged components (a colocated trainer's turn)",
-                      openapi_extra=request_body(ReleaseMemoryBody), response_description=slept,
-                      responses=errors(400, 401, 403, 413, 500, 504))
+                      openapi_extra=request_body(ReleaseMemoryBody),
+                      responses={**ok(answers.Released, slept), **errors(400, 401, 403, 413, 500, 504)})
     app.add_api_route("/resume_memory_occupation", routes.resume, methods=["POST"],
                       summary="Resume the tagged components' weights (409 weights_missing: push them or reload)",
-                      openapi_extra=request_body(ResumeMemoryBody), response_description=slept,
-                      responses=errors(400, 401, 403, 409, 413, 500, 504))
+                      openapi_extra=request_body(ResumeMemoryBody),
+                      responses={**ok(answers.Resumed, slept), **errors(400, 401, 403, 409, 413, 500, 504)})
     app.add_api_route("/sleep", routes.sleep, methods=["POST"], summary="vLLM's spelling: release every component",
-                      openapi_extra={"parameters": QUERY["/sleep"]}, responses=errors(400, 401, 403, 500, 504))
+                      openapi_extra={"parameters": QUERY["/sleep"]},
+                      responses={**ok(answers.Released, slept), **errors(400, 401, 403, 500, 504)})
     app.add_api_route("/wake_up", routes.wake_up, methods=["POST"], summary="vLLM's spelling: resume components",
-                      openapi_extra={"parameters": QUERY["/wake_up"]}, responses=errors(400, 401, 403, 409, 500, 504))
+                      openapi_extra={"parameters": QUERY["/wake_up"]},
+                      responses={**ok(answers.Resumed, slept), **errors(400, 401, 403, 409, 500, 504)})
     app.add_api_route("/is_sleeping", routes.is_sleeping, methods=["GET"],
-                      summary="Whether any component sleeps, and each one's state", responses=errors(400, 401))
+                      summary="Whether any component sleeps, and each one's state",
+                      responses={**ok(answers.SleepState), **errors(400, 401)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 import torch
 
@@ -27,6 +28,8 @@ def _weights(**over) -> dict:
 
 
 LORA = "/v1/load_lora_adapter"
+BLOB = {"dtype": "float32", "shape": [4], "data": "AAAAAAAAAAAAAAAAAAAAAA=="}
+LORA_TENSORS = {"lora_name": "mem", "tensors": [{"name": "a", "shape": [4]}], "blob": BLOB, "rank": 4}
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos"
 TENSORS = "/update_weights_from_tensors"
@@ -97,6 +100,31 @@ CASES = {
     "group-backend": ("POST", "/init_weights_group", {"master_address": "127.0.0.1", "master_port": 29500,
                                                       "backend": "mpi"}, 400, "backend"),
     "disk-path-outside-roots": ("POST", "/update_weights_from_disk", {"path": "/etc"}, 400, "path"),
+    # text that is not Unicode: a lone surrogate, in every generation endpoint, in values and in names
+    **{f"surrogate-prompt-{path}": ("POST", path, {"prompt": "a fox \ud800"}, 400, "prompt")
+       for path in ("/generate", "/rollout/generate", IMAGES, VIDEOS)},
+    "surrogate-negative-prompt": ("POST", "/generate", {"prompt": "x", "negative_prompt": "\udfff"}, 400,
+                                  "negative_prompt"),
+    "surrogate-field-name": ("POST", "/generate", {"prompt": "x", "\ud800": 1}, 400, "\\ud800"),
+    "surrogate-lora-name": ("POST", LORA, {"lora_name": "\ud800", "lora_path": "/tmp/a"}, 400, "lora_name"),
+    "surrogate-nested": ("POST", TENSORS, _weights(tensors=[{**TENSOR, "name": "a\udc80"}]), 400, "tensors.0.name"),
+    # integers past 64 bits anywhere; the adapter from memory as JSON (its tensors' shapes, rank, blob)
+    "bigint-lora-rank": ("POST", LORA, {**LORA_TENSORS, "rank": 99999999999999999999}, 400, "rank"),
+    "bigint-lora-shape": ("POST", LORA, {**LORA_TENSORS, "tensors": [{"name": "a", "shape": [10**20]}]}, 400,
+                          "tensors.0.shape.0"),
+    "bigint-lora-blob-shape": ("POST", LORA, {**LORA_TENSORS, "blob": {**BLOB, "shape": [-(10**20)]}}, 400,
+                               "blob.shape.0"),
+    "lora-blob-data-int": ("POST", LORA, {**LORA_TENSORS, "blob": {**BLOB, "data": 10**12}}, 400, "blob.data"),
+    "lora-rank-over-64": ("POST", LORA, {**LORA_TENSORS, "rank": 1 << 40}, 400, "rank"),
+    "bigint-bucket-offset": ("POST", TENSORS, _weights(tensors=[{**TENSOR, "offset": 1 << 70}]), 400,
+                             "tensors.0.offset"),
+    "bigint-bucket-nbytes": ("POST", TENSORS, _weights(buckets=[{**BUCKET, "nbytes": 1 << 64}]), 400,
+                             "buckets.0.nbytes"),
+    "bigint-seed": ("POST", "/generate", {"prompt": "x", "seed": 1 << 64}, 400, "seed"),
+    "bigint-steps": ("POST", IMAGES, {"prompt": "x", "num_inference_steps": -(1 << 80)}, 400, "num_inference_steps"),
+    "bigint-group-port": ("POST", "/init_weights_group", {"master_address": "127.0.0.1", "master_port": 1 << 65}, 400,
+                          "master_port"),
+    "number-huge": ("POST", "/generate", {"prompt": "x", "guidance_scale": 1e400}, 400, "guidance_scale"),
 }
 
 
@@ -111,14 +139,18 @@ def before(engine):
     return EngineClient(engine.url).generate(**REFERENCE)["samples"][0]["output"], [w["pid"] for w in rows]
 
 
-def _body(value, lora_root):
-    return json.loads(json.dumps(value).replace("ROOT", str(lora_root)))
+def _send(engine, method, path, body, root):
+    """``body`` as JSON text (escapes such as a lone surrogate's kept as written), ``ROOT`` replaced."""
+    if body is None:
+        return engine.http.request(method, path)
+    return engine.http.request(method, path, content=json.dumps(body).replace("ROOT", str(root)),
+                               headers={"content-type": "application/json"})
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hostile_input_is_refused_in_the_error_shape(engine, before, lora_root, case):
     method, path, body, status, field = CASES[case]
-    r = engine.http.request(method, path, json=None if body is None else _body(body, lora_root))
+    r = _send(engine, method, path, body, lora_root)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) >= {"type", "message", "request_id", "stage"}
@@ -129,10 +161,42 @@ def test_a_hostile_input_is_refused_in_the_error_shape(engine, before, lora_root
 def test_the_engine_serves_as_before_after_the_hostile_inputs(engine, before):
     for case in CASES:  # all of them again, back to back
         method, path, body, status, _ = CASES[case]
-        engine.http.request(method, path, json=None if body is None else json.loads(
-            json.dumps(body).replace("ROOT", "/nonexistent")))
+        _send(engine, method, path, body, "/nonexistent")
+    for case in RAW:
+        test_text_that_is_not_unicode_is_refused_wherever_it_comes(engine, case)
     output, pids = before
     rows = engine.http.get("/health")
     assert rows.status_code == 200 and [w["pid"] for w in rows.json()["workers"]] == pids  # no worker lost
     again = EngineClient(engine.url).generate(**REFERENCE)["samples"][0]["output"]
     assert torch.equal(again, output)
+
+
+def _multipart(fields: dict[str, bytes]) -> tuple[bytes, str]:
+    boundary = "fuzzboundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'.encode() + v + b"\r\n"
+             for k, v in fields.items()]
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+# Text that is not Unicode arriving as bytes: msgpack strings, form fields, query and path escapes, headers.
+MSGPACK = {"content-type": "application/msgpack"}
+FORM, FORM_TYPE = _multipart({"prompt": b"a fox \xed\xa0\x80", "seconds": b"1"})
+RAW = {
+    "msgpack-prompt": ("POST", "/generate", {"content": msgpack.packb({"prompt": b"a \xff fox"}, use_bin_type=False),
+                                             "headers": MSGPACK}, "prompt"),
+    "msgpack-lora-rank": ("POST", LORA, {"content": msgpack.packb({**LORA_TENSORS, "rank": 1 << 63}),
+                                         "headers": MSGPACK}, "rank"),
+    "form-prompt": ("POST", VIDEOS, {"content": FORM, "headers": {"content-type": FORM_TYPE}}, "prompt"),
+    "query-after": ("GET", VIDEOS + "?after=%ED%A0%80", {}, "after"),
+    "path-job-id": ("GET", VIDEOS + "/video_%FF", {}, "path"),
+    "header-request-id": ("POST", "/generate", {"json": {"prompt": "x"}, "headers": {"X-Request-Id": b"\xff"}},
+                          "X-Request-Id"),
+}
+
+
+@pytest.mark.parametrize("case", list(RAW))
+def test_text_that_is_not_unicode_is_refused_wherever_it_comes(engine, case):
+    method, path, kwargs, field = RAW[case]
+    r = engine.http.request(method, path, **kwargs)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["field"] == field

@@ -258,6 +258,9 @@ def test_openapi_declares_each_request_body(openapi, path):
     assert set(body["content"]) == {"application/json", "application/msgpack"}
     schema = body["content"]["application/json"]["schema"]
     assert "$ref" not in json.dumps(schema)  # self-contained: "Try it out" needs no components
+    if path == "/v1/load_lora_adapter":  # a path (JSON), or the trainer's tensors (msgpack or JSON)
+        schema, tensors = schema["oneOf"]
+        assert tensors["required"] == ["lora_name", "tensors", "blob", "rank"]
     assert set(schema["properties"]) == BODY_MODELS[path]
     required = {"/update_weights_from_disk": ["path"], "/v1/load_lora_adapter": ["lora_name", "lora_path"],
                 "/v1/unload_lora_adapter": ["lora_name"], "/update_weights_from_tensors": ["tensors", "buckets"],

@@ -489,6 +489,53 @@ def test_parameter_validation_is_a_400_naming_the_field(tiny_app):
     _assert_error(tiny_app.get("/items"), 400, "invalid_request", field="limit")
 
 
+def _failing_app() -> FastAPI:
+    """An app whose route, and a middleware outside the error handlers, raise what nothing answers."""
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def outer(request, call_next):
+        if request.url.path == "/outer":
+            raise RuntimeError("a middleware broke")
+        return await call_next(request)
+
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise KeyError("\ud800 a bug")  # its text is not even encodable: the answer must not depend on it
+
+    @app.get("/ok")
+    async def fine():
+        return {"ok": True}
+
+    return app
+
+
+def test_an_unexpected_exception_is_a_500_in_the_error_shape_with_the_request_id_logged_once(caplog):
+    client = TestClient(_failing_app(), raise_server_exceptions=False)
+    with caplog.at_level("ERROR", logger="disagg.router"):
+        r = client.get("/boom", headers={"X-Request-Id": "req-7"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["type"] == "internal_error" and r.json()["error"]["request_id"] == "req-7"
+    logged = [rec for rec in caplog.records if rec.exc_info]
+    assert len(logged) == 1 and "req-7" in logged[0].getMessage() and logged[0].exc_info[0] is KeyError
+    # Without an X-Request-Id the router gives the request one: the answer and the log name the same.
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="disagg.router"):
+        rid = client.get("/boom").json()["error"]["request_id"]
+    assert rid and rid in caplog.records[0].getMessage()
+    outer = client.get("/outer")  # raised outside the guard: the server's own handler answers in the shape
+    assert outer.status_code == 500 and outer.json()["error"]["type"] == "internal_error"
+    assert client.get("/ok").json() == {"ok": True}
+
+
+def test_a_query_or_path_that_is_not_utf8_is_a_400_naming_it(tiny_app):
+    _assert_error(tiny_app.get("/items?limit=1&after=%ED%A0%80"), 400, "invalid_request", "after")
+    _assert_error(tiny_app.get("/items%FF"), 400, "invalid_request", "path")
+    assert tiny_app.get("/items?limit=3&note=caf%C3%A9").json() == {"limit": 3}  # UTF-8 escapes are fine
+
+
 def test_inline_refs_resolves_nested_models():
     class Inner(BaseModel):
         x: int

@@ -1,0 +1,121 @@
+"""What /openapi.json says, in process (the router app over a dispatcher that is never started), for every
+family's built-in model: the request bodies carry the limits this engine enforces, taken from its flags and
+its model directory (sizes and their multiple, frames, steps, n, the fields the family refuses, enums), the
+msgpack and form bodies, and every response is documented: 200 with its real shape (never an empty schema),
+/health's 503, /metrics as text, files as their media types, every 4xx / 5xx in the error shape.
+
+That the engine's answers match these shapes, and that it refuses what the schema forbids, is tests/test_fuzz.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config.engine import EngineConfig, Limits
+from common.config.topology import parse_topology
+from common.families import read_model
+from common.families.wan.tiny_model import ensure_tiny_model
+from router.app import create_app
+from router.dispatcher import Dispatcher
+from router.request_params import size_multiple
+
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v"]
+LIMITS = Limits(max_height=96, max_width=160, max_num_frames=13, max_steps=7, max_n=3, max_prompt_chars=99,
+                request_timeout_s=42.0, max_lora_rank=12)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def served(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rt")
+    model = ensure_tiny_model(request.param)
+    config = EngineConfig(model=str(model), workers=parse_topology("encoder=1,denoise=1,decode=1", tmp),
+                          router_endpoint=f"ipc://{tmp}/router.sock", runtime_dir=str(tmp),
+                          limits=Limits(**{**{f: getattr(LIMITS, f) for f in LIMITS.__struct_fields__},
+                                           "data_dir": str(tmp / "jobs")}))
+    app = create_app(config, Dispatcher(config))
+    return read_model(model), app.openapi()
+
+
+def _body(doc, path, media="application/json"):
+    return doc["paths"][path]["post"]["requestBody"]["content"][media]["schema"]
+
+
+def _value(prop: dict) -> dict:
+    """A property's non-null form."""
+    return next((b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"), {"type": "null"})
+
+
+def test_generation_bodies_carry_the_engines_limits(served):
+    info, doc = served
+    multiple = size_multiple(info)
+    for path in ("/generate", "/rollout/generate"):
+        props = _body(doc, path)["properties"]
+        for name, most in (("height", 96), ("width", 160)):
+            assert {k: _value(props[name])[k] for k in ("minimum", "maximum", "multipleOf")} == {
+                "minimum": multiple, "maximum": most, "multipleOf": multiple}
+        frames = _value(props["num_frames"])["enum"]
+        assert frames == ([1, 5, 9, 13] if info.family.video else [1])
+        steps = _value(props["num_inference_steps"])
+        assert steps["maximum"] == 7 and steps["minimum"] in (1, 2)
+        assert props["n"]["maximum"] == 3 and props["n"]["minimum"] == 1
+        assert props["prompt"]["maxLength"] == 99 and _value(props["timeout_s"])["maximum"] == 42.0
+        assert set(props["output_type"]["enum"]) == {"frames", "latent", "mp4", "png"}
+        assert _value(props["cache"])["properties"]["method"]["enum"]
+        for name in ("guidance_scale_2", "true_cfg_scale", "max_sequence_length"):  # refused: only null
+            refused = name not in info.family.fields or (name == "guidance_scale_2" and info.boundary_ratio is None)
+            assert (_value(props[name])["type"] == "null") == refused, name
+        assert (_value(props["mu"])["type"] == "null") == (not info.dynamic_shifting)
+        takes_image = info.family.image_input(info)
+        assert (_value(props["image"])["type"] == "null") == (takes_image is None)
+        assert ("image" in _body(doc, path)["required"]) == (takes_image == "required")
+    rollout = _body(doc, "/rollout/generate")["properties"]
+    assert rollout["sde_type"]["enum"] == ["sde", "cps", "ode"] and rollout["noise_level"]["maximum"] == 10.0
+    sizes = _value(_body(doc, "/v1/images/generations")["properties"]["size"])["enum"]
+    assert f"{multiple}x{multiple}" in sizes and all(int(s.split("x")[0]) % multiple == 0 for s in sizes)
+
+
+def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):
+    _, doc = served
+    for media in ("application/json", "application/msgpack"):
+        by_path, from_memory = _body(doc, "/v1/load_lora_adapter", media)["oneOf"]
+        assert "lora_path" in by_path["required"] and "blob" in from_memory["required"]
+        assert from_memory["properties"]["rank"]["maximum"] == 12
+        shape = from_memory["properties"]["tensors"]["items"]["properties"]["shape"]["items"]
+        assert shape["type"] == "integer" and shape["maximum"] < 1 << 63
+    assert _body(doc, "/generate", "application/msgpack")["properties"]
+    form = _body(doc, "/v1/videos", "multipart/form-data")["properties"]
+    assert form["input_reference"]["format"] == "binary" and "prompt" in form
+
+
+def _resolve(doc, schema: dict) -> dict:
+    ref = schema.get("$ref", "")
+    return doc["components"]["schemas"][ref.rsplit("/", 1)[1]] if ref else schema
+
+
+def test_every_response_is_documented_with_its_shape(served):
+    _, doc = served
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            where = f"{method.upper()} {path}"
+            ok = op["responses"]["200"]
+            assert ok["description"] and ok["content"], where
+            for media, content in ok["content"].items():
+                schema = _resolve(doc, content["schema"])
+                assert schema.get("properties") or schema.get("format") == "binary" or media == "text/plain", where
+            for status, response in op["responses"].items():
+                if status != "200" and not (path == "/health" and status == "503"):
+                    assert set(response["content"]) == {"application/json"}, (where, status)
+                    assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+            assert {"400", "500"} <= set(op["responses"]), where  # a query that is not UTF-8; the catch-all
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert health["503"]["content"]["application/json"] == health["200"]["content"]["application/json"]
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(doc["paths"]["/generate"]["post"]["responses"]["200"]["content"]) == {
+        "application/json", "application/msgpack", "video/mp4", "image/png"}
+    assert set(doc["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]) == {"video/mp4"}
+    samples = _resolve(doc, doc["paths"]["/generate"]["post"]["responses"]["200"]["content"]["application/json"]
+                       ["schema"])
+    assert {"request_id", "samples", "timings", "peak_memory", "weight_version", "attempts"} <= set(samples["required"])
+    assert json.dumps(doc)  # the whole document is JSON (no value it cannot encode)
