@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol.errors import DeadlineExceeded, Forbidden, RequestError, Sleeping, check_deadline
+from common.protocol.errors import Cancelled, DeadlineExceeded, Forbidden, RequestError, Sleeping, check_deadline
 from common.protocol.messages import (
     IMAGE_CONDITION,
     LATENTS,
@@ -240,15 +240,25 @@ class DenoiseStage(Stage):
         self.active.remove(a)
         return a.msg, outcome
 
-    def _finished(self, a: _Active) -> Forward:
+    def cancel(self, request_id: str, partial: bool) -> tuple[DenoiseRequest, Forward | BaseException] | None:
+        """A cancelled request leaves now, between two steps; a rollout asked for ``partial`` answers the router
+        with the steps it has taken (its latents so far, log-probs, trajectory; ``steps_done`` in its info)."""
+        a = next((a for a in self.active if a.msg.request_id == request_id), None)
+        if a is None:
+            return None
+        if partial and a.msg.params.rollout is not None:
+            return self._leave(a, self._finished(a, partial=True))
+        return self._leave(a, Cancelled(f"request cancelled at denoising step {a.task.step}"))
+
+    def _finished(self, a: _Active, partial: bool = False) -> Forward:
         msg, task = a.msg, a.task
         timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
         info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
-                "batch": a.largest_batch, **task.pass_counts()}
+                "batch": a.largest_batch, **task.pass_counts(), **({"steps_done": task.step} if partial else {})}
         if task.lora is not None:
             info.update(lora_name=task.lora[0].name, lora_version=task.lora[0].version)
         extras = task.extras()
-        if msg.params.output_type == "latent":
+        if msg.params.output_type == "latent" or partial:  # a partial answer: latents, never decoded
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
             return Forward("router", out, {OUTPUT.name: task.output_latents().float(), **extras})
         nxt = DecodeRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=msg.params,

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from common.config.engine import EngineConfig
 from common.diffusion.cache_signals import cache_problem
@@ -21,6 +22,7 @@ from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from common.protocol.messages import EXPERT_NAMES, REQUEST_IMAGES
 from router.auth import ApiKeyMiddleware
+from router.cancel import AbortBody, Cancellations, client_gone_mid_body
 from router.bodies import encode_response, media_response, parse_body, samples_payload, wants_msgpack
 from router.control import WeightControl
 from router.dispatcher import Dispatcher
@@ -62,6 +64,8 @@ class Routes:
         self.sleep = SleepControl(dispatcher, self.weights, experts)
         self.metrics = Metrics()
         self.in_flight = InFlight(dispatcher.pending, config.limits.max_attempts)  # GET /progress/{id}
+        self.cancels = Cancellations(dispatcher.cancel_partial, lambda why: self.metrics.cancelled.labels(why).inc())
+        dispatcher.cancelled = self.cancels.cancelled
         self.weights.on_supplied = self.loras.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
 
@@ -183,8 +187,8 @@ class Routes:
         t0 = time.perf_counter()
         outcome = await self.dispatcher.submit(params, rid, timeout_s, versions=lambda: self._versions(params),
                                                images=images)
-        self.metrics.generated(outcome.timings, outcome.info, params.n, params.num_inference_steps,
-                               time.perf_counter() - t0)
+        self.metrics.generated(outcome.timings, outcome.info, params.n,
+                               outcome.info.get("steps_done", params.num_inference_steps), time.perf_counter() - t0)
         return outcome
 
     def _versions(self, params) -> tuple:
@@ -219,14 +223,21 @@ class Routes:
         t0 = time.perf_counter()
         with self.in_flight.claim(rid):
             self.dispatcher.admit(params.n)
-            outcome = await self.submit(params, rid, body.timeout_s, images)  # the n samples as one unit
-        if body.output_type in MEDIA_TYPES:
+            outcome = await self.cancels.run(rid, self.submit(params, rid, body.timeout_s, images), request,
+                                             partial=getattr(body, "return_partial", False))  # n samples, one unit
+        steps_done = outcome.info.get("steps_done")
+        if body.output_type in MEDIA_TYPES and steps_done is None:  # a partial answer holds latents: JSON
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
                                            self.info.fps, time.perf_counter() - t0, request, bare)
         payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - t0,
                                   wants_msgpack(request))
+        if steps_done is not None:  # a rollout aborted with return_partial: the steps it took
+            payload.update(partial=True, steps_done=steps_done)
         return encode_response(payload, request)
+
+    async def abort_request(self, request: Request) -> JSONResponse:
+        return await self.cancels.endpoint(request, self.config.limits.max_body_bytes)
 
 
 SAMPLES = ("samples (tensors as {dtype, shape, data}; raw bytes with Accept: application/msgpack), timings, "
@@ -241,12 +252,12 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos (or images)",
                       openapi_extra={**request_body(GenerateBody), "parameters": [REQUEST_ID_PARAMETER]},
                       responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
-                                 **errors(400, 401, 409, 413, 429, 500, 503, 504)})
+                                 **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
                       summary="Generate with SDE log-probs (and trajectories) for RL",
                       openapi_extra={**request_body(RolloutBody), "parameters": [REQUEST_ID_PARAMETER]},
                       responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
-                                 **errors(400, 401, 409, 413, 429, 500, 503, 504)})
+                                 **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/update_weights_from_disk", routes.update_weights_from_disk, methods=["POST"],
                       summary="Load new weights into every denoise worker",
                       openapi_extra=request_body(UpdateWeightsBody),
@@ -256,6 +267,11 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       summary="SHA-256 of a module's weights on every denoise worker", openapi_extra=MODULE_QUERY,
                       responses={**ok(answers.Checksums, "checksums, and whether every worker agrees"),
                                  **errors(400, 401, 500, 503, 504)})
+    app.add_api_route("/abort_request", routes.abort_request, methods=["POST"],
+                      summary="Cancel a request in flight by its X-Request-Id (rid), or every one (abort_all, admin)",
+                      openapi_extra=request_body(AbortBody),
+                      responses={**ok(answers.Aborted, "the ids of the requests cancelled"),
+                                 **errors(400, 401, 403, 404, 413)})
     app.add_api_route("/progress/{request_id}", routes.in_flight.endpoint, methods=["GET"],
                       summary="Where a request sent with X-Request-Id is: stage, denoising step, 0-100",
                       openapi_extra=REQUEST_ID_PATH, responses={**ok(answers.Progress), **errors(401, 404)})
@@ -328,6 +344,7 @@ def create_app(config: EngineConfig, dispatcher: Dispatcher, *, info: ModelInfo 
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_key=admin_key)
     app.add_middleware(ReadBodyFirst)  # outermost: every early answer (413, 401, 404, ...) reads the body first
     install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnect, client_gone_mid_body)  # one log line, no traceback
     add_routes(app, routes)
     add_openai_routes(app, api)
     add_web_routes(app)  # the page at / and /docs

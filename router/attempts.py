@@ -10,6 +10,7 @@ id (``<id>.<attempt>``), so a late answer from an earlier attempt is dropped, ne
 - A rollout whose weights or adapter changed between attempts is answered 409 ``weights_changed``: its
   log-probs must belong to the version it was asked under. Serving runs again on the current weights, and
   its answer says which (``weight_version``).
+- A cancelled request (router/cancel.py) never runs again.
 - A request that takes its worker down on every attempt (a poison request) fails with the last error once
   its attempts are used, so it cannot keep the engine in a crash loop; the supervisor restarts the worker
   (with backoff when it dies quickly) and it serves the others. Requests that were in the same process
@@ -36,15 +37,17 @@ def attempt_id(request_id: str, attempt: int) -> str:
 
 
 async def with_attempts(run: Callable[[int], Awaitable[T]], request_id: str, max_attempts: int,
-                        versions: Versions | None = None, rollout: bool = False) -> tuple[T, int]:
-    """``run(attempt)`` until it succeeds or fails other than by a lost worker; (its result, attempts)."""
+                        versions: Versions | None = None, rollout: bool = False,
+                        cancelled: Callable[[], bool] = lambda: False) -> tuple[T, int]:
+    """``run(attempt)`` until it succeeds or fails other than by a lost worker (or ``cancelled()``); (its
+    result, attempts)."""
     started = versions() if versions is not None else None
     attempt = 1
     while True:
         try:
             return await run(attempt), attempt
         except EngineError as e:
-            if e.type != RETRIED or attempt >= max_attempts:
+            if e.type != RETRIED or attempt >= max_attempts or cancelled():
                 if attempt > 1:  # the client's id, not the run's wire id
                     e.message = f"{e.message} (attempt {attempt} of {max_attempts})"
                     e.headers, e.request_id = {**e.headers, "X-Attempts": str(attempt)}, request_id

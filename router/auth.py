@@ -5,7 +5,9 @@
   it; a missing or wrong key gets 401 with ``WWW-Authenticate: Bearer``.
 * With an admin key, the admin endpoints (weight updates) need the admin key
   instead: the API key alone gets 403. Without an admin key they take the API
-  key (if any).
+  key (if any). Whether a caller may act as the admin is left in the request's
+  scope (``disagg.admin``) for an endpoint that decides by its body
+  (``POST /abort_request``'s ``abort_all``).
 
 Keys are compared in constant time (over their SHA-256 digests, so not even
 the length leaks) and never logged. The launcher reads them from
@@ -35,6 +37,7 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/v1/load_lora_adapter", "
 # comes from endpoints that need the key, /openapi.json included).
 OPEN_ENDPOINTS = frozenset({("GET", "/health"), ("GET", "/"), ("GET", "/docs")})
 OPEN_PREFIX = ("GET", "/static/")  # the page's files (router/static/), served by StaticFiles only
+ADMIN_SCOPE = "disagg.admin"  # in a request's scope: whether its caller may act as the admin
 
 
 def check_key(key: str | None, what: str) -> str | None:
@@ -97,6 +100,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.enabled:
+            scope[ADMIN_SCOPE] = True
             await self.app(scope, receive, send)
             return
         method, path = scope.get("method", "GET"), scope.get("path", "")
@@ -113,6 +117,7 @@ class ApiKeyMiddleware:
                 await _deny(send, 401, "unauthorized", "missing or invalid admin key (Authorization: Bearer <key>)")
             return
         if self._api is None or _matches(token, self._api) or _matches(token, self._admin):
+            scope[ADMIN_SCOPE] = self._admin is None or _matches(token, self._admin)
             await self.app(scope, receive, send)
             return
         client = scope.get("client") or ("?", 0)

@@ -27,8 +27,8 @@ import zmq.asyncio
 from common.config.engine import EngineConfig, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
 from common.protocol.messages import (
-    PROTOCOL_VERSION, ROLES, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams, Heartbeat,
-    PeerMoved, Progress, Result, Route, StepProgress,
+    PROTOCOL_VERSION, ROLES, Cancel, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams,
+    Heartbeat, PeerMoved, Progress, Result, Route, StepProgress,
 )
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
@@ -62,6 +62,8 @@ class Dispatcher:
         # it gets what its predecessor held (the LoRA adapters; see router/lora.py).
         self.on_worker_back: Callable[[WorkerSpec], Awaitable[None]] | None = None
         self.workers_restart = True  # the supervisor restarts dead workers (launch.py without --no-restart)
+        # Whether a request (by its client's id) was cancelled: it must not run again (router/cancel.py).
+        self.cancelled: Callable[[str], bool] = lambda request_id: False
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -150,15 +152,29 @@ class Dispatcher:
                                   f"waited (versions {admitted} -> {now}); it is not run on other weights",
                                   "router", rid)
 
-        outcome, attempts = await with_attempts(lambda attempt: self._attempt(params, rid, attempt, timeout_s,
-                                                                              images or {}, unchanged),
-                                                rid, self.config.limits.max_attempts, versions,
-                                                rollout=params.rollout is not None)
+        base = self._wire_base(rid)
+        try:
+            outcome, attempts = await with_attempts(
+                lambda attempt: self._attempt(params, base, attempt, timeout_s, images or {}, unchanged, rid),
+                rid, self.config.limits.max_attempts, versions, rollout=params.rollout is not None,
+                cancelled=lambda: self.cancelled(rid))
+        except EngineError as e:
+            e.request_id = e.request_id and rid  # the client's id, not a run's wire id
+            raise
         outcome.info["attempts"] = attempts
         return outcome
 
+    def _wire_base(self, request_id: str) -> str:
+        """The id a request's runs travel under (``<id>``, then ``<id>.2``, ...): its client's, unless a run of that
+        id ended unanswered (cancelled, 504) while its late answers may still come; then ``<id>~k``."""
+        base, k, attempts = request_id, 0, range(1, self.config.limits.max_attempts + 1)
+        while any(self.pending.fenced(attempt_id(base, a)) for a in attempts):
+            k += 1
+            base = f"{request_id}~{k}"
+        return base
+
     async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float,
-                       images: dict[str, torch.Tensor], unchanged: Callable[[], None]) -> Outcome:
+                       images: dict[str, torch.Tensor], unchanged: Callable[[], None], client_id: str) -> Outcome:
         rid = attempt_id(request_id, attempt)
         chosen = await self._reserve(params)
         try:
@@ -169,13 +185,17 @@ class Dispatcher:
         route = Route(**{"decode": 0, **{role: w.spec.index for role, w in chosen.items()}})
         future = asyncio.get_running_loop().create_future()
         pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent",
-                                                samples=params.n))
+                                                samples=params.n, client_id=client_id))
         try:
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
             frames = encode(msg, images, shm=self.shm.sender(process_name("encoder", route.encoder)))
             await self._encoders[route.encoder].send_multipart(frames, copy=False)
             return await asyncio.wait_for(future, timeout=max(0.0, params.deadline - time.time()))
+        except asyncio.CancelledError:  # cancelled (router/cancel.py): the workers drop it too
+            self._send_cancel(rid, pending)
+            raise
         except asyncio.TimeoutError:
+            self.pending.fence(rid)  # the workers drop it at its deadline; a late answer is not this id's
             raise EngineError(
                 504, "timeout", f"no answer within {timeout_s}s (request was in {pending.where()})",
                 pending.where(), request_id,
@@ -183,6 +203,28 @@ class Dispatcher:
         finally:
             self.pending.discard(rid)
             self.registry.release(chosen, params.n)
+
+    def cancel_partial(self, client_id: str) -> bool:
+        """Ask the workers holding request ``client_id`` for what it has so far (a rollout's steps done: the
+        denoise worker answers with them; elsewhere it is dropped, 499); False when no run of it is out."""
+        run = self.pending.latest(client_id)
+        if run is None or run[1].future.done():
+            return False
+        self._send_cancel(*run, partial=True)
+        return True
+
+    def _send_cancel(self, rid: str, p: Pending, partial: bool = False) -> None:
+        """A ``Cancel`` for run ``rid`` to its encoder, on the socket its request went by (it cannot overtake
+        it); each stage passes it on behind the request. Unless ``partial``, its answers are no longer awaited."""
+        if not partial:
+            self.pending.fence(rid)
+        sock = self._encoders.get(p.route.encoder)
+        if sock is None:
+            return
+        msg = Cancel(v=PROTOCOL_VERSION, request_id=rid, route=p.route, decode=p.uses_decode, partial=partial)
+        sent = sock.send_multipart(encode(msg), copy=False)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                               or log.warning("could not send the cancel of %s: %s", rid, f.exception()))
 
     async def _reserve(self, params: GenerationParams):
         """A ready instance of each role the request needs (a latent answer skips the decode worker). While

@@ -3,7 +3,8 @@
 A video job is created at once (``queued``), waits for room in the engine (a 429
 from admission only delays it), runs as one request (``in_progress``, its
 progress from the denoise worker's step count) and ends ``completed`` with its
-MP4 as a file in the store, or ``failed`` with the request's error. Each image a
+MP4 as a file in the store, or ``failed`` with the request's error. Deleting a
+job that has not ended cancels its request first. Each image a
 generation made is recorded as a finished row of kind ``image``. The table holds
 at most ``max_jobs`` rows; an image record gives way (oldest first) to a new
 row. Finished rows are removed ``ttl_s`` after they finished.
@@ -87,7 +88,8 @@ class JobTable:
                 self._end(row.id, live, error={"code": "engine_restarted", "message": "the engine restarted and "
                                                f"cannot run this job again: {why}"})
                 continue
-            live.task = asyncio.create_task(self._run(row.id, run, live))
+            if row.id in self._live:  # not deleted while it was being checked
+                live.task = asyncio.create_task(self._run(row.id, run, live))
 
     async def _sweep(self) -> None:
         while True:
@@ -154,13 +156,18 @@ class JobTable:
             log.error("could not record job %s in %s: %s", job_id, self.store.dir, e)
             return False
 
-    def delete(self, job_id: str) -> None:
+    async def delete(self, job_id: str) -> bool:
+        """Remove a job, its row and its file; a queued or running one is cancelled first (its request leaves
+        the workers), so that no start runs it again. True when it was cancelled."""
         row, live = self._get(job_id, VIDEO)
-        if live is not None and live.status in (QUEUED, IN_PROGRESS):
-            raise EngineError(409, "job_running", f"video job {job_id} is {live.status}: it can be deleted once it "
-                              "has completed or failed", "router", "")
+        task = live.task if live is not None else None
+        running = task is not None and not task.done()
+        if running:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         self.store.delete(row)
         self._live.pop(job_id, None)
+        return running
 
     def counts(self) -> dict[str, int]:
         """Video jobs by status (metrics)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ log = logging.getLogger("disagg.router")
 # A result's info entries that hold one value per sample (the denoise worker's pass counts).
 PER_SAMPLE_INFO = frozenset({"transformer_passes", "cached_steps"})
 LOG_EVERY_S = 5.0  # a request still denoising after this long is logged, and again every as long
+FENCED = 4096  # how many runs that ended unanswered (cancelled, 504) are remembered: their late answers are dropped
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Pending:
     uses_decode: bool = True
     done_stage: int = -1  # index in ROLES of the last stage that handed the request on
     target: tuple[str, int] | None = None  # control requests: the one worker asked
+    client_id: str = ""  # a generation: the id its client knows (the wire id may differ: router/dispatcher.py)
     samples: int = 1  # a request's n samples travel as one unit
     step: int = 0  # denoising steps taken, as the denoise worker last reported (StepProgress)
     steps: int | None = None
@@ -81,6 +84,23 @@ def sample_count_problem(tensors: dict[str, torch.Tensor], n: int) -> str | None
 class PendingTable:
     def __init__(self):
         self._by_id: dict[str, Pending] = {}
+        self._fenced: OrderedDict[str, None] = OrderedDict()
+
+    def fence(self, request_id: str) -> None:
+        """The run ``request_id`` ended before its answer came (cancelled, 504): what still comes for it is
+        dropped quietly, and its wire id is not used again while remembered."""
+        self._fenced[request_id] = None
+        while len(self._fenced) > FENCED:
+            self._fenced.popitem(last=False)
+
+    def fenced(self, request_id: str) -> bool:
+        return request_id in self._fenced
+
+    def latest(self, client_id: str) -> tuple[str, Pending] | None:
+        """The latest run (its wire id, its entry) of the generation its client calls ``client_id``, if one is
+        in flight."""
+        runs = [(rid, p) for rid, p in self._by_id.items() if p.target is None and p.client_id == client_id]
+        return max(runs, key=lambda run: run[1].created, default=None)
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -122,7 +142,8 @@ class PendingTable:
         """Settle the request ``msg`` answers; False (and dropped) if it is unknown or already settled."""
         p = self._by_id.get(msg.request_id)
         if p is None or p.future.done():
-            log.warning("answer for unknown or finished request %s dropped", msg.request_id)
+            if not self.fenced(msg.request_id):
+                log.warning("answer for unknown or finished request %s dropped", msg.request_id)
             return False
         if isinstance(msg, ErrorReply):
             p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
@@ -160,6 +181,9 @@ class PendingTable:
         return failed
 
     def fail_all(self, error: EngineError) -> None:
+        """At the router's stop: whoever still waits gets ``error``; a future nobody awaits any more (its waiter
+        was cancelled) is marked seen, so that asyncio does not log it as never retrieved."""
         for p in self._by_id.values():
             if not p.future.done():
                 p.future.set_exception(error)
+                p.future.exception()

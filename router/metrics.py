@@ -2,7 +2,8 @@
 
 Counted as requests are answered: requests by endpoint and status, latency of
 the whole request and of each stage (queue, encode, denoise, decode), denoise
-batch sizes, denoising steps (``rate()`` of the counter is steps per second).
+batch sizes, denoising steps (``rate()`` of the counter is steps per second),
+generations cancelled (by reason).
 Read at each scrape from the engine's state: outstanding samples per worker,
 worker states and restarts, jobs by status, weight and adapter versions, and
 the tensors moved through shared memory and as CUDA IPC handles.
@@ -42,6 +43,9 @@ class Metrics:
                                  "transformer forward, or cached (its last output reused)", ["kind"], registry=r)
         self.reruns = Counter("disagg_request_reruns", "generations run again because a worker died holding "
                               "them (answered; attempts beyond the first)", registry=r)
+        self.cancelled = Counter("disagg_cancelled", "generations cancelled before their answer: the client went "
+                                 "away (client_disconnected), POST /abort_request (aborted), a video job deleted "
+                                 "(job_deleted)", ["reason"], registry=r)
 
     def generated(self, timings: dict, info: dict, samples: int, steps: int, total_s: float) -> None:
         """One generation answered: its stage times, batch size and steps."""

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from common.protocol.messages import OUTPUT
 from common.families.builtin import BUILTINS
 from router import media
+from router.cancel import JOB_DELETED
 from router.bodies import check_declared_length, parse_body, read_form
 from router.errors import EngineError
 from router.job_store import JobRow, JobStore
@@ -99,7 +100,7 @@ class OpenAIRoutes:
         params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
         with self.routes.in_flight.claim(rid):
             self.dispatcher.admit(params.n)
-            outcome = await self.routes.submit(params, rid, body.timeout_s)
+            outcome = await self.routes.cancels.run(rid, self.routes.submit(params, rid, body.timeout_s), request)
         pngs = await asyncio.to_thread(
             lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
         await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
@@ -159,7 +160,8 @@ class OpenAIRoutes:
             await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
             request_id = uuid.uuid4().hex
             started(request_id)
-            outcome = await self.routes.submit(params, request_id, timeout_s, images)
+            outcome = await self.routes.cancels.run(request_id, self.routes.submit(params, request_id, timeout_s,
+                                                                                   images))
             return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
 
         return f"{width}x{height}", seconds_of(frames, self.info.fps), run
@@ -202,7 +204,8 @@ class OpenAIRoutes:
 
     async def delete_video(self, request: Request) -> JSONResponse:
         video_id = request.path_params["video_id"]
-        self.jobs.delete(video_id)
+        if await self.jobs.delete(video_id):  # it had not ended: its request was cancelled
+            self.routes.metrics.cancelled.labels(JOB_DELETED).inc()
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
     async def video_content(self, request: Request) -> Response:
@@ -225,7 +228,7 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
     app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
                       summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
                       openapi_extra={**request_body(ImagesBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 500, 503, 504)})
+                      responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
                       summary="Create a video job (OpenAI-style; multipart form or JSON)",
                       openapi_extra=request_body(VideoBody, form=VIDEO_FORM_FILES),
@@ -235,8 +238,8 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
     app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"], openapi_extra=VIDEO_ID_PATH,
                       summary="A video job: status and progress", responses={**ok(answers.Job), **errors(401, 404)})
     app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"], openapi_extra=VIDEO_ID_PATH,
-                      summary="Delete a finished video job",
-                      responses={**ok(answers.JobDeleted), **errors(401, 404, 409)})
+                      summary="Delete a video job (one not yet ended is cancelled first)",
+                      responses={**ok(answers.JobDeleted), **errors(401, 404)})
     app.add_api_route("/v1/videos/{video_id}/content", api.video_content, methods=["GET"],
                       openapi_extra={"parameters": [*VIDEO_ID_PATH["parameters"], {
                           "name": "variant", "in": "query", "required": False,

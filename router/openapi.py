@@ -110,11 +110,13 @@ ERROR_DESCRIPTIONS = {
     401: "unauthorized: missing or wrong API key",
     403: "forbidden: needs the admin key, or weight updates are disabled",
     404: "not_found: no such video job or image (unknown, deleted or expired), or no such request in flight",
-    409: "job_running / not_ready: the video job has not finished; weights_changed: a rollout run again after "
+    409: "not_ready: the video job has not finished; weights_changed: a rollout run again after "
          "a worker died would have run on other weights or another adapter version; request_id_in_use: the "
          "X-Request-Id is in flight already",
     413: "body_too_large: the body exceeds --max-body-bytes",
     429: "overloaded: too many requests in flight (Retry-After); too_many_jobs: --max-jobs video jobs held",
+    499: "cancelled: POST /abort_request cancelled the request (a rollout with return_partial answers 200 with "
+         "the steps done instead)",
     500: "a worker failed the request (error.stage names it), or workers now disagree; storage_error: a stored "
          "file could not be read; internal_error: the router failed (its log has the traceback under the "
          "request id)",

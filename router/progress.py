@@ -86,10 +86,9 @@ class InFlight:
     def state(self, request_id: str) -> dict | None:
         """Its latest run's :func:`state_of`; a claimed request with no run yet (waiting for a worker) is at the
         start. None when it is not in flight."""
-        runs = (self.pending.get(attempt_id(request_id, k)) for k in range(self.max_attempts, 0, -1))
-        p = next(filter(None, runs), None)
-        if p is not None:
-            return state_of(p)
+        run = self.pending.latest(request_id)
+        if run is not None:
+            return state_of(run[1])
         if request_id in self._claimed:
             return {"stage": "encode", "step": 0, "steps": None, "progress": 0}
         return None

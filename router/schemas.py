@@ -91,6 +91,8 @@ class RolloutBody(GenerateBody):
         default=None, description="0-based steps that use the SDE (default: every step)")
     return_trajectory: bool = False
     return_log_probs: bool = True
+    return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
+                                 "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"
 
 

@@ -127,10 +127,7 @@ def test_progress_rises_through_intermediate_values(client):
 def test_jobs_are_listed_bounded_and_refused_clearly(client, engine):
     slow = {"num_inference_steps": 400}
     running = client.videos.create(prompt="held", size="64x64", seconds="0.25", extra_body=slow)
-    with pytest.raises(openai.ConflictError) as e:  # 409: deleting a job that is still running
-        client.videos.delete(running.id)
-    assert e.value.body["type"] == "job_running"
-    with pytest.raises(openai.ConflictError):
+    with pytest.raises(openai.ConflictError):  # 409: no content before it completes
         client.videos.download_content(running.id).read()
     held = [running] + [client.videos.create(prompt=f"held {i}", size="32x32", seconds="0.25") for i in range(3)]
     with pytest.raises(openai.RateLimitError) as e:  # --max-jobs 4

@@ -27,6 +27,13 @@ class DeadlineExceeded(RuntimeError):
     status = 504
 
 
+class Cancelled(RuntimeError):
+    """The request was cancelled (its client went away, or ``/abort_request``): HTTP 499 ``cancelled``."""
+
+    status = 499
+    error_type = "cancelled"
+
+
 class TransferFailed(RuntimeError):
     """A weight transfer from the trainer broke off or timed out; nothing was applied: HTTP 504."""
 

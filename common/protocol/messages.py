@@ -322,6 +322,15 @@ class ControlRequest(_Header, tag="control", kw_only=True):
     reload: Literal["disk"] | None = None
 
 
+class Cancel(_Header, tag="cancel", kw_only=True):
+    """Router -> encoder, then along the route: a stage holding ``request_id`` drops it (answers 499 ``cancelled``),
+    else passes this on behind it on the same socket. ``partial``: a denoise worker answers a rollout's steps done."""
+
+    route: Route
+    decode: bool = True  # whether the request goes through a decode worker (not for output_type latent)
+    partial: bool = False
+
+
 class ControlReply(_Header, tag="control_reply", kw_only=True):
     role: str
     index: int
@@ -381,16 +390,7 @@ class PeerMoved(_Header, tag="peer_moved", kw_only=True):
 
 
 Message = Union[
-    EncodeRequest,
-    DenoiseRequest,
-    DecodeRequest,
-    Result,
-    ErrorReply,
-    Heartbeat,
-    ControlRequest,
-    ControlReply,
-    Progress,
-    StepProgress,
-    PeerMoved,
+    EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, ControlRequest, ControlReply,
+    Cancel, Progress, StepProgress, PeerMoved,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from common.config.engine import EngineConfig, WorkerSpec, torch_dtype_for
-from common.protocol.errors import RequestError
+from common.protocol.errors import Cancelled, RequestError
 from common.protocol.messages import ControlRequest, Message
 from common.runtime.component_memory import ComponentMemory, memory_usage, modules_of, return_freed_memory
 
@@ -97,6 +97,11 @@ class Stage:
         """Forget every request held (their answers went out already: a release with ``abort``); how many."""
         return 0
 
+    def cancel(self, request_id: str, partial: bool) -> "tuple[Any, Forward | BaseException] | None":
+        """Let go of a held request (a ``Cancel``): its message and what to answer (a :class:`Cancelled`, or a
+        partial result); None when it is not held here."""
+        return None
+
     def release_memory(self, msg: ControlRequest) -> dict:
         """The answer says what the process held before and after (``memory_usage``), for the trainer's logs."""
         devices = self.memory.devices
@@ -147,3 +152,10 @@ class QueuedBatchStage(Stage):
         dropped = len(self.queue)
         self.queue.clear()
         return dropped
+
+    def cancel(self, request_id: str, partial: bool) -> "tuple[Any, Forward | BaseException] | None":
+        for item in self.queue:  # queued, not started: nothing partial to give
+            if item[0].request_id == request_id:
+                self.queue.remove(item)
+                return item[0], Cancelled(f"request cancelled while queued in the {self.role} worker")
+        return None

@@ -23,10 +23,12 @@ import zmq
 
 from common.config.engine import EngineConfig, default_threads
 from common.protocol.codec import WireError, decode, encode
-from common.protocol.errors import DeadlineExceeded, RequestError, Sleeping, check_deadline
+from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, Sleeping, check_deadline
 from common.protocol.messages import (
     PROTOCOL_VERSION,
     REQUEST_KINDS,
+    ROLES,
+    Cancel,
     ControlReply,
     ControlRequest,
     ErrorReply,
@@ -149,6 +151,9 @@ class WorkerRuntime:
         if isinstance(msg, PeerMoved):
             self.move_peer(msg)
             return
+        if isinstance(msg, Cancel):
+            self.cancel(msg)
+            return
         if isinstance(msg, ControlRequest):
             if self.stage.applies_between_steps(msg) or (msg.op == "release_memory" and msg.abort):
                 self.handle_control(msg, tensors)  # here, between two steps of the stage's work
@@ -161,8 +166,10 @@ class WorkerRuntime:
                 err = WireError(f"{self.stage.role} worker does not take {type(msg).__name__} messages")
                 self.reply_error(msg.request_id, err, status=400)
             return
-        if self._controls:
-            self._held.append((msg, tensors))  # a weight update waits for a quiet moment; so do these
+        if self._controls or self._held or not self.stage.can_accept():
+            # A weight update waits for a quiet moment, and so do these; or the stage is full. Held here, not
+            # left on the socket, so that a cancel behind them is read at once.
+            self._held.append((msg, tensors))
             return
         self.admit(msg, tensors)
 
@@ -186,6 +193,10 @@ class WorkerRuntime:
         if isinstance(outcome, DeadlineExceeded):
             log.info("request %s dropped in %s: deadline passed", msg.request_id, self.stage.role)
             return
+        if isinstance(outcome, Cancelled):  # asked for: one line, no traceback
+            log.info("request %s cancelled in %s", msg.request_id, self.stage.role)
+            self.reply_error(msg.request_id, outcome)
+            return
         if isinstance(outcome, BaseException):  # any failure answers this request; the worker lives on
             log.error("request %s failed in %s: %s: %s", msg.request_id, self.stage.role,
                       type(outcome).__name__, outcome, exc_info=outcome)
@@ -202,6 +213,25 @@ class WorkerRuntime:
         except Exception as e:
             log.exception("request %s failed in %s: could not send it on", msg.request_id, self.stage.role)
             self.reply_error(msg.request_id, e)
+
+    def cancel(self, msg: Cancel) -> None:
+        """Let go of the request if this worker holds it (waiting for a control, or in the stage); else pass the
+        cancel on to the next stage of its route, behind the request on the same socket."""
+        held = next((item for item in self._held if item[0].request_id == msg.request_id), None)
+        if held is not None:
+            self._held.remove(held)
+            self.finish(held[0], Cancelled(f"request cancelled while waiting in the {self.stage.role} worker"))
+            return
+        let_go = self.stage.cancel(msg.request_id, msg.partial)
+        if let_go is not None:
+            self.finish(*let_go)
+            return
+        later = ROLES[ROLES.index(self.stage.role) + 1:]
+        if later and (later[0] != "decode" or msg.decode):
+            try:
+                self.send(Forward(later[0], msg))
+            except Exception:  # e.g. a route outside the topology: nothing of the request can be there
+                log.warning("could not pass the cancel of %s on to the %s worker", msg.request_id, later[0])
 
     def move_peer(self, msg: PeerMoved) -> None:
         """Another worker was replaced elsewhere: send to it there (a fresh socket), admit its new key."""
@@ -249,18 +279,17 @@ class WorkerRuntime:
         """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""
         self.receive(pull, poller)
         self.apply_controls_when_quiet()
+        self.admit_held()
         self.advance()
 
     def receive(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
         """Everything already queued on the socket, so that it can join the next batch."""
-        waiting = self.stage.has_work() or self._controls
+        waiting = self.stage.has_work() or self._controls or self._held
         if not poller.poll(0 if waiting else POLL_MS):
             if not waiting:
                 self.stage.idle()
             return
         for _ in range(MAX_DRAIN):
-            if not self.stage.can_accept():
-                break
             try:
                 frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -273,9 +302,11 @@ class WorkerRuntime:
             return
         while self._controls:
             self.handle_control(*self._controls.popleft())
-        held, self._held = self._held, collections.deque()
-        for msg, tensors in held:
-            self.admit(msg, tensors)
+
+    def admit_held(self) -> None:
+        """The held requests, in order, while the stage has room and no control waits."""
+        while self._held and not self._controls and self.stage.can_accept():
+            self.admit(*self._held.popleft())
 
     def advance(self) -> None:
         if self.stage.has_work():
