@@ -3,7 +3,8 @@
 Level 1 restores the same bytes (checksums equal) and keeps every parameter object; level 2 drops them and
 a push (``materialize`` then ``load_into``) or a fresh load brings them back; a resume with neither is
 ``WeightsMissing`` and changes nothing. Each family's encoder, denoise and decode workers' weights are found
-(the image encoder with the text encoder, every expert with the transformer) and come back exactly.
+(the image encoder with the text encoder, every expert with the transformer) and come back exactly: the same
+bytes, laid out as at the load (each in its own aligned storage), so every output is bit-identical.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from common.diffusion.weights import load_into, state_dict_checksum
 from common.families import read_model
 from common.families.builtin import ensure_builtin
 from common.protocol.errors import WeightsMissing
-from common.diffusion.weight_storage import unsettled
+from common.diffusion.weight_storage import ALIGN, unsettled, weight_tensors
 from common.runtime.component_memory import ComponentMemory, ModuleMemory, modules_of
 from family_harness import InProcess
 
@@ -45,6 +46,24 @@ def test_level1_restores_the_same_bytes_into_the_same_parameters():
     assert m.scratch.numel() == 3  # not part of the weights: left alone
     mem.restore()
     assert state_dict_checksum(m) == before and all(a is b for a, b in zip(params, m.parameters()))
+
+
+def test_a_module_taken_in_lies_as_a_push_will_lay_it():
+    """Weights at odd offsets of one buffer (as a safetensors load leaves them in the mapped file) each get
+    storage of their own, aligned, when a worker's memory takes the module: same values, same parameters."""
+    m = _module()
+    tensors = weight_tensors(m)
+    buffer = torch.empty(sum(t.nbytes + ALIGN for t in tensors.values()), dtype=torch.uint8)
+    at = 8  # never on a 16-byte boundary: 8 past one, then each tensor's bytes plus 4
+    for t in tensors.values():
+        t.data = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t.data)
+        at += t.nbytes + 4
+    assert sorted(unsettled(m)) == sorted(tensors)
+    params, before = list(m.parameters()), state_dict_checksum(m)
+    ModuleMemory(m)
+    assert unsettled(m) == [] and all(t.data_ptr() % ALIGN == 0 for t in weight_tensors(m).values())
+    assert state_dict_checksum(m) == before and all(a is b for a, b in zip(params, m.parameters()))
+    assert m.scratch.numel() == 3  # not a weight: left alone
 
 
 def test_level2_drops_and_a_push_into_materialized_storage_restores():
@@ -155,7 +174,9 @@ def test_every_family_is_bit_identical_after_a_release_and_a_resume_or_a_push(mo
         assert {"CLIPVisionModel", "AutoencoderKLWan"} <= kinds
     if model == "tiny-wan-i2v-a14b":
         assert set(components["transformer"]) == {"transformer", "transformer_2"}
-    assert _unsettled(components) == {}  # a fresh load lies as a push will
+    # A fresh load lies as a push will (the experts: Policy.load; the encoders and the VAE as the workers'
+    # memory lays them out: tests/family_harness.py)
+    assert _unsettled(components) == {}
     image = picture(40, 24, 1) if info.family.image_input(info) is not None else None
     before, sums = _outputs(engine, image), {tag: _sums(modules) for tag, modules in components.items()}
     memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
