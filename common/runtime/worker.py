@@ -227,7 +227,8 @@ class WorkerRuntime:
             self.finish(*let_go)
             return
         later = ROLES[ROLES.index(self.stage.role) + 1:]
-        if later and (later[0] != "decode" or msg.decode):
+        # Past the denoise worker a request has all its steps: a partial cancel lets its whole answer come.
+        if later and (later[0] != "decode" or msg.decode and not msg.partial):
             try:
                 self.send(Forward(later[0], msg))
             except Exception:  # e.g. a route outside the topology: nothing of the request can be there
