@@ -6,6 +6,7 @@ One launched ``tiny`` engine for the module; the router's pieces in process wher
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import socket
 import threading
@@ -23,6 +24,7 @@ from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, GenerationPar
 from common.runtime.stage import QueuedBatchStage
 from router.auth import ApiKeyMiddleware
 from router.cancel import Cancellations
+from router.errors import EngineError
 from router.http_errors import install_error_handlers
 from router.join import Pending, PendingTable
 
@@ -202,6 +204,24 @@ def test_a_fenced_run_is_never_answered_by_its_late_messages(caplog):
     caplog.set_level("WARNING", logger="disagg.router")
     asyncio.run(main())
     assert "dropped" not in caplog.text
+
+
+def test_the_stop_fails_what_nobody_awaits_without_a_never_retrieved_log():
+    """At the router's stop every unsettled future is failed; one whose waiter was cancelled earlier (a control
+    fan-out's later replies) must not be logged as "Future exception was never retrieved"."""
+    seen = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: seen.append(context["message"]))
+        table = PendingTable()
+        table.add("ctl-1", Pending(loop.create_future(), None, target=("denoise", 0)))  # its waiter is gone
+        table.fail_all(EngineError(503, "shutting_down", "engine is shutting down", "router", ""))
+        table.discard("ctl-1")
+        gc.collect()
+        await asyncio.sleep(0)
+    asyncio.run(main())
+    assert seen == []
 
 
 class _Queue(QueuedBatchStage):
