@@ -51,8 +51,10 @@ class EngineClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         headers = {"accept": MSGPACK} if self.binary else {}
+        if request_id is not None:  # X-Request-Id: GET /progress/{id}, POST /abort_request
+            headers["x-request-id"] = request_id
         r = self._http.post(path, content=json.dumps(body), headers={**headers, "content-type": "application/json"})
         return self._decode(r)
 
@@ -68,15 +70,20 @@ class EngineClient:
     def health(self) -> dict[str, Any]:
         return self._http.get("/health").json()
 
-    def generate(self, prompt: str, **fields: Any) -> dict[str, Any]:
+    def generate(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
         """POST /generate; ``samples[i]["output"]`` is a torch tensor. ``image`` / ``last_image``
         (image-to-video) may be a PIL image, an image file's bytes or path, or a base64 string."""
-        return self._post("/generate", {"prompt": prompt, **_images(fields)})
+        return self._post("/generate", {"prompt": prompt, **_images(fields)}, request_id)
 
-    def rollout(self, prompt: str, **fields: Any) -> dict[str, Any]:
+    def rollout(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
         """POST /rollout/generate; per sample: ``log_probs``, ``log_prob_steps`` and, with
         ``return_trajectory=True``, ``trajectory`` {latents, timesteps, sigmas} as torch tensors."""
-        return self._post("/rollout/generate", {"prompt": prompt, **_images(fields)})
+        return self._post("/rollout/generate", {"prompt": prompt, **_images(fields)}, request_id)
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
+        """POST /abort_request: cancel the request sent with ``request_id=rid`` (or every one: ``abort_all``,
+        the admin key's); the ids cancelled."""
+        return self._post("/abort_request", {"abort_all": True} if abort_all else {"rid": rid})["aborted"]
 
     def update_weights_from_disk(self, path: str, module: str = "transformer", checksum: bool = True) -> dict[str, Any]:
         """Load new weights into every denoise worker; returns the new ``weight_version``."""

@@ -24,6 +24,7 @@ from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, GenerationPar
 from common.runtime.stage import QueuedBatchStage
 from router.auth import ApiKeyMiddleware
 from router.cancel import Cancellations
+from router.client import EngineClient
 from router.errors import EngineError
 from router.http_errors import install_error_handlers
 from router.join import Pending, PendingTable
@@ -140,7 +141,8 @@ def test_an_aborted_rollout_with_return_partial_answers_its_steps_done(engine):
     with ThreadPoolExecutor(1) as pool:
         partial = pool.submit(_post, engine, "/rollout/generate", body, "part")
         _denoising(engine, "part")
-        assert engine.http.post("/abort_request", json={"rid": "part"}).json() == {"aborted": ["part"]}
+        with EngineClient(engine.url) as client:  # the Python client's spelling
+            assert client.abort_request("part") == ["part"]
         r = partial.result(timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()
