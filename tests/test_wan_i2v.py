@@ -237,7 +237,10 @@ def test_requests_with_different_images_batched_equal_their_runs_alone(key, mode
     assert eng.shared_forwards > before
     d = max(compare_tasks(t, a) for t, a in zip(tasks, alone))
     record_property("max_abs_diff", d)
-    assert d <= BATCH_TOL, (key, mode, d)
+    # Of the latents' scale, as tests/test_multi_device.py's: they reach 5.3 here, where 1e-5 is 20 float32 steps
+    # (1.1e-5 seen with the weights 64-byte aligned, 6.4e-6 with them where the safetensors file put them).
+    scale = max(1.0, max(a.latents.abs().max().item() for a in alone))
+    assert d <= BATCH_TOL * scale, (key, mode, d, scale)
 
 
 @pytest.mark.parametrize("key", list(SPECS))
