@@ -15,6 +15,21 @@ sys.path.insert(0, str(ROOT))
 from common.config.engine import DATA_DIR_ENV  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from engine_pool import DEFAULT_TOPOLOGY, EnginePool  # noqa: E402
+
+# Engines started by this test process (every EngineProcess, shared or not), reported at the end of the run:
+# counted by wrapping the class here, so that the product's EngineProcess carries nothing for the suite.
+ENGINE_STARTS = {"all": 0}
+_POOLS: list[EnginePool] = []
+_start_engine_process = EngineProcess.__init__
+
+
+def _counted_start(self, *args, **kwargs):
+    ENGINE_STARTS["all"] += 1
+    _start_engine_process(self, *args, **kwargs)
+
+
+EngineProcess.__init__ = _counted_start
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,10 +73,14 @@ def sample_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 class Engine(EngineProcess):
-    """One running topology for a test module, in a pytest temp directory."""
+    """One running topology for a test module (or the session's pool), in a pytest temp directory."""
 
-    def __init__(self, tmp: Path, model: str, topology: str, extra: list[str] | None = None):
-        super().__init__(model, topology, extra, workdir=tmp)
+    def __init__(self, tmp: Path, model: str, topology: str, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        super().__init__(model, topology, extra, workdir=tmp, env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
 @pytest.fixture(scope="session")
@@ -76,9 +95,11 @@ def alt_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine_factory(tmp_path_factory):
+    """Engines of this module alone, stopped at its end: for tests that change what an engine answers
+    (weights, adapters, memory, killed workers, limits) and for flags no other module uses."""
     started: list[Engine] = []
 
-    def start(model: str = "tiny", topology: str = "encoder=1,denoise=1,decode=1", extra=None) -> Engine:
+    def start(model: str = "tiny", topology: str = DEFAULT_TOPOLOGY, extra=None) -> Engine:
         e = Engine(tmp_path_factory.mktemp("engine"), model, topology, extra)
         started.append(e)
         return e
@@ -86,6 +107,47 @@ def engine_factory(tmp_path_factory):
     yield start
     for e in started:
         e.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(tmp_path_factory):
+    """The session's shared engines (tests/engine_pool.py); ``DISAGG_TEST_SHARED_ENGINES`` of them at once
+    (default 3)."""
+    pool = EnginePool(lambda model, topology, extra, env: Engine(
+        tmp_path_factory.mktemp("shared-engine"), model, topology, extra, env),
+        capacity=int(os.environ.get("DISAGG_TEST_SHARED_ENGINES", "3")))
+    _POOLS.append(pool)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(engine_pool):
+    """``shared_engine(model="tiny", topology=..., extra=(), env=None) -> Engine``: the session's engine of that
+    key, started on first use. Only for tests that leave it answering as before (see tests/engine_pool.py); a
+    module uses at most the pool's capacity of keys (3), or it would stop one it still holds."""
+    return engine_pool.get
+
+
+# The API key of the shared engine that asks for one (``keyed_engine``).
+SHARED_API_KEY = "test-api-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(shared_engine):
+    """The shared ``tiny`` engine that requires ``Authorization: Bearer SHARED_API_KEY`` (from the environment,
+    as ``$DISAGG_API_KEY``)."""
+    from router.auth import API_KEY_ENV
+
+    return shared_engine("tiny", env={API_KEY_ENV: SHARED_API_KEY})
+
+
+def pytest_terminal_summary(terminalreporter):
+    if ENGINE_STARTS["all"]:
+        shared = sum(p.starts for p in _POOLS)
+        keys = len(set().union(*(p.keys for p in _POOLS))) if _POOLS else 0
+        terminalreporter.write_line(f"engines started: {ENGINE_STARTS['all']} (shared: {shared} starts of "
+                                    f"{keys} keys)")
 
 
 _PIPES: dict[str, object] = {}

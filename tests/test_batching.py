@@ -41,8 +41,8 @@ def _assert_close(solo, mixed):
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny")
+def engine(shared_engine):
+    return shared_engine("tiny")
 
 
 def test_mixed_requests_batch_and_equal_unbatched(engine):
@@ -79,9 +79,9 @@ def test_two_experts_batch_per_expert(engine_factory):
     _assert_close(solo, mixed)
 
 
-def test_router_picks_the_least_loaded_instance(engine_factory):
+def test_router_picks_the_least_loaded_instance(shared_engine):
     """With one denoise worker busy on a long request, new requests go to the idle one (not round robin)."""
-    eng = engine_factory("tiny", "encoder=1,denoise=2,decode=1")
+    eng = shared_engine("tiny", "encoder=1,denoise=2,decode=1")
     long = dict(prompt="long", seed=1, height=128, width=128, num_frames=9, num_inference_steps=300,
                 output_type="latent")
     with EngineClient(eng.url) as c, ThreadPoolExecutor(2) as pool:

@@ -32,9 +32,8 @@ from router.join import Pending, PendingTable
 from router.media import decode_mp4, to_uint8
 from router.progress import InFlight
 
-from conftest import ROOT, pid_alive
+from conftest import ROOT, SHARED_API_KEY as API_KEY, pid_alive
 
-API_KEY = "cli-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "a fox at dawn"
 # The same request as flags and as /generate fields.
@@ -64,8 +63,8 @@ def failed_with(run: subprocess.CompletedProcess, message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny", extra=["--api-key", API_KEY])
+def engine(keyed_engine):
+    return keyed_engine
 
 
 def _frames(engine, **fields) -> torch.Tensor:

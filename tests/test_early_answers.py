@@ -18,18 +18,15 @@ import urllib.request
 import httpx
 import pytest
 
-KEY = "early-answers-key"
+from conftest import SHARED_API_KEY as KEY
+
 LIMIT = 1 << 20  # the default --max-body-bytes
 SIZES = {"just-over": LIMIT + 100_000, "8MB": 8 << 20, "40MB": 40 << 20}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from common.runtime.engine_process import EngineProcess
-
-    e = EngineProcess("tiny", workdir=tmp_path_factory.mktemp("engine"), env={"DISAGG_API_KEY": KEY})
-    yield e
-    e.stop()
+def engine(keyed_engine):
+    return keyed_engine
 
 
 def _body(size: int) -> bytes:

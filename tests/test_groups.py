@@ -26,20 +26,21 @@ from common.diffusion.sde import sde_step
 from denoise_worker.joint_step import advance_all
 from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
+from launch import parse_args
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient
 from router.join import Pending, PendingTable
 
 TOL = 1e-5
 FRAMES_TOL = 1e-4  # frames: the VAE decodes the group's latents in one call, and its convolutions round apart
-MAX_BATCH = 8
+MAX_BATCH = parse_args([]).max_batch_size  # the engine's default --max-batch-size (8)
 BASE = dict(prompt="a heron in the reeds", negative_prompt="blurry", seed=40, num_inference_steps=5,
             guidance_scale=4.0, output_type="latent")
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny", extra=["--max-batch-size", str(MAX_BATCH)])
+def engine(shared_engine):
+    return shared_engine("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from conftest import pid_alive
 
-MAX_N = 3  # launched with --max-n 3; every other limit keeps its default
-DEFAULT_LIMITS = dict(max_height=1280, max_width=1280, max_num_frames=129, max_steps=1000, max_prompt_chars=4096)
+# The shared engine keeps every limit at its default.
+DEFAULT_LIMITS = dict(max_height=1280, max_width=1280, max_num_frames=129, max_steps=1000, max_n=32,
+                      max_prompt_chars=4096)
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny", extra=["--max-n", str(MAX_N)])
+def engine(shared_engine):
+    return shared_engine("tiny")
 
 
 def _ppid(pid: int) -> int:
@@ -74,7 +75,7 @@ BAD_BODIES = [
     ("seed-negative", _text(seed=-1), "seed"),
     ("seed-too-big", _text(seed=2**63), "seed"),
     ("n-0", _text(n=0), "n"),
-    ("n-above-max", _text(n=MAX_N + 1), "n"),
+    ("n-above-max", _text(n=DEFAULT_LIMITS["max_n"] + 1), "n"),
     ("sigmas-empty", _text(sigmas=[]), "sigmas"),
     ("sigmas-1.5", _text(sigmas=[1.5, 0.5]), "sigmas.0"),
     ("sigmas-negative", _text(sigmas=[0.5, -0.1]), "sigmas.1"),
@@ -199,10 +200,10 @@ def test_latent_response_skips_decode(engine):
 
 
 def test_n_samples_get_their_own_seeds_and_request_ids(engine):
-    body = _post(engine, {"prompt": "a fox", "seed": 7, "n": MAX_N, "output_type": "latent"}).json()
+    body = _post(engine, {"prompt": "a fox", "seed": 7, "n": 3, "output_type": "latent"}).json()
     assert [s["seed"] for s in body["samples"]] == [7, 8, 9]
     outs = [base64.b64decode(s["output"]["data"]) for s in body["samples"]]
-    assert len(set(outs)) == MAX_N
+    assert len(set(outs)) == 3
     assert len(body["request_id"]) == 32
 
 

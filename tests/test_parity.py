@@ -28,8 +28,8 @@ def _request(info: ModelInfo, **over):
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(engine_factory):
-    return engine_factory("tiny")
+def tiny_engine(shared_engine):
+    return shared_engine("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def test_json_and_msgpack_bodies_agree(tiny_dir, tiny_engine):
     assert torch.equal(a, b)
 
 
-def test_two_denoise_workers(tiny_dir, engine_factory):
-    eng = engine_factory("tiny", "encoder=1,denoise=2,decode=1")
+def test_two_denoise_workers(tiny_dir, shared_engine):
+    eng = shared_engine("tiny", "encoder=1,denoise=2,decode=1")
     health = eng.http.get("/health").json()
     assert [w["role"] for w in health["workers"]].count("denoise") == 2
     info = read_model(tiny_dir)
@@ -101,9 +101,9 @@ def test_two_denoise_workers(tiny_dir, engine_factory):
         assert _max_diff(o["samples"][0]["output"], diffusers_generate(tiny_dir, **r)) <= TOL
 
 
-def test_other_configuration_matches_diffusers(alt_dir, engine_factory):
+def test_other_configuration_matches_diffusers(alt_dir, shared_engine):
     """A model with other widths, heads, layers, flow_shift and a non-square size."""
-    eng = engine_factory("tiny-alt")
+    eng = shared_engine("tiny-alt")
     info = read_model(alt_dir)
     assert info.defaults["height"] != info.defaults["width"]
     with EngineClient(eng.url) as c:

@@ -47,11 +47,11 @@ def engine(tmp_path_factory, weights_root):
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory) -> EngineClient:
-    """An engine of the same topology whose workers are never touched: the answers to compare with."""
-    e = EngineProcess("tiny", "encoder=1,denoise=2,decode=1", workdir=tmp_path_factory.mktemp("undisturbed"))
-    yield EngineClient(e.url)
-    e.stop()
+def undisturbed(shared_engine) -> EngineClient:
+    """An engine of the same topology whose workers are never touched (the session's): the answers to compare
+    with."""
+    with EngineClient(shared_engine("tiny", "encoder=1,denoise=2,decode=1").url) as c:
+        yield c
 
 
 def _workers(engine) -> dict[tuple[str, int], dict]:

@@ -96,8 +96,9 @@ def test_error_arrives_well_before_any_timeout(two_denoise):
     _wait_healthy(eng)
 
 
-def test_deadline_gives_504_and_the_worker_goes_on(engine_factory):
-    eng = engine_factory("tiny")
+def test_deadline_gives_504_and_the_worker_goes_on(shared_engine):
+    eng = shared_engine("tiny")
+    logged = len(eng.log_text())  # a shared engine: only what this test's requests logged counts
     with EngineClient(eng.url) as c:
         r = _call(c, 1, num_inference_steps=400, timeout_s=0.3)
         assert not r["ok"] and r["status"] == 504 and r["error"]["type"] == "timeout"
@@ -109,13 +110,20 @@ def test_deadline_gives_504_and_the_worker_goes_on(engine_factory):
             c.generate("x", timeout_s=10**9)
         assert e.value.status == 400 and e.value.error["field"] == "timeout_s"
     deadline = time.monotonic() + 10
-    while "deadline passed" not in eng.log_text() and time.monotonic() < deadline:
+    while "deadline passed" not in eng.log_text()[logged:] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "deadline passed" in eng.log_text()  # the worker stopped spending steps on it
+    assert "deadline passed" in eng.log_text()[logged:]  # the worker stopped spending steps on it
 
 
-def test_backpressure_answers_429_and_loses_nothing(engine_factory):
-    eng = engine_factory("tiny", extra=["--max-pending", "2"])
+@pytest.fixture(scope="module")
+def limited(engine_factory):
+    """One engine for the limit flags of this module (each test's requests stay within the others' limits);
+    the SIGTERM test, the module's last, stops it."""
+    return engine_factory("tiny", extra=["--max-pending", "2", "--max-body-bytes", "4096", "--grace-period", "20"])
+
+
+def test_backpressure_answers_429_and_loses_nothing(limited):
+    eng = limited
     with ThreadPoolExecutor(6) as pool:
         def raw(i):
             return httpx.post(f"{eng.url}/generate", json={"prompt": f"p{i}", "seed": i, **SLOW}, timeout=120)
@@ -130,8 +138,8 @@ def test_backpressure_answers_429_and_loses_nothing(engine_factory):
         assert _call(c, 99)["ok"]
 
 
-def test_oversized_body_refused_before_parsing(engine_factory):
-    eng = engine_factory("tiny", extra=["--max-body-bytes", "4096"])
+def test_oversized_body_refused_before_parsing(limited):
+    eng = limited
     big = b'{"prompt": "' + b"a" * 10000 + b'"}'
     r = httpx.post(f"{eng.url}/generate", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["field"] == "body"
@@ -145,9 +153,9 @@ def test_oversized_body_refused_before_parsing(engine_factory):
     assert httpx.post(f"{eng.url}/generate", json={"prompt": "fine", **SLOW}).status_code == 200
 
 
-def test_interleaved_requests_equal_solo_runs(engine_factory):
+def test_interleaved_requests_equal_solo_runs(shared_engine):
     """One denoise worker, many interleaved requests of different steps, schedulers, sizes and seeds."""
-    eng = engine_factory("tiny")
+    eng = shared_engine("tiny")
     reqs = []
     for i in range(16):
         rollout = i % 3 != 0
@@ -174,8 +182,8 @@ def test_interleaved_requests_equal_solo_runs(engine_factory):
             assert (a["trajectory"]["latents"] - b["trajectory"]["latents"]).abs().max().item() <= 1e-5
 
 
-def test_sigterm_drains_in_flight_requests_and_leaves_no_orphans(engine_factory):
-    eng = engine_factory("tiny", extra=["--grace-period", "20"])
+def test_sigterm_drains_in_flight_requests_and_leaves_no_orphans(limited):
+    eng = limited
     pids = eng.worker_pids()
     with EngineClient(eng.url) as c, ThreadPoolExecutor(2) as pool:
         fut = pool.submit(_call, c, 3, num_inference_steps=200)

@@ -300,8 +300,8 @@ def test_two_expert_rollout_recompute_and_separate_sync(moe, weights_dir):
 # --- a configuration other than the default ----------------------------------------------
 
 
-def test_other_configuration_rollout_recompute(engine_factory, alt_dir):
-    eng = engine_factory("tiny-alt")
+def test_other_configuration_rollout_recompute(shared_engine, alt_dir):
+    eng = shared_engine("tiny-alt")
     policy = TrainerPolicy(alt_dir)
     with EngineClient(eng.url) as c:
         for over in ({}, {"sde_type": "cps", "noise_level": 0.8}):

@@ -8,8 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from soak import run_soak  # noqa: E402
 
 
-def test_short_soak(engine_factory):
-    eng = engine_factory("tiny", "encoder=1,denoise=2,decode=1")
+def test_short_soak(shared_engine):
+    eng = shared_engine("tiny", "encoder=1,denoise=2,decode=1")
     res = run_soak(eng.url, n=160, concurrency=32, invalid_share=0.1, seed=1, warmup=40)
     assert res["lost"] == 0, res
     assert res["failed"] == 0, res["unexpected_examples"]

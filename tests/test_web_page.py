@@ -18,14 +18,13 @@ from urllib.parse import urlparse
 
 import pytest
 
-from common.runtime.engine_process import EngineProcess
+from conftest import SHARED_API_KEY as API_KEY
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 # Without these Chromium reaches for the network (updates, sync, QUIC probes), which the engine's hosts lack.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-API_KEY = "web-page-test-key-0123456789"
 WAIT_MS = 120_000
 VIDEO_READY = "() => { const v = document.getElementById('video'); return v.readyState >= 2 && v.duration > 0; }"
 # Records every value the progress bar takes (its value attribute reflects the property the page sets).
@@ -86,15 +85,8 @@ def web(browser):
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny")
-
-
-@pytest.fixture(scope="module")
-def keyed_engine(tmp_path_factory):
-    e = EngineProcess("tiny", workdir=tmp_path_factory.mktemp("keyed"), env={"DISAGG_API_KEY": API_KEY})
-    yield e
-    e.stop()
+def engine(shared_engine):
+    return shared_engine("tiny")
 
 
 def open_page(web, url: str):

@@ -39,8 +39,9 @@ TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny")
+def engine(shared_engine):
+    # Shared: the hostile messages leave it as it was (the tests below check the same pids and bytes).
+    return shared_engine("tiny")
 
 
 REFERENCE_REQUEST = {"prompt": "a fox at dawn", "seed": 5, "negative_prompt": "blurry"}
