@@ -136,7 +136,8 @@ class GuardRequests:
         headers = dict(scope["headers"])
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = uuid.uuid4().hex.encode()
-            scope = {**scope, "headers": [*scope["headers"], (REQUEST_ID_HEADER, headers[REQUEST_ID_HEADER])]}
+            # In place: the middlewares outside read what routing adds to this scope (the metrics' route).
+            scope["headers"] = [*scope["headers"], (REQUEST_ID_HEADER, headers[REQUEST_ID_HEADER])]
         rid = headers[REQUEST_ID_HEADER].decode("latin-1")
         started = False
 
