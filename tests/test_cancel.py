@@ -1,6 +1,6 @@
 """Cancellation: a request never outlives its client (a disconnect, POST /abort_request, DELETE /v1/videos/{id}).
 
-One launched ``tiny`` engine for the module; the router's pieces in process where no worker is needed.
+The session's shared ``tiny`` engine; the router's pieces in process where no worker is needed.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ SHORT = {"prompt": "a quick look", "num_inference_steps": 4}
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory("tiny")
+def engine(shared_engine):
+    return shared_engine("tiny")  # every test leaves it answering as before: cancelled work is gone
 
 
 def _cancelled(engine, reason: str) -> float:
