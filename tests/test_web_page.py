@@ -86,6 +86,8 @@ def web(browser):
 
 @pytest.fixture(scope="module")
 def engine(shared_engine):
+    # Shared: the video jobs made here stay listed on it, which no other module on it depends on (each finds
+    # its own jobs by id, or the newest).
     return shared_engine("tiny")
 
 
