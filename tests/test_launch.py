@@ -90,10 +90,13 @@ def test_start_is_announced_and_ctrl_c_stop_is_logged(tmp_path):
     assert not [p for p in pids if pid_alive(p)]
 
 
-def test_no_torchvision_warnings_from_the_families_pipelines():
+def test_no_torchvision_warnings_from_the_families_pipelines_nor_bars_from_a_first_build(tmp_path):
     """Without torchvision, transformers warned at every image family's start (diffusers' pipeline modules
-    import CLIP's and SigLIP's image processors); the engine binds the PIL processors the fallback would use."""
-    code = ("import common.families, importlib.util, transformers\n"
+    import CLIP's and SigLIP's image processors); the engine binds the PIL processors the fallback would use.
+    A built-in model's first build printed transformers' "Writing model shards" bars."""
+    code = ("import common.families, importlib.util, transformers, sys\n"
+            "from common.families.builtin import ensure_builtin\n"
+            f"ensure_builtin('tiny-sd3', {str(tmp_path)!r})\n"
             "from diffusers import StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, WanImageToVideoPipeline\n"
             "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"
             "print(importlib.util.find_spec('torchvision') is None, CLIPImageProcessor.__name__, "
@@ -102,4 +105,5 @@ def test_no_torchvision_warnings_from_the_families_pipelines():
     assert r.returncode == 0, r.stderr
     if r.stdout.split()[0] == "True":  # the case the engine handles: the PIL twins, as transformers' fallback
         assert r.stdout.split()[1:] == ["CLIPImageProcessorPil", "SiglipImageProcessorPil"]
-    assert "torchvision" not in r.stderr, r.stderr
+    assert "torchvision" not in r.stderr and "Writing model shards" not in r.stderr, r.stderr
+    assert any(tmp_path.iterdir())  # it did build

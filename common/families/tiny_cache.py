@@ -102,7 +102,15 @@ def save_built(spec, make_pipeline: Callable[[], object], out_dir: str | Path, d
     if spec.weights_dtype != "float32":
         pipe.to(getattr(torch, spec.weights_dtype))
     out = Path(out_dir)
-    pipe.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # the text encoders' "Writing model shards": noise at a first start
+    try:
+        pipe.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
     defaults = {k: getattr(spec, k) for k in default_keys}
     (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
     coefficients = getattr(spec, "teacache_coefficients", None)
