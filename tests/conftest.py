@@ -153,6 +153,17 @@ def pytest_terminal_summary(terminalreporter):
 _PIPES: dict[str, object] = {}
 
 
+def reference_pipeline(pipe):
+    """A diffusers pipeline as the tests compare the engine with: no progress bar, and its weights laid out as
+    the engine lays out its own (common/diffusion/weight_storage.py: kernels round by alignment, so the same
+    weights at other addresses would not give the same bits)."""
+    from common.runtime.component_memory import settle_held
+
+    settle_held(pipe=pipe)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def diffusers_pipe(model_dir: Path, cache: dict | None = None):
     """diffusers' own WanPipeline on the same directory, cached per directory (in ``cache``, else one shared)."""
     from diffusers import WanPipeline
@@ -160,8 +171,7 @@ def diffusers_pipe(model_dir: Path, cache: dict | None = None):
     cache = _PIPES if cache is None else cache
     key = str(model_dir)
     if key not in cache:
-        cache[key] = WanPipeline.from_pretrained(model_dir, dtype=torch.float32)
-        cache[key].set_progress_bar_config(disable=True)
+        cache[key] = reference_pipeline(WanPipeline.from_pretrained(model_dir, dtype=torch.float32))
     return cache[key]
 
 

@@ -319,10 +319,12 @@ def sd3_pipe(model_dir: Path):
     """``StableDiffusion3Pipeline.from_pretrained(model_dir)`` in float32, one per directory."""
     from diffusers import StableDiffusion3Pipeline
 
+    from conftest import reference_pipeline
+
     key = str(model_dir)
     if key not in _SD3_PIPES:
-        _SD3_PIPES[key] = StableDiffusion3Pipeline.from_pretrained(Path(model_dir), dtype=torch.float32)
-        _SD3_PIPES[key].set_progress_bar_config(disable=True)
+        _SD3_PIPES[key] = reference_pipeline(StableDiffusion3Pipeline.from_pretrained(Path(model_dir),
+                                                                                      dtype=torch.float32))
     return _SD3_PIPES[key]
 
 

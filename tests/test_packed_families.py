@@ -44,6 +44,7 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,
 )
+from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
 from router.request_params import check_family_fields, check_model_fields, to_params
@@ -127,8 +128,7 @@ def pipe_for(model_dir: Path):
     key = str(model_dir)
     if key not in _PIPES:
         cls = getattr(diffusers, read_model(model_dir).family.pipeline)
-        _PIPES[key] = cls.from_pretrained(model_dir, dtype=DTYPE)
-        _PIPES[key].set_progress_bar_config(disable=True)
+        _PIPES[key] = reference_pipeline(cls.from_pretrained(model_dir, dtype=DTYPE))
     return _PIPES[key]
 
 

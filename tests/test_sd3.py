@@ -38,6 +38,7 @@ from common.protocol.messages import (
 from rl import TrainerPolicy, Trajectory
 from router.request_params import to_params
 from router.schemas import FieldError, GenerateBody
+from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 
 TOL = 1e-4  # against diffusers: other batch layouts of the same maths (the text encoders batch both prompts)
@@ -96,8 +97,7 @@ def sd3_pipe(model_dir: Path):
 
     key = str(model_dir)
     if key not in _PIPES:
-        _PIPES[key] = StableDiffusion3Pipeline.from_pretrained(model_dir, dtype=DTYPE)
-        _PIPES[key].set_progress_bar_config(disable=True)
+        _PIPES[key] = reference_pipeline(StableDiffusion3Pipeline.from_pretrained(model_dir, dtype=DTYPE))
     return _PIPES[key]
 
 

@@ -21,7 +21,7 @@ from PIL import Image
 from common.diffusion.weights import save_weights, state_dict_checksum
 from common.families import read_model
 from common.families.builtin import ensure_builtin
-from conftest import ROOT, Engine, solo_then_concurrent
+from conftest import ROOT, Engine, reference_pipeline, solo_then_concurrent
 from common.runtime.engine_process import free_port
 from rl import TrainerPolicy, Trajectory, WeightsGroup
 from router.client import EngineClient
@@ -53,9 +53,7 @@ def client(engine):
 def pipe(sd3_dir):
     from diffusers import StableDiffusion3Pipeline
 
-    p = StableDiffusion3Pipeline.from_pretrained(sd3_dir, dtype=torch.float32)
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(StableDiffusion3Pipeline.from_pretrained(sd3_dir, dtype=torch.float32))
 
 
 def _reference(pipe, sd3_dir, output_type, **over) -> torch.Tensor:

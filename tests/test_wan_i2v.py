@@ -35,6 +35,7 @@ from common.families.builtin import ensure_builtin
 from common.families.wan_i2v.tiny_model import build_tiny_wan_i2v
 from common.families.wan_i2v.tiny_specs import SPECS as I2V_SPECS
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, RolloutParams
+from conftest import reference_pipeline
 from family_harness import InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
 from router.request_params import check_image_fields, check_model_fields, to_params
@@ -86,9 +87,7 @@ def _pipe(eng: InProcess, text_to_video: bool = False):
     import diffusers
 
     cls = diffusers.WanPipeline if text_to_video else diffusers.WanImageToVideoPipeline
-    pipe = cls.from_pretrained(eng.info.path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return reference_pipeline(cls.from_pretrained(eng.info.path, dtype=torch.float32))
 
 
 def _reference(eng: InProcess, p, output_type: str, image=None, last_image=None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from common.diffusion.weights import state_dict_checksum
 from common.families.builtin import ensure_builtin
-from conftest import Engine, solo_then_concurrent
+from conftest import Engine, reference_pipeline, solo_then_concurrent
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient, image_field
 from test_images import BOMBS, REFUSED
@@ -61,9 +61,7 @@ def client(engine):
 def pipe(model_dir):
     from diffusers import WanImageToVideoPipeline
 
-    p = WanImageToVideoPipeline.from_pretrained(model_dir, dtype=torch.float32)
-    p.set_progress_bar_config(disable=True)
-    return p
+    return reference_pipeline(WanImageToVideoPipeline.from_pretrained(model_dir, dtype=torch.float32))
 
 
 def _reference(pipe, output_type: str, image=IMAGE, **over) -> torch.Tensor:
@@ -209,8 +207,7 @@ def test_ti2v_engine_text_and_image_to_video_equal_diffusers(engine_factory):
         roll = c.rollout(**REQ, height=64, width=64, image=IMAGE, return_trajectory=True)["samples"][0]
     refs = []
     for cls, extra in ((WanPipeline, {}), (WanImageToVideoPipeline, {"image": IMAGE})):
-        pipe = cls.from_pretrained(model_dir, dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
+        pipe = reference_pipeline(cls.from_pretrained(model_dir, dtype=torch.float32))
         refs.append(pipe(**kw, **extra, generator=torch.Generator("cpu").manual_seed(3)).frames[0])
     assert _diff(t2v, refs[0]) <= TOL and _diff(i2v, refs[1]) <= TOL
     trainer = TrainerPolicy(model_dir)
