@@ -131,8 +131,8 @@ def test_worker_keeps_its_mappings_while_the_segments_stay_the_same():
         written.close()
 
 
-def test_off_without_the_flag(engine_factory):
-    off = engine_factory("tiny")
+def test_off_without_the_flag(shared_engine):
+    off = shared_engine("tiny")  # its refusals change nothing
     with EngineClient(off.url) as c:
         assert c.weight_sync_info()["enabled"] is False
         for path, body in (("/update_weights_from_tensors", {"tensors": [], "buckets": []}),
