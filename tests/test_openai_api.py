@@ -110,8 +110,10 @@ def test_video_job_completes_with_an_mp4_of_the_requested_frames(client, engine)
 
 
 def test_progress_rises_through_intermediate_values(client):
-    video = client.videos.create(prompt="a slow fox", size="64x64", seconds="0.25",
-                                 extra_body={"num_inference_steps": 400, "seed": 1})
+    # Long enough for several of the denoise worker's reports (one each 0.5 s) on a fast machine: 1000 steps
+    # at 128 x 128 take ~5 s on 2 quiet cores.
+    video = client.videos.create(prompt="a slow fox", size="128x128", seconds="0.25",
+                                 extra_body={"num_inference_steps": 1000, "seed": 1})
     seen = []
     while video.status in ("queued", "in_progress"):
         time.sleep(0.05)
