@@ -282,6 +282,7 @@ def test_a_second_engine_on_a_data_dir_in_use_is_refused(engine):
                                      f"{data_dir / 'lock'}): pass another --data-dir"]
 
 
+@pytest.mark.heavy  # three engine starts
 def test_engines_with_default_flags_on_two_ports_each_keep_their_own_jobs(tmp_path, monkeypatch):
     """No --data-dir: each engine takes the dir of the address it serves, below $DISAGG_DATA_DIR (here a temp
     root); a restart on the same port finds its jobs again."""

@@ -227,6 +227,7 @@ def _denoise_pid(engine: Engine) -> int:
     return next(w["pid"] for w in engine.http.get("/health").json()["workers"] if w["role"] == "denoise")
 
 
+@pytest.mark.heavy  # a multi-rank engine killed and restarted: half a minute
 def test_a_follower_that_dies_takes_its_worker_down_and_up_whole(refs, tmp_path_factory, lora_root):
     # One attempt: the held request fails with its worker (tests/test_redispatch.py runs such requests again).
     engine = _start(tmp_path_factory, "tiny", _topology("cfg2-ulysses2"), lora_root, ("--max-attempts", "1"))
@@ -283,7 +284,8 @@ def _recompiles_after_ready(engine: Engine) -> list[str]:
     return [line for line in text[ready:].splitlines() if "Recompiling function" in line]
 
 
-@pytest.mark.parametrize("layout", ["one", pytest.param("cfg2", marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # a compiled engine per layout: tests/test_compile.py covers compiling in the default suite
+@pytest.mark.parametrize("layout", ["one", "cfg2"])
 def test_compiled_workers_equal_eager_and_compile_once_per_shape(layout, refs, adapter, tmp_path_factory, lora_root):
     """``--compile``: warmed up at the default shape before ready; then groups of other sizes, requests at
     different steps and an adapter's rows run without compiling again (a LoRA's first use aside)."""

@@ -439,6 +439,7 @@ def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:
     return max_diff(a, b) / max(1.0, b.abs().max().item())
 
 
+@pytest.mark.heavy  # compiling a family's transformer takes 10-25 s here: tests/test_compile.py covers compiling by default
 @pytest.mark.parametrize("which", ["flux-x1", "qwen-y"])
 def test_compiled_forwards_equal_eager(which, dirs, record_property):
     """One compile per family (inductor, as tests/test_compile.py), warmed up at the default request; then

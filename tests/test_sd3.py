@@ -316,6 +316,7 @@ def _texts(eng: InProcessSD3, prompt: str, negative: str):
     return task.cond, task.uncond
 
 
+@pytest.mark.heavy  # compiling a family's transformer takes 10-25 s here: tests/test_compile.py covers compiling by default
 def test_compiled_forwards_equal_eager(compiled_y, record_property):
     eager, compiled = compiled_y
     g = torch.Generator().manual_seed(9)

@@ -342,6 +342,7 @@ def test_lora_equals_diffusers_and_mixed_adapters_with_images_share_a_forward(en
 COMPILE_TOL = 1e-4
 
 
+@pytest.mark.heavy  # compiling a family's transformer takes 10-25 s here: tests/test_compile.py covers compiling by default
 @pytest.mark.parametrize("key", ["clip", "ti2v"])
 def test_compiled_forwards_with_images_equal_eager(key, engines, record_property):
     """An I2V model (condition channels, CLIP's image tokens) and TI2V (a timestep per token, frame 0 from
