@@ -20,8 +20,11 @@ def step_velocities(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
                     before: BeforeForward | None = None) -> list[torch.Tensor]:
     """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps; the rows that
     requests with caching skip take no part in the forwards (denoise_worker/caching.py)."""
-    plans = plan_step(policy, tasks)
-    return _finish(policy, plans, max_batch, before, raise_errors=True)
+    outcomes = _finish(policy, plan_step(policy, tasks), max_batch, before)
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):  # several ranks share this forward: any failure is the worker's
+            raise outcome
+    return outcomes
 
 
 @torch.no_grad()
@@ -49,14 +52,10 @@ def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
         return [_alone(policy, plan, max_batch, before) for plan in plans], False
 
 
-def _finish(policy: Policy, plans: list[StepPlan], max_batch: int, before: BeforeForward | None,
-            raise_errors: bool = False) -> list[Outcome]:
+def _finish(policy: Policy, plans: list[StepPlan], max_batch: int, before: BeforeForward | None) -> list[Outcome]:
     """The plans' forwards (a failure raises), then each plan's guided output (or its own error)."""
     outs = iter(forward_inputs(policy, [x for plan in plans for x in plan.inputs], max_batch, before))
-    given = [[next(outs) for _ in plan.inputs] for plan in plans]
-    if raise_errors:
-        return [plan.finish(o) for plan, o in zip(plans, given)]
-    return [_guided(plan, o) for plan, o in zip(plans, given)]
+    return [_guided(plan, [next(outs) for _ in plan.inputs]) for plan in plans]
 
 
 def _alone(policy: Policy, plan: StepPlan, max_batch: int, before: BeforeForward | None) -> Outcome:

@@ -157,11 +157,8 @@ class DenoiseTask:
             out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
                                    else torch.zeros(self.n, 0))
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
-        if r.return_trajectory:  # a cancelled rollout's (partial answer): the steps taken, T = self.step
-            timesteps, sigmas = self.scheduler.timesteps, self.scheduler.sigmas
-            if not self.done:
-                timesteps, sigmas = timesteps[:self.step], sigmas[:self.step + 1]
+        if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
             out[TRAJECTORY_LATENTS.name] = torch.stack([x.float() for x in self.trajectory], dim=1)
-            out[TRAJECTORY_TIMESTEPS.name] = timesteps.float()
-            out[TRAJECTORY_SIGMAS.name] = sigmas.float()
+            out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps[:self.step].float()
+            out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas[:self.step + 1].float()
         return out
