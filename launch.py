@@ -48,10 +48,10 @@ from common.transport.security import provision_curve, remove_secrets
 from common.diffusion.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
 from common.config.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
-from router.app import create_app
-from router.dispatcher import Dispatcher
-from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
-from router.job_store import JobStore, open_or_exit as open_job_store
+from router.api.app import create_app
+from router.link.dispatcher import Dispatcher
+from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
+from router.openai.job_store import JobStore, open_or_exit as open_job_store
 
 ROOT = Path(__file__).resolve().parent
 log = logging.getLogger("disagg.launch")

@@ -23,7 +23,7 @@ import httpx
 from disagg.progress import StepBar
 
 KINDS = {".png": "png", ".mp4": "mp4"}
-API_KEY_ENV = "DISAGG_API_KEY"  # the variable the engine reads its key from (router/auth.py)
+API_KEY_ENV = "DISAGG_API_KEY"  # the variable the engine reads its key from (router/api/auth.py)
 # Each flag and the /generate field it sets; a flag left out (None) is not sent.
 FIELDS = {"negative_prompt": "negative_prompt", "seed": "seed", "steps": "num_inference_steps",
           "frames": "num_frames", "guidance": "guidance_scale", "lora": "lora_name", "lora_scale": "lora_scale"}

@@ -137,7 +137,7 @@ SHARED_API_KEY = "test-api-key-0123456789abcdef"
 def keyed_engine(shared_engine):
     """The shared ``tiny`` engine that requires ``Authorization: Bearer SHARED_API_KEY`` (from the environment,
     as ``$DISAGG_API_KEY``)."""
-    from router.auth import API_KEY_ENV
+    from router.api.auth import API_KEY_ENV
 
     return shared_engine("tiny", env={API_KEY_ENV: SHARED_API_KEY})
 

@@ -22,12 +22,12 @@ from common.protocol.errors import Cancelled
 from common.protocol.http_tensors import body_to_tensor
 from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, GenerationParams, Route
 from common.runtime.stage import QueuedBatchStage
-from router.auth import ApiKeyMiddleware
-from router.cancel import Cancellations
+from router.api.auth import ApiKeyMiddleware
+from router.link.cancel import Cancellations
 from router.client import EngineClient
-from router.errors import EngineError
-from router.http_errors import install_error_handlers
-from router.join import Pending, PendingTable
+from router.core.errors import EngineError
+from router.api.http_errors import install_error_handlers
+from router.link.join import Pending, PendingTable
 
 # 1000 steps of 256x256, 17 frames: about half a minute on 2 cores, cancelled after a few seconds.
 LONG = {"prompt": "a long walk", "num_inference_steps": 1000, "height": 256, "width": 256, "num_frames": 17}

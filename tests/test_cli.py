@@ -26,11 +26,11 @@ from PIL import Image
 
 from common.protocol.http_tensors import body_to_tensor
 from common.runtime.engine_process import free_port
-from router.auth import API_KEY_ENV
-from router.errors import EngineError
-from router.join import Pending, PendingTable
-from router.media import decode_mp4, to_uint8
-from router.progress import InFlight
+from router.api.auth import API_KEY_ENV
+from router.core.errors import EngineError
+from router.link.join import Pending, PendingTable
+from router.api.media import decode_mp4, to_uint8
+from router.core.progress import InFlight
 
 from conftest import ROOT, SHARED_API_KEY as API_KEY, pid_alive
 
@@ -164,7 +164,7 @@ def test_progress_follows_the_denoising_steps(engine):
 
 
 def test_an_id_in_flight_is_refused_with_its_retries():
-    """Run ``k`` of request ``a`` has wire id ``a.k`` (router/attempts.py): ``a`` and ``a.2`` may not overlap."""
+    """Run ``k`` of request ``a`` has wire id ``a.k`` (router/link/attempts.py): ``a`` and ``a.2`` may not overlap."""
     table = PendingTable()
     in_flight = InFlight(table, max_attempts=3)
     with in_flight.claim("a"):

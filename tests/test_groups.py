@@ -29,7 +29,7 @@ from denoise_worker.task import DenoiseTask
 from launch import parse_args
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient
-from router.join import Pending, PendingTable
+from router.link.join import Pending, PendingTable
 
 TOL = 1e-5
 FRAMES_TOL = 1e-4  # frames: the VAE decodes the group's latents in one call, and its convolutions round apart

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from common.protocol.http_tensors import body_to_tensor
-from router.media import decode_mp4, to_uint8
+from router.api.media import decode_mp4, to_uint8
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks OpenAI's video API so
 
@@ -200,7 +200,7 @@ def test_a_failed_job_reports_its_error_and_the_engine_goes_on(client, engine):
 
 def test_the_mp4_keeps_smooth_frames_faithfully():
     """What yuv420p loses on natural video is small: a smooth moving gradient keeps well over 30 dB RGB."""
-    from router.media import mp4_bytes
+    from router.api.media import mp4_bytes
 
     x, y = torch.linspace(0, 1, 64).view(1, -1), torch.linspace(0, 1, 48).view(-1, 1)
     frames = torch.stack([torch.stack([0.5 + 0.4 * torch.sin(2 * math.pi * (x + 0.05 * t)).expand(48, 64),

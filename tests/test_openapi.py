@@ -17,9 +17,9 @@ from common.config.engine import EngineConfig, Limits
 from common.config.topology import parse_topology
 from common.families import read_model
 from common.families.wan.tiny_model import ensure_tiny_model
-from router.app import create_app
-from router.dispatcher import Dispatcher
-from router.request_params import size_multiple
+from router.api.app import create_app
+from router.link.dispatcher import Dispatcher
+from router.core.request_params import size_multiple
 
 MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v"]
 LIMITS = Limits(max_height=96, max_width=160, max_num_frames=13, max_steps=7, max_n=3, max_prompt_chars=99,

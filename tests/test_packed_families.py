@@ -47,8 +47,8 @@ from common.protocol.messages import (
 from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
-from router.request_params import check_family_fields, check_model_fields, to_params
-from router.schemas import FieldError, GenerateBody
+from router.core.request_params import check_family_fields, check_model_fields, to_params
+from router.api.schemas import FieldError, GenerateBody
 from test_sd3 import _graphs, _no_grad
 
 TOL = 1e-4

@@ -18,15 +18,15 @@ from common.protocol.codec import WireError, decode, encode
 from common.protocol.messages import (
     PROTOCOL_VERSION, ControlReply, ErrorReply, Heartbeat, Progress, Result, Route,
 )
-from router.admission import Admission
-from router.control import WeightControl, control_failure, fan_out
-from router.errors import EngineError
-from router.http_errors import install_error_handlers
-from router.join import Pending, PendingTable
-from router.openapi import inline_refs
-from router.registry import WorkerRegistry
-from router.request_params import to_params
-from router.schemas import FieldError, GenerateBody, RolloutBody
+from router.link.admission import Admission
+from router.control.fanout import WeightControl, control_failure, fan_out
+from router.core.errors import EngineError
+from router.api.http_errors import install_error_handlers
+from router.link.join import Pending, PendingTable
+from router.api.openapi import inline_refs
+from router.link.registry import WorkerRegistry
+from router.core.request_params import to_params
+from router.api.schemas import FieldError, GenerateBody, RolloutBody
 
 from conftest import ROOT
 
@@ -551,18 +551,18 @@ def test_inline_refs_resolves_nested_models():
 
 
 def test_the_pieces_need_no_zeromq():
-    code = ("import sys; import router.registry, router.admission, router.join, router.control, router.errors; "
+    code = ("import sys; import router.link.registry, router.link.admission, router.link.join, router.control.fanout, router.core.errors; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'zmq'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-# --- re-runs (router/attempts.py) ----------------------------------------------------------------------------
+# --- re-runs (router/link/attempts.py) ----------------------------------------------------------------------------
 
 
 def _runs(outcomes: list):
     """A run function that fails or answers as ``outcomes`` says, one per attempt; and the wire ids it saw."""
-    from router.attempts import attempt_id
+    from router.link.attempts import attempt_id
 
     seen = []
 
@@ -581,7 +581,7 @@ def _lost(rid: str = "req") -> EngineError:
 
 
 def test_a_lost_request_runs_again_until_it_is_answered_or_its_attempts_are_used():
-    from router.attempts import with_attempts
+    from router.link.attempts import with_attempts
 
     run, seen = _runs([_lost(), _lost("req.2"), "answer"])
     assert asyncio.run(with_attempts(run, "req", 3)) == ("answer", 3)
@@ -602,7 +602,7 @@ def test_a_lost_request_runs_again_until_it_is_answered_or_its_attempts_are_used
 
 
 def test_a_rollout_is_not_run_again_on_other_weights_but_serving_is():
-    from router.attempts import with_attempts
+    from router.link.attempts import with_attempts
 
     versions = iter([(0, None), (1, None)])
     run, _ = _runs([_lost(), "answer"])

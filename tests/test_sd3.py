@@ -36,8 +36,8 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from rl import TrainerPolicy, Trajectory
-from router.request_params import to_params
-from router.schemas import FieldError, GenerateBody
+from router.core.request_params import to_params
+from router.api.schemas import FieldError, GenerateBody
 from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 

@@ -28,7 +28,7 @@ from common.runtime.engine_process import EngineProcess
 from common.protocol.messages import PROTOCOL_VERSION, EncodeRequest, ErrorReply, GenerationParams, Route
 from common.transport.security import SecurityError, Security, bind_pull, connect_push, provision_curve
 from common.protocol.codec import encode
-from router.auth import ADMIN_KEY_ENV, API_KEY_ENV, bearer_token, keys_from_environment
+from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV, bearer_token, keys_from_environment
 from router.client import EngineClient
 
 API_KEY = "api-" + uuid.uuid4().hex
@@ -107,7 +107,7 @@ def test_api_key_is_required_except_for_health(engines):
                          ("POST", "/docs"), ("POST", "/"), ("POST", "/static/app.js"), ("POST", "/health"),
                          ("GET", "/no-such-path"), ("GET", "/v1/videos"), ("GET", "/progress/x")):
         assert http.request(method, path).status_code == 401, (method, path)
-    # The web page and the API docs hold no data (router/web.py): they load without the key, then ask for it.
+    # The web page and the API docs hold no data (router/api/web.py): they load without the key, then ask for it.
     for path in ("/", "/docs", "/static/app.js", "/static/swagger/swagger-ui-bundle.js"):
         assert http.get(path).status_code == 200, path
     assert http.get("/static/%2e%2e/auth.py").status_code == 404  # only the static files, nothing beside them

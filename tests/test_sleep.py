@@ -218,7 +218,7 @@ def test_the_sleep_endpoints_need_the_admin_key_and_is_sleeping_does_not():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from router.auth import ApiKeyMiddleware
+    from router.api.auth import ApiKeyMiddleware
 
     app = FastAPI()
     for path in ("/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"):
@@ -239,8 +239,8 @@ class _Dispatcher:
     """What SleepControl uses of the dispatcher, with workers that answer as ``fail`` says."""
 
     def __init__(self, fail: set[str] = frozenset()):
-        from router.join import PendingTable
-        from router.registry import WorkerRegistry
+        from router.link.join import PendingTable
+        from router.link.registry import WorkerRegistry
 
         self.config = EngineConfig(model="m", runtime_dir="/tmp", router_endpoint="ipc://x",
                                    workers=[WorkerSpec(r, 0) for r in ("encoder", "denoise", "decode")])
@@ -250,7 +250,7 @@ class _Dispatcher:
 
     async def control(self, role, op, only=None, **fields):
         from common.protocol.messages import PROTOCOL_VERSION, ControlReply
-        from router.errors import EngineError
+        from router.core.errors import EngineError
 
         self.sent.append((role, op, fields))
         if role in self.fail:
@@ -261,9 +261,9 @@ class _Dispatcher:
 def test_sleep_control_keeps_what_each_release_did_and_refuses_a_resume_without_weights():
     import asyncio
 
-    from router.control import WeightControl
-    from router.errors import EngineError
-    from router.sleep import SleepControl, components_of
+    from router.control.fanout import WeightControl
+    from router.core.errors import EngineError
+    from router.control.sleep import SleepControl, components_of
 
     every = components_of(["weights"])
 

@@ -38,8 +38,8 @@ from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATEN
 from conftest import reference_pipeline
 from family_harness import InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
-from router.request_params import check_image_fields, check_model_fields, to_params
-from router.schemas import FieldError, GenerateBody
+from router.core.request_params import check_image_fields, check_model_fields, to_params
+from router.api.schemas import FieldError, GenerateBody
 
 TOL = 1e-4
 RECOMPUTE_TOL = 1e-5
@@ -273,7 +273,7 @@ def _refused(info, field: str, **body) -> str:
 def test_router_rules_for_images(engines):
     clip, a14b, ti2v = (engines[k].info for k in ("clip", "a14b", "ti2v"))
     assert "makes videos from an image" in _refused(clip, "image")
-    assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/images.py
+    assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/api/images.py
     assert "first-last-frame" in _refused(clip, "last_image", image="x", last_image="y")
     assert _check(a14b, image="x", last_image="y")
     assert "needs image" in _refused(ti2v, "last_image", last_image="y")

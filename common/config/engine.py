@@ -16,7 +16,7 @@ import torch
 from common.protocol.messages import ROLES, CacheParams
 
 CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
-# Where /v1/videos jobs outlive the router (router/job_store.py): by default one dir per address the engine
+# Where /v1/videos jobs outlive the router (router/openai/job_store.py): by default one dir per address the engine
 # listens on, below a root that the variable overrides (so that tests keep engines away from the user's). Two
 # engines on one host (other ports) never share a dir; the same flags after a restart find the same one.
 DEFAULT_DATA_ROOT, DATA_DIR_ENV = "~/.cache/disagg-diffusion/jobs", "DISAGG_DATA_DIR"
@@ -81,7 +81,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_jobs: int = 64
     job_ttl_s: float = 3600.0
     data_dir: str = msgspec.field(default_factory=default_data_dir)  # the jobs' rows and files; one engine each
-    # A request held by a worker that died runs again, up to this many runs in all (router/attempts.py);
+    # A request held by a worker that died runs again, up to this many runs in all (router/link/attempts.py);
     # while a role has no ready worker, a request waits this long (within its deadline) for one.
     max_attempts: int = 3
     worker_wait_s: float = 60.0

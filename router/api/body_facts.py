@@ -1,0 +1,99 @@
+"""The limits a running engine enforces on request bodies, as JSON-schema keywords for ``/openapi.json``.
+
+What does not depend on the engine is in the body models themselves (router/api/schemas.py); what its flags
+(``--max-n``, ``--max-steps``, sizes, ``--request-timeout``, ``--max-lora-rank``) and its model directory (the
+size multiple, the fields the family takes, images, dynamic shifting) decide is said here, by body model
+(its schema's ``title``) and property. The router's checks (router/core/request_params.py) stay the authority;
+these facts say the same thing to clients and fuzzers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+from common.config.engine import EngineConfig
+from common.diffusion.cache_signals import cache_problem
+from common.diffusion.model_info import ModelInfo
+from common.protocol.messages import CacheMethod
+from router.openai.routes import served_model_id
+from router.core.request_params import size_multiple
+
+NULL_ONLY = {"type": "null"}  # a field this model refuses whatever its value: only null (or left out)
+MAX_ENUM = 256  # the most values an enum may list; past it the schema says less (a pattern, bounds)
+
+
+def _frames(config: EngineConfig, info: ModelInfo) -> list[int]:
+    if not info.family.video:
+        return [1]
+    return list(range(1, config.limits.max_num_frames + 1, 4))  # 4k+1
+
+
+def _sizes(multiple: int, config: EngineConfig) -> dict:
+    """``"WIDTHxHEIGHT"`` (the OpenAI fields): an enum while the engine takes few sizes, else a pattern."""
+    widths = range(multiple, config.limits.max_width + 1, multiple)
+    heights = range(multiple, config.limits.max_height + 1, multiple)
+    if len(widths) * len(heights) <= MAX_ENUM:
+        return {"enum": [f"{w}x{h}" for h in heights for w in widths]}
+    return {"pattern": "^[1-9][0-9]*[xX][1-9][0-9]*$"}
+
+
+def _seconds(info: ModelInfo, frames: list[int]) -> dict:
+    values = [f"{(f - 1) / info.fps:g}" for f in frames if f > 1]
+    return {"enum": values} if 0 < len(values) <= MAX_ENUM else {"pattern": "^[0-9]*\\.?[0-9]+$"}
+
+
+def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
+    """The fields every generation body shares (/generate, /rollout/generate, images, videos)."""
+    limits, family = config.limits, info.family
+    fixed = family.fixed_max_sequence_length(info)
+    methods = [m for m in get_args(CacheMethod) if cache_problem(m, family, config.workers, info) is None]
+    facts = {
+        "prompt": {"maxLength": limits.max_prompt_chars},
+        "negative_prompt": {"maxLength": limits.max_prompt_chars},
+        "num_inference_steps": {"minimum": 2 if info.scheduler_config.get("shift_terminal") else 1,
+                                "maximum": limits.max_steps},
+        "n": {"maximum": limits.max_n},
+        "timeout_s": {"maximum": limits.request_timeout_s},
+        "max_sequence_length": {"enum": [fixed]} if fixed else {"maximum": family.max_sequence_length_limit},
+        "cache": {"properties": {"method": {"enum": methods}}} if methods else NULL_ONLY,
+    }
+    for name in ("max_sequence_length", "true_cfg_scale", "guidance_scale_2"):
+        if name not in family.fields or (name == "guidance_scale_2" and info.boundary_ratio is None):
+            facts[name] = NULL_ONLY
+    if family.cfg_field != "guidance_scale" and family.embedded_guidance(info, 1.0) is None:
+        facts["guidance_scale"] = NULL_ONLY
+    if not info.dynamic_shifting:
+        facts["mu"] = NULL_ONLY
+    if family.image_input(info) is None:
+        facts["image"] = NULL_ONLY
+    if family.last_image_input(info) is None:
+        facts["last_image"] = NULL_ONLY
+    facts["num_frames"] = {"enum": _frames(config, info)}
+    return facts
+
+
+def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
+    """Body model title -> what this engine adds to its schema: ``properties`` (property -> JSON-schema
+    keywords, merged into its non-null form; ``NULL_ONLY``: refused whatever its value) and ``required``."""
+    limits, multiple = config.limits, size_multiple(info)
+    common = _generation(config, info)
+    steps = {"maxItems": limits.max_steps}
+    native = {
+        **common,
+        "height": {"minimum": multiple, "maximum": limits.max_height, "multipleOf": multiple},
+        "width": {"minimum": multiple, "maximum": limits.max_width, "multipleOf": multiple},
+        "sigmas": steps,
+        "timesteps": {**steps, "items": {"maximum": float(info.num_train_timesteps)}},
+    }
+    openai = {**common, "size": _sizes(multiple, config), "model": {"enum": [served_model_id(Path(info.path))]}}
+    rank = {"properties": {"rank": {"maximum": limits.max_lora_rank}}}
+    facts = {"GenerateBody": {"properties": native},
+             "RolloutBody": {"properties": {**native, "sde_step_indices": steps}},
+             "ImagesBody": {"properties": openai},
+             "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])}},
+             "LoadLoraTensorsBody": rank, "LoraFromMemoryBody": rank}
+    if info.family.image_input(info) == "required":
+        for title in ("GenerateBody", "RolloutBody", "VideoBody"):
+            facts[title]["required"] = ["prompt", "image"]
+    return facts

@@ -1,0 +1,113 @@
+"""LoRA adapters across every denoise worker: load (from a path or the trainer's tensors), unload, list.
+
+The router keeps the table of loaded adapters (what every worker answered), so
+that a request naming an adapter that is not loaded is refused before any work,
+and assigns each name's versions. It also keeps what each was loaded from (the
+path, or the trainer's tensors it was posted with), so that a denoise worker
+that restarted gets them all again before any request is routed to it; an
+adapter the trainer put into shared memory or broadcast over its weights group
+never passed through here, so a restarted worker lacks it until the trainer
+pushes it again. No sockets here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+from common.protocol.http_tensors import body_to_tensor
+from common.protocol.messages import LORA_BLOB, LoraTensor
+from router.control.fanout import FROM_MEMORY, ControlCall, control_failure
+from router.api.schemas import FieldError, LoadLoraBody, LoadLoraTensorsBody
+
+
+def missing_adapter(name: str) -> str:
+    """How a worker's list of what it lacks names an adapter (beside expert names)."""
+    return f"lora:{name}"
+
+
+class LoraControl:
+    role = "denoise"
+
+    def __init__(self, control: ControlCall):
+        self._control = control
+        self.table: dict[str, dict] = {}  # name -> what the workers reported for it
+        # name -> (tensors, fields) it was loaded with; FROM_MEMORY: from the trainer's memory, not replayable
+        self._sources: dict[str, tuple[dict | None, dict] | str] = {}
+        self.on_supplied: Callable[[str], None] | None = None  # every worker holds this adapter's latest version
+        self._lock = asyncio.Lock()  # one change at a time, so versions and the table stay in step
+
+    def check_name(self, name: str | None) -> None:
+        if name is not None and name not in self.table:
+            raise FieldError("lora_name", f"no adapter {name!r} is loaded (GET /v1/lora_adapters lists them)")
+
+    def adapters(self) -> dict:
+        return {"adapters": [self.table[n] for n in sorted(self.table)]}
+
+    async def load_path(self, body: LoadLoraBody) -> dict:
+        return await self._load(body.lora_name, None, path=body.lora_path,
+                                load_into_transformer_2=body.load_into_transformer_2)
+
+    async def load_tensors(self, body: LoadLoraTensorsBody) -> dict:
+        try:
+            blob = body_to_tensor(body.blob.model_dump()).reshape(-1)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FieldError("blob", f"not a tensor body {{dtype, shape, data}}: {e}") from None
+        if not blob.is_floating_point():
+            raise FieldError("blob", f"must be floating point, got {blob.dtype}")
+        specs = [LoraTensor(name=t.name, shape=t.shape) for t in body.tensors]
+        return await self._load(body.lora_name, {LORA_BLOB.name: blob}, lora_tensors=specs, lora_rank=body.rank,
+                                lora_alpha=body.alpha, module=body.module)
+
+    async def load_from_memory(self, op: str, name: str, **fields) -> dict:
+        """An adapter in the trainer's shared-memory buckets or broadcast over its group (``op``, as for weights)."""
+        return await self._load(name, None, op=op, source=FROM_MEMORY, **fields)
+
+    async def _load(self, name: str, tensors: dict[str, torch.Tensor] | None, op: str = "load_lora",
+                    source: str | None = None, **fields) -> dict:
+        async with self._lock:
+            version = self.table.get(name, {}).get("lora_version", 0) + 1
+            t0 = time.perf_counter()
+            replies = await self._control(self.role, op, tensors=tensors, lora_name=name, version=version, **fields)
+            failure = control_failure(replies, self.role)
+            if failure is not None:
+                raise failure
+            self.table[name] = dict(replies[0].data)
+            self._sources[name] = source or (tensors, fields)
+            self._supplied(name)
+        return {**self.table[name], "seconds": time.perf_counter() - t0,
+                "workers": [{"index": r.index, "sha256": r.data.get("sha256")} for r in replies]}
+
+    async def unload(self, name: str) -> dict:
+        async with self._lock:
+            self.check_name(name)
+            failure = control_failure(await self._control(self.role, "unload_lora", lora_name=name), self.role)
+            if failure is not None:
+                raise failure
+            del self.table[name], self._sources[name]
+            self._supplied(name)
+        return {"lora_name": name, "unloaded": True}
+
+    def _supplied(self, name: str) -> None:
+        if self.on_supplied is not None:
+            self.on_supplied(missing_adapter(name))
+
+    async def replay(self, worker) -> set[str]:
+        """Load every listed adapter, at its listed version, into a worker that restarted without them.
+        Returns what it lacks: the adapters from the trainer's memory (``missing_adapter`` names)."""
+        async with self._lock:
+            missing = set()
+            for name in sorted(self.table):
+                if self._sources[name] == FROM_MEMORY:
+                    missing.add(missing_adapter(name))
+                    continue
+                tensors, fields = self._sources[name]
+                replies = await self._control(self.role, "load_lora", tensors=tensors, only=worker, lora_name=name,
+                                              version=self.table[name]["lora_version"], **fields)
+                failure = control_failure(replies, self.role)
+                if failure is not None:
+                    raise failure
+            return missing

@@ -1,0 +1,256 @@
+"""OpenAI-style endpoints over the engine: ``/v1/models``, ``/v1/images/generations`` and ``/v1/videos`` jobs.
+
+Shapes as OpenAI's API defines them, so that the official ``openai`` package
+works unchanged (``base_url=".../v1"``). An image is a one-frame generation
+returned as PNG; a video is a job whose content is an MP4. The engine's own fields
+(negative prompt, steps, guidance, seed, LoRA) come as extra body fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from common.protocol.messages import OUTPUT
+from common.families.builtin import BUILTINS
+from router.api import media
+from router.link.cancel import JOB_DELETED
+from router.api.bodies import check_declared_length, parse_body, read_form
+from router.core.errors import EngineError
+from router.openai.job_store import JobRow, JobStore
+from router.openai.jobs import IMAGE, VIDEO, JobTable, Runner, Started, wait_for_room
+from router.openai.schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
+from router.api import answers
+from router.api.openapi import BINARY, IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, ok, request_body
+from router.core.progress import REQUEST_ID_PARAMETER, request_id_of
+from router.api.schemas import FieldError, GenerateBody
+
+# OpenAI's name for the engine's image field: errors about the image name what the caller sent.
+INPUT_REFERENCE = {"image": "input_reference"}
+POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
+# /v1/videos as multipart form fields: input_reference is an image file there; in JSON {"image_url": "data:..."}.
+VIDEO_FORM_FILES = {"input_reference": {**BINARY, "description": "image-to-video models: the first frame"}}
+
+
+def served_model_id(path: Path) -> str:
+    """The model's name: a built-in's (``tiny``), else its directory's."""
+    spec = path.name.rsplit("-", 1)[0]
+    return spec if spec in BUILTINS and path.name != spec else path.name
+
+
+class OpenAIRoutes:
+    def __init__(self, routes, store: JobStore):
+        self.routes, self.info, self.config = routes, routes.info, routes.config
+        self.dispatcher = routes.dispatcher
+        self.model_id = served_model_id(Path(self.info.path))
+        limits = self.config.limits
+        # A job's progress is its request's, as GET /progress/{id} says (router/core/progress.py).
+        self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, routes.in_flight.percent)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
+
+    def _params(self, gen: GenerateBody, from_seconds: bool = False):
+        """The request's parameters; a bound that ``size`` (or ``seconds``) broke names that OpenAI field."""
+        renames = {"width": "size", "height": "size", **INPUT_REFERENCE,
+                   **({"num_frames": "seconds"} if from_seconds else {})}
+        try:
+            return self.routes.params_for(gen)
+        except FieldError as e:
+            if e.field in renames:
+                raise FieldError(renames[e.field], str(e)) from None
+            raise
+
+    def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
+        extra = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
+                                                "guidance_scale_2", "true_cfg_scale", "seed", "lora_name",
+                                                "lora_scale", "timeout_s", "max_sequence_length")}
+        if getattr(body, "image", None) is not None:
+            extra["image"] = body.image
+        if "cache" in body.model_fields_set:  # left out: the engine's --cache; null: off
+            extra["cache"] = body.cache
+        return GenerateBody(prompt=body.prompt, width=width, height=height, num_frames=frames, n=n,
+                            output_type=output_type, **extra)
+
+    # --- GET /v1/models ---------------------------------------------------------------
+    async def models(self) -> JSONResponse:
+        # Engine extensions (the web page starts from them): the request fields' serving defaults, whether it
+        # makes videos (/v1/videos) or images, whether it takes an input image, and its videos' frame rate.
+        info = self.info
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
+             "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
+             "defaults": info.defaults, "video": info.family.video,
+             "image_input": info.family.image_input(info) or "none", "fps": info.fps}]})
+
+    # --- POST /v1/images/generations --------------------------------------------------
+    async def images(self, request: Request) -> JSONResponse:
+        rid = request_id_of(request)
+        body = ImagesBody.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
+        self._check_model(body.model)
+        width, height = parse_size(body.size, self.info.defaults)
+        params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
+        with self.routes.in_flight.claim(rid):
+            self.dispatcher.admit(params.n)
+            outcome = await self.routes.cancels.run(rid, self.routes.submit(params, rid, body.timeout_s), request)
+        pngs = await asyncio.to_thread(
+            lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
+        await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
+        return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
+                             "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
+
+    # --- /v1/videos -----------------------------------------------------------------------
+    async def _video_fields(self, request: Request) -> dict:
+        """The body as fields: multipart form (the official client) or JSON. ``input_reference`` (image to
+        video) becomes the engine's ``image``: a file part's bytes as base64, or JSON's
+        ``{"image_url": "data:..."}``."""
+        limit = self.routes.sample_body_limit()
+        if "multipart/form-data" not in request.headers.get("content-type", ""):
+            fields = await parse_body(request, limit)
+            ref = fields.pop("input_reference", None) if isinstance(fields, dict) else None
+            if ref is not None:
+                if not isinstance(ref, dict) or set(ref) != {"image_url"} or not isinstance(ref["image_url"], str):
+                    raise FieldError("input_reference", 'must be {"image_url": "data:image/...;base64,..."} (or '
+                                     "a multipart file)")
+                fields["image"] = ref["image_url"]
+            return fields
+        check_declared_length(request, limit, required=True)  # the form parser reads the body itself
+        form = await read_form(request, limit)  # text fields that are not UTF-8: a 400 naming them
+        try:
+            fields = {k: v for k, v in form.items() if isinstance(v, str)}
+            ref = form.get("input_reference")
+            if ref is not None:
+                if isinstance(ref, str):
+                    raise FieldError("input_reference", "must be an image file (multipart), not a text field")
+                raw = await ref.read(self.config.limits.max_image_bytes + 1)
+                fields["image"] = base64.b64encode(raw).decode("ascii")  # router/api/images.py checks it whole
+        finally:
+            await form.close()
+        return fields
+
+    async def create_video(self, request: Request) -> JSONResponse:
+        body = VideoBody.model_validate(await self._video_fields(request))
+        size, seconds, run = await self._video_run(body)
+        request_fields = body.model_dump(mode="json", exclude_unset=True)  # what runs it again after a restart
+        return self._job(self.jobs.create(body.prompt, self.model_id, size, seconds, request_fields, run))
+
+    async def _video_run(self, body: VideoBody) -> tuple[str, str, Runner]:
+        """Every check of a video job (a new one, or one run again after a restart): its size, its seconds,
+        and how to run it."""
+        self._check_model(body.model)
+        if not self.info.family.video:
+            raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
+                             "use /v1/images/generations")
+        width, height = parse_size(body.size, self.info.defaults)
+        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
+        gen = self._generate_body(body, width, height, frames, 1, "frames")
+        params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
+        images = await self.routes.images_of(gen, names=INPUT_REFERENCE)
+        timeout_s = body.timeout_s or self.config.limits.request_timeout_s
+
+        async def run(started: Started) -> bytes:
+            await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
+            request_id = uuid.uuid4().hex
+            started(request_id)
+            outcome = await self.routes.cancels.run(request_id, self.routes.submit(params, request_id, timeout_s,
+                                                                                   images))
+            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
+
+        return f"{width}x{height}", seconds_of(frames, self.info.fps), run
+
+    async def rerun(self, row: JobRow, request: dict) -> Runner:
+        """A job stored by an earlier start, checked again as a new one (router/openai/jobs.py fails it if it raises)."""
+        if row.model != self.model_id:
+            raise FieldError("model", f"this engine now serves {self.model_id!r}, not {row.model!r}")
+        try:
+            body = VideoBody.model_validate(request)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise FieldError(".".join(map(str, first["loc"])) or "body", first["msg"]) from None
+        return (await self._video_run(body))[2]
+
+    def _job(self, described: dict) -> JSONResponse:
+        return JSONResponse(described, headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+    # Path parameters are read by hand, like the bodies: a bad one is the router's 400, never FastAPI's 422.
+    async def retrieve_video(self, request: Request) -> JSONResponse:
+        return self._job(self.jobs.describe(request.path_params["video_id"], VIDEO))
+
+    async def list_videos(self, request: Request) -> JSONResponse:
+        return self._listed(request, VIDEO)
+
+    async def list_images(self, request: Request) -> JSONResponse:
+        return self._listed(request, IMAGE)
+
+    def _listed(self, request: Request, kind: str) -> JSONResponse:
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise FieldError("order", f"must be asc or desc, got {order!r}")
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise FieldError("limit", f"must be an integer within 1..100, got {limit!r}")
+        data, more = self.jobs.listed(kind, q.get("after"), int(limit), order)
+        return JSONResponse({"object": "list", "data": data, "has_more": more,
+                             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+    async def delete_video(self, request: Request) -> JSONResponse:
+        video_id = request.path_params["video_id"]
+        if await self.jobs.delete(video_id):  # it had not ended: its request was cancelled
+            self.routes.metrics.cancelled.labels(JOB_DELETED).inc()
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+    async def video_content(self, request: Request) -> Response:
+        video_id = request.path_params["video_id"]
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise FieldError("variant", f"only video (the MP4) is kept, not {variant!r}")
+        return Response(await self.jobs.content(video_id, VIDEO), media_type=media.MP4,
+                        headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+
+    async def image_content(self, request: Request) -> Response:
+        image_id = request.path_params["image_id"]
+        return Response(await self.jobs.content(image_id, IMAGE), media_type=media.PNG,
+                        headers={"Content-Disposition": f'attachment; filename="{image_id}.png"'})
+
+
+def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
+    app.add_api_route("/v1/models", api.models, methods=["GET"], summary="The served model (OpenAI-style)",
+                      responses={**ok(answers.Models), **errors(401)})
+    app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
+                      summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
+                      openapi_extra={**request_body(ImagesBody), "parameters": [REQUEST_ID_PARAMETER]},
+                      responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
+    app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
+                      summary="Create a video job (OpenAI-style; multipart form or JSON)",
+                      openapi_extra=request_body(VideoBody, form=VIDEO_FORM_FILES),
+                      responses={**ok(answers.Job, "the job, queued"), **errors(400, 401, 413, 429)})
+    app.add_api_route("/v1/videos", api.list_videos, methods=["GET"], summary="The video jobs held",
+                      openapi_extra=LIST_QUERY, responses={**ok(answers.Jobs), **errors(400, 401)})
+    app.add_api_route("/v1/videos/{video_id}", api.retrieve_video, methods=["GET"], openapi_extra=VIDEO_ID_PATH,
+                      summary="A video job: status and progress", responses={**ok(answers.Job), **errors(401, 404)})
+    app.add_api_route("/v1/videos/{video_id}", api.delete_video, methods=["DELETE"], openapi_extra=VIDEO_ID_PATH,
+                      summary="Delete a video job (one not yet ended is cancelled first)",
+                      responses={**ok(answers.JobDeleted), **errors(401, 404)})
+    app.add_api_route("/v1/videos/{video_id}/content", api.video_content, methods=["GET"],
+                      openapi_extra={"parameters": [*VIDEO_ID_PATH["parameters"], {
+                          "name": "variant", "in": "query", "required": False,
+                          "schema": {"type": "string", "enum": ["video"]}}]},
+                      summary="A completed job's MP4", response_class=Response,
+                      responses={**ok(None, "the MP4", media=[media.MP4]), **errors(400, 401, 404, 409, 500)})
+    # The engine's own (not OpenAI's): the images /v1/images/generations made, kept as --job-ttl says.
+    app.add_api_route("/v1/images", api.list_images, methods=["GET"], openapi_extra=LIST_QUERY,
+                      summary="The images generated recently (engine extension)",
+                      responses={**ok(answers.Jobs), **errors(400, 401)})
+    app.add_api_route("/v1/images/{image_id}/content", api.image_content, methods=["GET"],
+                      openapi_extra=IMAGE_ID_PATH, summary="A generated image's PNG (engine extension)",
+                      response_class=Response, responses={**ok(None, "the PNG", media=[media.PNG]),
+                                                          **errors(401, 404, 500)})
