@@ -1,0 +1,1 @@
+"""SANA (``SanaPipeline``): see :mod:`common.families.sana.binding`."""
