@@ -99,12 +99,12 @@ class Runner:
     def __init__(self, model_dir: Path):
         self.info = read_model(model_dir)
         self.family = f = self.info.family
-        self.encoder = f.load_text_encoder(self.info, DTYPE, CPU)
+        self.encoder = f.text.load_encoder(self.info, DTYPE, CPU)
         self.policy = Policy.load(self.info, DTYPE, CPU)
         self.texts = TextTable(f, CPU, self.policy.dtype)
         self.serving = schedulers.load_serving_template(self.info)
         self.rollout = schedulers.rollout_template_for(self.serving)
-        self.images = f.load_image_conditioner(self.info, DTYPE, CPU) if f.image_input(self.info) == "required" else None
+        self.images = f.condition.load(self.info, DTYPE, CPU) if f.condition.image_input(self.info) == "required" else None
 
     def params(self, i: int, steps: int, height: int | None, width: int | None, frames: int | None) -> GenerationParams:
         d = self.info.defaults
@@ -117,18 +117,18 @@ class Runner:
         return GenerationParams(**fields)
 
     def task(self, p: GenerationParams) -> DenoiseTask:
-        guided = uses_guidance(self.family.cfg_scale(p))
+        guided = uses_guidance(self.family.guidance.scale(p))
         wires = self.encoder.wire_tensors([p.prompt, p.negative_prompt] if guided else [p.prompt],
                                           p.max_sequence_length)
         pixels = {}
         if self.images is not None:
             pixels = self.images.wire_tensors(picture(p.height, p.width, p.seed), None, p.height, p.width,
                                               p.num_frames)
-        beside = {k: t for k, t in pixels.items() if k in self.family.image_text_fields}
+        beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
         uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving, self.rollout, CPU,
-                                  image=self.family.image_conditioning(pixels))
+                                  image=self.family.condition.from_wire(pixels))
 
     @torch.no_grad()
     def pairs(self, prompt: int, p: GenerationParams) -> list[Pair]:
@@ -148,7 +148,7 @@ class Runner:
                     out.append(Pair(prompt, b, task.step, float(rel_l1(signals[b], before[1][b])[0]),
                                     float(rel_l1(raw[b].flatten(1), before[2][b].flatten(1)).mean())))
             before = (name, signals, raw)
-            v = raw[0] if len(raw) == 1 else self.family.guide(raw[0], raw[1], policy.guidance_scale(name, x))
+            v = raw[0] if len(raw) == 1 else self.family.guidance.guide(raw[0], raw[1], policy.guidance_scale(name, x))
             task.advance(v)
         return out
 

@@ -801,7 +801,7 @@ def main(argv: list[str] | None = None) -> dict:
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
                         output_type=args.output_type, n=args.n, seed=args.seed, video=video,
                         true_cfg=PRESETS[args.preset].get("true_cfg"),
-                        images=args.images if info.family.image_input(info) == "required" else 0)
+                        images=args.images if info.family.condition.image_input(info) == "required" else 0)
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)

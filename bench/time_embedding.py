@@ -34,9 +34,9 @@ def schedule(info, steps: int) -> torch.Tensor:
     p = GenerationParams(prompt="", negative_prompt="", height=d["height"], width=d["width"],
                          num_frames=d.get("num_frames", 1), num_inference_steps=steps,
                          guidance_scale=float(d.get("guidance_scale", 1.0)), seed=0)
-    seq_len = info.family.image_seq_len(info, p.height, p.width, p.num_frames)
+    seq_len = info.family.latents.image_seq_len(info, p.height, p.width, p.num_frames)
     scheduler = schedulers.build(schedulers.load_serving_template(info), p, image_seq_len=seq_len,
-                                 default_sigmas=info.family.default_sigmas)
+                                 default_sigmas=info.family.guidance.default_sigmas)
     return scheduler.timesteps.double()
 
 
@@ -50,7 +50,7 @@ def changes(model_dir: str | Path, steps: int) -> dict[tuple[str, str], torch.Te
         if not (info.path / expert / "config.json").is_file():
             continue
         mine = t[t >= boundary] if expert == "transformer" else t[t < boundary]
-        model = info.family.load_expert(info.path / expert, torch.float32)
+        model = info.family.transformer.load(info.path / expert, torch.float32)
         for emb, c in embedding_changes(model, mine).items():
             out[(expert, emb)] = c
     return out

@@ -72,18 +72,19 @@ def _decoder(case: str, tiling: VaeTiling, device: torch.device):
         from common.families.qwen_image.vae import QwenImageDecoder
 
         info = read_model(ensure_builtin("tiny-qwen-image"))  # for its token grid: 2x2 latents per token, 8x VAE
-        decoder = QwenImageDecoder(info, AutoencoderKLQwenImage(base_dim=32).to(device).eval(), device, tiling)
-        return decoder, torch.randn(1, (c["height"] // 16) * (c["width"] // 16), 64, generator=g)
+        decoder = QwenImageDecoder(AutoencoderKLQwenImage(base_dim=32).to(device).eval(), device, tiling)
+        packed = torch.randn(1, (c["height"] // 16) * (c["width"] // 16), 64, generator=g)
+        return decoder, info.family.latents.unpack(packed, info, c["height"], c["width"])
     from diffusers import AutoencoderKL
 
-    from common.families.sd3.vae import SD3Decoder
+    from common.diffusion.parts.decoder import AutoencoderKLDecoder
 
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, sample_size=512, layers_per_block=2,
                         block_out_channels=(32, 64, 128, 128), norm_num_groups=32,
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
-    return SD3Decoder(vae.to(device).eval(), device, tiling), torch.randn(1, 16, c["height"] // 8, c["width"] // 8,
-                                                                            generator=g)
+    return AutoencoderKLDecoder(vae.to(device).eval(), device, tiling), torch.randn(1, 16, c["height"] // 8,
+                                                                                    c["width"] // 8, generator=g)
 
 
 def measure_one(case: str, mode: str, out: Path, device: torch.device) -> dict:

@@ -17,13 +17,14 @@ class DecodeStage(QueuedBatchStage):
     role = "decode"
 
     def load(self) -> None:
-        info = read_model(self.config.model)
+        info = self.info = read_model(self.config.model)
         tiling = VaeTiling.of(self.config.vae_tiling, self.config.vae_tiling_pixels)
-        self.decoder = info.family.load_decoder(info, self.dtype, self.device, tiling)
+        self.decoder = info.family.decoder.load(info, self.dtype, self.device, tiling)
         self.memory = self.component_memory("vae", {"decoder": self.decoder})
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        return self.decoder.decode(latents, height, width)
+        # Packed latents (what the pipeline stepped on) as the VAE takes them.
+        return self.decoder.decode(self.info.family.latents.unpack(latents, self.info, height, width), height, width)
 
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
         """The samples of every queued request whose latents have the same shape and size are decoded together

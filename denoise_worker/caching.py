@@ -95,6 +95,6 @@ def _cached_plan(policy: Policy, name: str, task: DenoiseTask, pieces: list[Mode
         full = [task.cache.output(b, mask, computed.get(b)) for b, mask in enumerate(masks)]
         if len(full) == 1:
             return full[0]
-        return policy.family.guide(full[0], full[1], policy.guidance_scale(name, pieces[0]))
+        return policy.family.guidance.guide(full[0], full[1], policy.guidance_scale(name, pieces[0]))
 
     return StepPlan(inputs, finish)

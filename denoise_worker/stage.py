@@ -117,15 +117,15 @@ class DenoiseStage(Stage):
 
     def new_task(self, msg: DenoiseRequest, tensors: dict[str, torch.Tensor]) -> DenoiseTask:
         p = msg.params
-        cond = self.texts.conditioning(self._text(tensors, {f.name: f.name for f in self.family.text_fields}),
+        cond = self.texts.conditioning(self._text(tensors, {f.name: f.name for f in self.family.text.fields}),
                                        p.max_sequence_length)
         uncond = None
-        if uses_guidance(self.family.cfg_scale(p)):
-            negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text_fields})
+        if uses_guidance(self.family.guidance.scale(p)):
+            negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text.fields})
             uncond = self.texts.conditioning(negative, p.max_sequence_length)
-        image = self.family.image_conditioning({f.name: tensors[f.name] for f in self.family.image_fields
+        image = self.family.condition.from_wire({f.name: tensors[f.name] for f in self.family.condition.fields
                                                 if f.name in tensors})
-        if image is None and self.family.image_input(self.info) == "required":
+        if image is None and self.family.condition.image_input(self.info) == "required":
             raise RequestError(f"{self.family.pipeline} needs the image tensors {IMAGE_CONDITION.name}")
         task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p),
@@ -140,8 +140,8 @@ class DenoiseStage(Stage):
         if missing:
             raise RequestError(f"{self.family.pipeline} needs the text tensors {', '.join(missing)}")
         text = {name: tensors[wire] for name, wire in names.items()}
-        text.update({f.name: tensors[f.name] for f in self.family.image_fields
-                     if f.name in tensors and f.name in self.family.image_text_fields})
+        text.update({f.name: tensors[f.name] for f in self.family.condition.fields
+                     if f.name in tensors and f.name in self.family.condition.text_fields})
         return text
 
     # --- continuous batching ----------------------------------------------
@@ -159,7 +159,7 @@ class DenoiseStage(Stage):
         """The oldest request plus others that can share its forward, up to ``max_batch`` samples in all.
 
         Sharing needs the same latent shape, size (packed latents of two sizes may share a shape), expert and
-        texts the transformer takes together (``Binding.text_key``: texts of one length, unless it masks
+        texts the transformer takes together (``Binding.text.key``: texts of one length, unless it masks
         padding); each request keeps its own timestep, text embeddings and guidance scale. A request
         larger than ``max_batch`` runs alone, its forward in parts.
         """
@@ -167,7 +167,7 @@ class DenoiseStage(Stage):
             p, task = a.task.params, a.task
             texts = [t for t in (task.cond, task.uncond) if t is not None]
             return (tuple(task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(task.timestep),
-                    self.family.text_key(texts))
+                    self.family.text.key(texts))
 
         oldest = min(self.active, key=lambda a: a.seq)
         batch, samples = [], 0
@@ -184,7 +184,7 @@ class DenoiseStage(Stage):
         before = None
         if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the thread count
             p = tasks[0].params  # the tasks of one forward have one size
-            tokens = self.family.image_seq_len(self.info, p.height, p.width, p.num_frames)
+            tokens = self.family.latents.image_seq_len(self.info, p.height, p.width, p.num_frames)
 
             def before(inputs):
                 expert = self.policy.experts[self.policy.expert_for(inputs[0].timestep)]

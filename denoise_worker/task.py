@@ -26,7 +26,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.diffusion import schedulers
-from common.diffusion.binding import Conditioning
+from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
@@ -36,9 +36,9 @@ from common.diffusion.step_cache import RequestCache
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
     family = info.family
-    shape = family.noise_shape(info, params.height, params.width, params.num_frames)
+    shape = family.latents.noise_shape(info, params.height, params.width, params.num_frames)
     noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-    return family.pack(noise, info, params.height, params.width)
+    return family.latents.pack(noise, info, params.height, params.width)
 
 
 def sde_settings(params: GenerationParams) -> RolloutParams | None:
@@ -55,7 +55,7 @@ class DenoiseTask:
     uncond: Conditioning | None
     scheduler: object
     generators: list[torch.Generator]  # one per sample
-    latents: torch.Tensor  # [n, *latent] (the family's: Binding.latent_shape)
+    latents: torch.Tensor  # [n, *latent] (the family's: Binding.latents.shape)
     sde: RolloutParams | None  # None: the serving scheduler steps this request
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
@@ -69,9 +69,9 @@ class DenoiseTask:
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
                image: torch.Tensor | None = None):
         sde = sde_settings(params)
-        seq_len = info.family.image_seq_len(info, params.height, params.width, params.num_frames)
+        seq_len = info.family.latents.image_seq_len(info, params.height, params.width, params.num_frames)
         scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
-                                     image_seq_len=seq_len, default_sigmas=info.family.default_sigmas)
+                                     image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
         if sde is not None:
             schedulers.check_flow_match_convention(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
@@ -99,9 +99,9 @@ class DenoiseTask:
 
     def model_input(self) -> ModelInput:
         p, family = self.params, self.info.family
-        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, family.cfg_scale(p), p.guidance_scale_2,
-                          self.lora, family.token_grid(self.info, p.height, p.width),
-                          family.embedded_guidance(self.info, p.guidance_scale), self.image)
+        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, family.guidance.scale(p), p.guidance_scale_2,
+                          self.lora, family.latents.token_grid(self.info, p.height, p.width),
+                          family.guidance.embedded(self.info, p.guidance_scale), self.image)
 
     def sde_type_now(self) -> str:
         """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""
@@ -118,12 +118,12 @@ class DenoiseTask:
                 float(sigma_max(s)), self.log_prob_mask() is not None)
 
     def log_prob_mask(self) -> torch.Tensor | None:
-        """Which latent elements this request's log-probs average over (None: all; see Binding.log_prob_mask)."""
-        return self.info.family.log_prob_mask(self.info, self.latents, self.image)
+        """Which latent elements this request's log-probs average over (None: all; see Binding.condition.log_prob_mask)."""
+        return self.info.family.condition.log_prob_mask(self.info, self.latents, self.image)
 
     def output_latents(self) -> torch.Tensor:
         """The final latents as the family's pipeline returns them."""
-        return self.info.family.final_latents(self.info, self.latents, self.image)
+        return self.info.family.condition.final_latents(self.info, self.latents, self.image)
 
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""

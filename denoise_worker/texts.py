@@ -7,7 +7,8 @@ import hashlib
 
 import torch
 
-from common.diffusion.binding import Binding, Conditioning, cond_to
+from common.diffusion.binding import Binding
+from common.diffusion.parts.text import Conditioning, cond_to
 
 
 def _digest(wire: dict[str, torch.Tensor], length: int) -> tuple:
@@ -38,7 +39,7 @@ class TextTable:
         key = _digest(wire, max_sequence_length)
         hit = self.items.get(key)
         if hit is None:
-            hit = self.items[key] = cond_to(self.family.conditioning(wire, max_sequence_length), self.device,
+            hit = self.items[key] = cond_to(self.family.text.conditioning(wire, max_sequence_length), self.device,
                                             self.dtype)
             if len(self.items) > self.max_entries:
                 self.items.popitem(last=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.diffusion.binding import HIDDEN, text_kwargs
+from common.diffusion.parts.text import HIDDEN, text_kwargs
 from common.diffusion.policy import ModelInput
 
 # Multiply-accumulates (roughly samples x tokens x width^2 x blocks) below which a forward runs on one thread.

@@ -29,12 +29,12 @@ class EncoderStage(QueuedBatchStage):
         info = read_model(self.config.model)
         self.family = info.family
         text_device = self.config.text_encoder_device or self.spec.device
-        self.text_encoder = info.family.load_text_encoder(info, torch_dtype_for(text_device, self.config.dtype),
+        self.text_encoder = info.family.text.load_encoder(info, torch_dtype_for(text_device, self.config.dtype),
                                                           torch.device(text_device))
         self.images = None  # image-to-video models: the image encoder and the VAE's encoder half
-        if info.family.image_input(info) is not None:
+        if info.family.condition.image_input(info) is not None:
             tiling = VaeTiling.of(self.config.vae_tiling, self.config.vae_tiling_pixels)
-            self.images = info.family.load_image_conditioner(info, self.dtype, self.device, tiling)
+            self.images = info.family.condition.load(info, self.dtype, self.device, tiling)
         self.cache = EmbeddingCache(self.config.prompt_cache_bytes)
         self.memory = self.component_memory("text_encoder", {"text_encoder": self.text_encoder, "images": self.images})
 
@@ -46,7 +46,7 @@ class EncoderStage(QueuedBatchStage):
         for msg, _ in items:
             p = msg.params
             texts.add((p.prompt, p.max_sequence_length))
-            if uses_guidance(self.family.cfg_scale(p)):
+            if uses_guidance(self.family.guidance.scale(p)):
                 texts.add((p.negative_prompt, p.max_sequence_length))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
         for budget in sorted({length for (_, length), e in embeds.items() if e is None}):
@@ -64,7 +64,7 @@ class EncoderStage(QueuedBatchStage):
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
                 continue
-            out.append(self._forward(msg, embeds, elapsed, uses_guidance(self.family.cfg_scale(msg.params)), image,
+            out.append(self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
                                      time.perf_counter() - t1))
         return out
 

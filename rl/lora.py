@@ -19,7 +19,7 @@ trainer with :func:`set_lora_scale` before recomputing its log-probs.
 
 peft initialises ``lora_B`` to zero: a fresh adapter equals the base model.
 
-Family-generic: the default target modules are the served family's (``Binding.lora_targets``: Wan's
+Family-generic: the default target modules are the served family's (the transformer part's ``lora_targets``: Wan's
 attention projections, SD3's joint-attention projections of both streams as Flow-GRPO trains them), and
 :func:`save_lora` writes the file with that family's diffusers pipeline's ``save_lora_weights``.
 """
@@ -33,15 +33,15 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from common.diffusion.binding import Binding
+from common.diffusion.parts.transformer import ATTENTION_PROJECTIONS
 from common.diffusion.lora_format import LoraConfig as EngineLoraConfig
 from common.diffusion.lora_format import lora_sha256 as adapter_sha256
 from common.diffusion.lora_format import parse_state
 from rl.policy import TrainerPolicy
 
 # The attention projections of every block (Wan: self- and cross-attention, as diffusers' Wan LoRA scripts
-# target): every family's default unless its binding names its own (``Binding.lora_targets``).
-DEFAULT_TARGETS: tuple[str, ...] = Binding.lora_targets
+# target): every family's default unless its binding names its own (the transformer part's ``lora_targets``).
+DEFAULT_TARGETS: tuple[str, ...] = ATTENTION_PROJECTIONS
 DEFAULT_ADAPTER = "default"
 # peft names every adapter parameter with this prefix (lora_A, lora_B, ...).
 _LORA_PREFIX = "lora_"
@@ -73,7 +73,7 @@ def add_lora(
     """Freeze the base weights of every expert and add a trainable LoRA to ``expert``.
 
     ``alpha`` defaults to ``rank`` (scaling 1). ``target_modules`` defaults to the family's
-    (``policy.info.family.lora_targets``; :data:`DEFAULT_TARGETS` for Wan). ``seed`` makes ``lora_A``'s random
+    (``policy.info.family.transformer.lora_targets``; :data:`DEFAULT_TARGETS` for Wan). ``seed`` makes ``lora_A``'s random
     initialisation reproducible without touching the global RNG. No dropout, so the
     trainer's forward stays the deterministic function the engine evaluates.
     Returns the adapter's config (also ``policy.experts[expert].peft_config[adapter_name]``).
@@ -82,7 +82,7 @@ def add_lora(
         raise ValueError(f"rank must be >= 1, got {rank}")
     model = _expert(policy, expert)
     if target_modules is None:
-        target_modules = policy.info.family.lora_targets
+        target_modules = policy.info.family.transformer.lora_targets
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, lora_dropout=0.0,
                         init_lora_weights=True, target_modules=list(target_modules))
     freeze_base(policy)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.diffusion.binding import Conditioning, cond_to
+from common.diffusion.parts.text import Conditioning, cond_to
 from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
@@ -56,7 +56,7 @@ class TrainerPolicy:
         self.device = torch.device(device)
         self.dtype = dtype
         self.family = self.info.family
-        self.text_encoder = self.family.load_text_encoder(self.info, dtype, self.device)
+        self.text_encoder = self.family.text.load_encoder(self.info, dtype, self.device)
         settle_held(text_encoder=self.text_encoder)  # as the encoder worker's lies: the same embeddings
         self.policy = Policy.load(self.info, dtype, self.device, trainable=True)
         self._images = None  # the image side, loaded by the first image()
@@ -69,7 +69,7 @@ class TrainerPolicy:
         from common.protocol.images import image_from_array
 
         if self._images is None:
-            self._images = self.family.load_image_conditioner(self.info, self.dtype, self.device, self.vae_tiling)
+            self._images = self.family.condition.load(self.info, self.dtype, self.device, self.vae_tiling)
             settle_held(images=self._images)
         d = self.info.defaults
 
@@ -81,7 +81,7 @@ class TrainerPolicy:
         with torch.no_grad():
             wire = self._images.wire_tensors(first, last, height or d["height"], width or d["width"],
                                              num_frames or d["num_frames"])
-        condition = self.family.image_conditioning(wire)
+        condition = self.family.condition.from_wire(wire)
         return ImageInputs(wire, None if condition is None else condition.to(self.device))
 
     @property
@@ -101,8 +101,8 @@ class TrainerPolicy:
         image-to-video request's (its image embeds join each prompt's conditioning)."""
         length = max_sequence_length or self.info.defaults["max_sequence_length"]
         texts = [prompt, negative_prompt] if uses_guidance(guidance_scale) else [prompt]
-        beside = {} if image is None else {k: t for k, t in image.wire.items() if k in self.family.image_text_fields}
-        conds = [cond_to(self.family.conditioning({**w, **beside}, length), self.device, self.policy.dtype)
+        beside = {} if image is None else {k: t for k, t in image.wire.items() if k in self.family.condition.text_fields}
+        conds = [cond_to(self.family.text.conditioning({**w, **beside}, length), self.device, self.policy.dtype)
                  for w in self.text_encoder.wire_tensors(texts, length)]
         return conds[0], conds[1] if len(conds) > 1 else None
 
@@ -114,15 +114,15 @@ class TrainerPolicy:
         ``image``: an image-to-video request's, from :meth:`image`)."""
         d = self.info.defaults
         fields = SimpleNamespace(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale)
-        grid = self.family.token_grid(self.info, height or d["height"], width or d["width"])
-        x = ModelInput(latents.to(self.device), t.to(self.device), cond, uncond, self.family.cfg_scale(fields),
-                       guidance_scale_2, grid=grid, embedded_guidance=self.family.embedded_guidance(
+        grid = self.family.latents.token_grid(self.info, height or d["height"], width or d["width"])
+        x = ModelInput(latents.to(self.device), t.to(self.device), cond, uncond, self.family.guidance.scale(fields),
+                       guidance_scale_2, grid=grid, embedded_guidance=self.family.guidance.embedded(
                            self.info, guidance_scale), image=None if image is None else image.condition)
         return self.policy.velocity(x)
 
     def cfg_scale(self, guidance_scale: float, true_cfg_scale: float | None = None) -> float:
         """The classifier-free guidance scale of a request's fields (FLUX, Qwen-Image: ``true_cfg_scale``)."""
-        return self.family.cfg_scale(SimpleNamespace(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
+        return self.family.guidance.scale(SimpleNamespace(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
 
     def log_probs(
         self,
@@ -158,6 +158,6 @@ class TrainerPolicy:
                               true_cfg_scale=true_cfg_scale, height=height, width=width, image=image)
             step = step_at(trajectory.sigmas, i, v, x, sde_type=sde_type, noise_level=noise_level,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device),
-                           log_prob_mask=self.family.log_prob_mask(self.info, x, condition))
+                           log_prob_mask=self.family.condition.log_prob_mask(self.info, x, condition))
             out.append(step.log_prob[0])
         return torch.stack(out) if out else torch.zeros(0)

@@ -42,15 +42,15 @@ class InProcess:
     def __init__(self, model_dir: Path):
         self.info: ModelInfo = read_model(model_dir)
         self.family = self.info.family
-        self.encoder = self.family.load_text_encoder(self.info, DTYPE, CPU)
+        self.encoder = self.family.text.load_encoder(self.info, DTYPE, CPU)
         self.policy = Policy.load(self.info, DTYPE, CPU)
         self.texts = TextTable(self.family, CPU, self.policy.dtype)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
-        self.decoder = self.family.load_decoder(self.info, DTYPE, CPU)
+        self.decoder = self.family.decoder.load(self.info, DTYPE, CPU)
         self.images = None  # image-to-video models: the encoder worker's image side
-        if self.family.image_input(self.info) is not None:
-            self.images = self.family.load_image_conditioner(self.info, DTYPE, CPU)
+        if self.family.condition.image_input(self.info) is not None:
+            self.images = self.family.condition.load(self.info, DTYPE, CPU)
         # Laid out as the workers' (their ComponentMemory settles them): the same outputs, bit for bit.
         settle_held(encoder=self.encoder, decoder=self.decoder, images=self.images)
         self.max_threads = torch.get_num_threads()
@@ -77,15 +77,15 @@ class InProcess:
     def task(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:
         """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
         with ``image``), then the denoise worker's task."""
-        guided = uses_guidance(self.family.cfg_scale(p))
+        guided = uses_guidance(self.family.guidance.scale(p))
         texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
         wires = [{k: t.clone() for k, t in w.items()} for w in self.encoder.wire_tensors(texts, p.max_sequence_length)]
         pixels = self.image_wire(p, image, last_image)
-        beside = {k: t for k, t in pixels.items() if k in self.family.image_text_fields}
+        beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
         uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
         task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
-                                  lora=lora, image=self.family.image_conditioning(pixels))
+                                  lora=lora, image=self.family.condition.from_wire(pixels))
         task.cache = request_cache(task, teacache_settings(self.info))
         return task
 
@@ -93,7 +93,7 @@ class InProcess:
     def step(self, tasks: list[DenoiseTask]) -> None:
         """One step of the worker's loop for ``tasks`` (each at its own step): their forwards, then their steps."""
         p = tasks[0].params
-        tokens = self.family.image_seq_len(self.info, p.height, p.width, p.num_frames)
+        tokens = self.family.latents.image_seq_len(self.info, p.height, p.width, p.num_frames)
 
         def before(inputs):
             self.shared_forwards += len(inputs) > 1
@@ -111,7 +111,7 @@ class InProcess:
         return task
 
     def frames(self, latents: torch.Tensor, p: GenerationParams) -> torch.Tensor:
-        return self.decoder.decode(latents, p.height, p.width)
+        return self.decoder.decode(self.family.latents.unpack(latents, self.info, p.height, p.width), p.height, p.width)
 
 
 def compare_tasks(a: DenoiseTask, b: DenoiseTask) -> float:
@@ -145,7 +145,7 @@ class InStage:
         """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
         from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
 
-        guided = uses_guidance(self.eng.family.cfg_scale(p))
+        guided = uses_guidance(self.eng.family.guidance.scale(p))
         texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
         wires = self.eng.encoder.wire_tensors(texts, p.max_sequence_length)
         tensors = {k: t.clone() for k, t in wires[0].items()}

@@ -17,7 +17,7 @@ class): on a ``tiny-sd3`` directory :func:`make_diffusers_lora` (or :func:`make_
 ``StableDiffusion3Pipeline.save_lora_weights`` (keys ``transformer.transformer_blocks.N.attn.to_q.lora_A.weight``),
 :func:`make_peft_lora` (:func:`make_sd3_peft_lora`) wraps an ``SD3Transformer2DModel``, and :func:`diffusers_twin`
 saves with the adapter's own pipeline. SD3's reference is :func:`sd3_lora_output` (``StableDiffusion3Pipeline`` +
-``load_lora_weights`` + ``set_adapters``); :data:`SD3_ATTN` is Flow-GRPO's SD3 target set (``SD3Binding.lora_targets``).
+``load_lora_weights`` + ``set_adapters``); :data:`SD3_ATTN` is Flow-GRPO's SD3 target set (``SD3.transformer.lora_targets``).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _params(st: InStage, **over):
 
 
 def _image(st: InStage):
-    return _picture(1) if st.eng.family.image_input(st.eng.info) == "required" else None
+    return _picture(1) if st.eng.family.condition.image_input(st.eng.info) == "required" else None
 
 
 def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -109,11 +109,11 @@ def _call(model, k: int) -> dict:
 
 def _rows(model, k: int):
     from common.diffusion.rows import Rows
-    from common.families.wan.binding import WanBinding
+    from common.families.wan.binding import WAN
 
     c = _call(model, k)
     texts = list(c["encoder_hidden_states"].split(1))
-    return Rows.of(WanBinding(), c["hidden_states"], c["timestep"], texts, [None] * 4, c["cond_rows"])
+    return Rows.of(WAN, c["hidden_states"], c["timestep"], texts, [None] * 4, c["cond_rows"])
 
 
 @pytest.mark.parametrize("world, cfg", [(2, 1), (2, 2), (4, 2)], ids=["ulysses2", "cfg2", "cfg2-ulysses2"])

@@ -2,6 +2,7 @@
 they may, wire tensor names spelled once (in the message contracts), product files of readable size."""
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -91,3 +92,52 @@ def test_wire_tensor_names_are_spelled_once():
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert node.value not in wire_only and not node.value.startswith("trajectory."), \
                     f"{path.relative_to(ROOT)}:{node.lineno}: spell {node.value!r} through its TensorField"
+
+
+# Families the engine serves, as they appear in identifiers and strings (split at case changes and separators).
+FAMILY_WORDS = re.compile(r"(?<![a-z])(wan|qwen|flux|sd3|sana)(?![a-z])")
+DOC_KEYWORDS = {"help", "description", "doc", "epilog", "title"}  # keyword arguments that document
+
+
+def _words(name: str) -> str:
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return re.sub(r"([A-Z])([A-Z][a-z])", r"\1_\2", name).lower()
+
+
+def _family_names(path: Path) -> list[str]:
+    """Identifiers and string constants of ``path``'s code naming a family (docstrings, comments and the
+    documenting keyword arguments left out: they may give examples)."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant):
+            skip.add(id(body[0].value))
+        if isinstance(node, ast.keyword) and node.arg in DOC_KEYWORDS:
+            skip.update(id(n) for n in ast.walk(node.value))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        names = {ast.Name: lambda n: [n.id], ast.Attribute: lambda n: [n.attr], ast.arg: lambda n: [n.arg],
+                 ast.FunctionDef: lambda n: [n.name], ast.ClassDef: lambda n: [n.name],
+                 ast.alias: lambda n: [n.name, n.asname or ""], ast.ImportFrom: lambda n: [n.module or ""],
+                 ast.Constant: lambda n: [n.value] if isinstance(n.value, str) else []}.get(type(node))
+        found += [f"{node.lineno}: {s[:60]!r}" for s in (names(node) if names else [])
+                  if FAMILY_WORDS.search(_words(s))]
+    return found
+
+
+def test_family_words_are_caught():
+    assert [bool(FAMILY_WORDS.search(_words(s))) for s in ("WanPipeline", "AutoencoderKLWan", "tiny-qwen-image",
+                                                           "SD3Binding", "flux_dev", "want", "swan", "wanted")] \
+        == [True, True, True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("path", [p for p in _product_files() if not str(p.relative_to(ROOT)).startswith(
+    ("common/families/", "common/builtin/specs/"))], ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_families_name_a_family(path):
+    """Outside common/families/ (and the built-ins' spec tables) nothing branches on a family: the stages call
+    a binding's parts. A family's name in code (an identifier or a string) says the code does."""
+    assert not _family_names(path), f"{path.relative_to(ROOT)} names a family: {_family_names(path)}"

@@ -67,7 +67,7 @@ def test_generation_bodies_carry_the_engines_limits(served):
             refused = name not in info.family.fields or (name == "guidance_scale_2" and info.boundary_ratio is None)
             assert (_value(props[name])["type"] == "null") == refused, name
         assert (_value(props["mu"])["type"] == "null") == (not info.dynamic_shifting)
-        takes_image = info.family.image_input(info)
+        takes_image = info.family.condition.image_input(info)
         assert (_value(props["image"])["type"] == "null") == (takes_image is None)
         assert ("image" in _body(doc, path)["required"]) == (takes_image == "required")
     rollout = _body(doc, "/rollout/generate")["properties"]

@@ -178,7 +178,7 @@ def test_adapters_from_disk_and_memory_concurrently(client, model, model_dir, pi
 
     family = read_model(model_dir).family
     root = lora_root / f"test_packed_engine-{model}"
-    a = lf.make_diffusers_lora(model_dir, root / "a", rank=4, alpha=8, target_modules=family.lora_targets, seed=1)
+    a = lf.make_diffusers_lora(model_dir, root / "a", rank=4, alpha=8, target_modules=family.transformer.lora_targets, seed=1)
     trainer = TrainerPolicy(model_dir)
     add_lora(trainer, 2, 6.0, seed=0)  # alpha / r = 3 must reach the engine
     lf.randomise_lora(trainer.transformer, seed=7)

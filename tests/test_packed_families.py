@@ -207,7 +207,7 @@ def test_mu_follows_the_sequence_length_unless_given(which, dirs):
     cfg = eng.serving_template.config
     sched = {}
     for name, p in (("small", small), ("large", large)):
-        seq = eng.family.image_seq_len(eng.info, p.height, p.width)
+        seq = eng.family.latents.image_seq_len(eng.info, p.height, p.width)
         sched[name] = schedulers.build(eng.serving_template, p, image_seq_len=seq, default_sigmas=True)
         want = FlowMatchEulerDiscreteScheduler.from_config(cfg)
         want.set_timesteps(sigmas=np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps),
@@ -247,7 +247,7 @@ def test_rollout_log_probs_equal_trainer_recompute(case, dirs, record_property):
     # The rollout scheduler is flow-match Euler with the serving one's config, mu and sigmas.
     assert isinstance(task.scheduler, FlowMatchEulerDiscreteScheduler)
     assert schedulers.check_flow_match_convention(task.scheduler) <= 1e-3
-    seq = eng.family.image_seq_len(eng.info, p.height, p.width)
+    seq = eng.family.latents.image_seq_len(eng.info, p.height, p.width)
     serving = schedulers.build(eng.serving_template, p, image_seq_len=seq, default_sigmas=True)
     assert torch.allclose(task.scheduler.sigmas, serving.sigmas, atol=1e-6)
     out = task.extras()
@@ -390,7 +390,7 @@ def test_lora_equals_diffusers_and_mixed_adapters_share_a_forward(which, dirs, t
     from common.diffusion.lora_format import read_lora
 
     eng, model_dir = engine(dirs, which), dirs(which)
-    a = lf.make_diffusers_lora(model_dir, tmp_path / "a", rank=4, alpha=8, target_modules=eng.family.lora_targets,
+    a = lf.make_diffusers_lora(model_dir, tmp_path / "a", rank=4, alpha=8, target_modules=eng.family.transformer.lora_targets,
                                seed=1)
     b = lf.make_peft_lora(model_dir, tmp_path / "b", rank=2, alpha=2, target_modules=PEFT_TARGETS[which], seed=2)
     adapters = {}

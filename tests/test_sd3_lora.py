@@ -28,8 +28,8 @@ from common.diffusion.policy import ModelInput, Policy, uses_guidance
 from common.diffusion.weight_storage import settle
 from common.families import read_model
 from common.families.builtin import ensure_builtin
-from common.families.sd3.binding import SD3Binding
-from common.families.wan.binding import WanBinding
+from common.families.sd3.binding import SD3
+from common.families.wan.binding import WAN
 from common.protocol.messages import (
     LOG_PROBS,
     TRAJECTORY_LATENTS,
@@ -93,8 +93,8 @@ class Stages:
         self.family = self.info.family
         self.device = torch.device("cpu")
         self.policy = Policy.load(self.info, torch.float32, self.device)
-        self.text_encoder = self.family.load_text_encoder(self.info, torch.float32, self.device)
-        self.decoder = self.family.load_decoder(self.info, torch.float32, self.device)
+        self.text_encoder = self.family.text.load_encoder(self.info, torch.float32, self.device)
+        self.decoder = self.family.decoder.load(self.info, torch.float32, self.device)
         self.texts = TextTable(self.family, self.device, self.policy.dtype)
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
@@ -330,8 +330,8 @@ def test_trainer_default_targets_and_saved_format(trained):
 
     policy, path = trained
     cfg = lora_config(policy)
-    assert set(cfg.target_modules) == set(SD3Binding.lora_targets) == set(lf.SD3_ATTN)
-    assert WanBinding.lora_targets == DEFAULT_TARGETS == ("to_q", "to_k", "to_v", "to_out.0")  # Wan's: unchanged
+    assert set(cfg.target_modules) == set(SD3.transformer.lora_targets) == set(lf.SD3_ATTN)
+    assert WAN.transformer.lora_targets == DEFAULT_TARGETS == ("to_q", "to_k", "to_v", "to_out.0")  # Wan's: unchanged
     assert path.name == lf.DIFFUSERS_FILE
     keys, header = _keys_and_header(path)
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in keys

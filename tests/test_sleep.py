@@ -133,9 +133,9 @@ def _load_component(info, tag: str) -> dict[str, torch.nn.Module]:
     if tag == "transformer":
         return Policy.load(info, dtype, cpu).experts
     if tag == "text_encoder":
-        images = family.load_image_conditioner(info, dtype, cpu) if family.image_input(info) is not None else None
-        return modules_of({"text_encoder": family.load_text_encoder(info, dtype, cpu), "images": images})
-    return modules_of({"decoder": family.load_decoder(info, dtype, cpu)})
+        images = family.condition.load(info, dtype, cpu) if family.condition.image_input(info) is not None else None
+        return modules_of({"text_encoder": family.text.load_encoder(info, dtype, cpu), "images": images})
+    return modules_of({"decoder": family.decoder.load(info, dtype, cpu)})
 
 
 def _outputs(engine: InProcess, image) -> dict[str, torch.Tensor]:
@@ -177,7 +177,7 @@ def test_every_family_is_bit_identical_after_a_release_and_a_resume_or_a_push(mo
     # A fresh load lies as a push will (the experts: Policy.load; the encoders and the VAE as the workers'
     # memory lays them out: tests/family_harness.py)
     assert _unsettled(components) == {}
-    image = picture(40, 24, 1) if info.family.image_input(info) is not None else None
+    image = picture(40, 24, 1) if info.family.condition.image_input(info) is not None else None
     before, sums = _outputs(engine, image), {tag: _sums(modules) for tag, modules in components.items()}
     memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
               for tag, modules in components.items()}

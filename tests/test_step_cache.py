@@ -93,11 +93,11 @@ def params(eng: InProcess, **over):
 
 def image_for(eng: InProcess, i: int = 0):
     """Image-to-video models: one of the test pictures (each request its own); other models: none."""
-    return IMAGES[i % len(IMAGES)] if eng.family.image_input(eng.info) == "required" else None
+    return IMAGES[i % len(IMAGES)] if eng.family.condition.image_input(eng.info) == "required" else None
 
 
 def branches(eng: InProcess, p) -> int:
-    return 2 if uses_guidance(eng.family.cfg_scale(p)) else 1
+    return 2 if uses_guidance(eng.family.guidance.scale(p)) else 1
 
 
 def run_joined(eng: InProcess, jobs: list[dict], policy=None) -> list:

@@ -82,7 +82,7 @@ def _body(eng: InProcess, **over) -> dict:
                 output_type="latent")
     if eng.family.cfg_field == "true_cfg_scale":
         body["true_cfg_scale"] = 2.5
-    if eng.family.image_input(eng.info) == "required":
+    if eng.family.condition.image_input(eng.info) == "required":
         body["image"] = IMAGE
     body.update(over)
     return {k: image_field(v) if k == "image" else v for k, v in body.items()}
@@ -112,7 +112,7 @@ def test_a_caching_request_answers_its_counts_and_equals_the_workers_path(model,
     engine = wan if model == "tiny-smooth" else _start(tmp_path_factory, model)
     try:
         eng = harnesses(model)
-        image = IMAGE if eng.family.image_input(eng.info) == "required" else None
+        image = IMAGE if eng.family.condition.image_input(eng.info) == "required" else None
         no_cfg = {eng.family.cfg_field: 1.0}
         main = _body(eng, n=2, cache={"method": "first_block", "threshold": CACHES["first_block"]})
         reqs = [main,

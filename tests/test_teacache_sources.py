@@ -29,10 +29,10 @@ def test_each_built_in_says_where_its_polynomial_comes_from(name):
     if name in PUBLISHED:
         assert source.startswith("published: TeaCache4Wan2.1") and PUBLISHED[name] in source
         assert not (info.path / SETTINGS_FILE).exists()
-        assert teacache_settings(info)[0] == info.family.teacache_coefficients
+        assert teacache_settings(info)[0] == info.family.transformer.teacache_coefficients
     else:
         assert source == f"fitted on the built-in {FITTED[name]} (random weights) by bench/fit_teacache.py --degree 1"
-        assert info.family.teacache_coefficients is None  # nothing the family would hand a real checkpoint
+        assert info.family.transformer.teacache_coefficients is None  # nothing the family would hand a real checkpoint
         written = json.loads((info.path / SETTINGS_FILE).read_text())["teacache_coefficients"]
         assert teacache_settings(info)[0] == tuple(written) and len(written) == 2
     assert cache_problem("teacache", info.family, [], info) is None

@@ -19,9 +19,9 @@ from common.diffusion.vae_tiling import DEFAULT_TILING_PIXELS, VaeTiling
 from common.families import read_model
 from common.families.builtin import ensure_builtin
 from common.families.qwen_image.vae import QwenImageDecoder
-from common.families.sd3.vae import SD3Decoder
+from common.diffusion.parts.decoder import AutoencoderKLDecoder
 from common.families.wan.vae import WanDecoder
-from common.families.wan_i2v.image import WanImageConditioner
+from common.families.wan.image import WanImageConditioner
 
 DIFFUSERS_TILING_TOLERANCE = 0.2  # diffusers' test_vae_tiling expected_diff_max, frames in [0, 1]
 
@@ -65,7 +65,7 @@ def _wan_latents(info, h, w, frames):
 
 
 def _packed_latents(info, h, w, frames):
-    rows, cols = info.family.token_grid(info, h, w)
+    rows, cols = info.family.latents.token_grid(info, h, w)
     return _seeded((1, rows * cols, info.latent_channels * 4))
 
 
@@ -94,11 +94,10 @@ def test_each_family_decoder_tiles_above_the_budget(model):
     latents = latents_for(info, size, size, frames)
     out = {}
     for budget in (pixels, pixels - 1):  # "on" and "off" take the same path (VaeTiling.tiled above)
-        decoder = info.family.load_decoder(info, torch.float32, "cpu", VaeTiling("auto", budget))
-        vae = getattr(decoder, "vae", None) or decoder.image.vae  # FLUX's decoder wraps SD3's
-        tiles(vae)
-        calls = _count_calls(vae, "tiled_decode")
-        out[budget] = decoder.decode(latents, size, size)
+        decoder = info.family.decoder.load(info, torch.float32, "cpu", VaeTiling("auto", budget))
+        tiles(decoder.vae)
+        calls = _count_calls(decoder.vae, "tiled_decode")
+        out[budget] = decoder.decode(info.family.latents.unpack(latents, info, size, size), size, size)
         assert len(calls) == (budget < pixels)
     assert out[pixels].shape == (1, frames, size, size, 3)
     assert not torch.equal(out[pixels - 1], out[pixels])
@@ -155,7 +154,7 @@ def test_wan_tiled_decode_within_diffusers_tolerance():
 
 def test_sd3_and_flux_tiled_decode_within_diffusers_tolerance():
     # AutoencoderKL's tiles are its sample_size (32 here) with a quarter overlap; FLUX decodes through SD3's decoder.
-    tiled, whole = _tiled_and_whole(lambda t: SD3Decoder(_tiles_like_diffusers(_dummy_kl, lambda v: None), "cpu", t),
+    tiled, whole = _tiled_and_whole(lambda t: AutoencoderKLDecoder(_tiles_like_diffusers(_dummy_kl, lambda v: None), "cpu", t),
                                     _seeded((1, 4, 128, 128)))
     assert tiled.shape == (1, 1, 128, 128, 3)
     assert (tiled - whole).abs().max() < DIFFUSERS_TILING_TOLERANCE  # measured 0.143
@@ -164,8 +163,8 @@ def test_sd3_and_flux_tiled_decode_within_diffusers_tolerance():
 def test_qwen_image_tiled_decode_within_diffusers_tolerance():
     info = read_model(ensure_builtin("tiny-qwen-image"))  # its token grid: 256 px are 16 x 16 tokens
     tiled, whole = _tiled_and_whole(
-        lambda t: QwenImageDecoder(info, _tiles_like_diffusers(_dummy_qwen_image), "cpu", t),
-        _seeded((1, 256, 16)), 256, 256)  # the dummy VAE is 4x: 32 x 32 latents, 128 x 128 pixels
+        lambda t: QwenImageDecoder(_tiles_like_diffusers(_dummy_qwen_image), "cpu", t),
+        info.family.latents.unpack(_seeded((1, 256, 16)), info, 256, 256), 256, 256)  # the dummy VAE is 4x: 32 x 32 latents, 128 x 128 pixels
     assert tiled.shape == (1, 1, 128, 128, 3)
     assert (tiled - whole).abs().max() < DIFFUSERS_TILING_TOLERANCE  # measured 0.086
 

@@ -1,7 +1,7 @@
 """What the step-caching methods measure (common/diffusion/step_cache.py), for every family.
 
 - :func:`modulated_input`: one request branch's timestep-modulated input (the family's
-  :meth:`Binding.modulated_input`): a few Linear layers, no pass of the transformer.
+  transformer part's ``modulated_input``): a few Linear layers, no pass of the transformer.
 - :func:`first_block_residuals`: the probe of ``first_block``: the rows' forward up to the first
   transformer block (diffusers' block registry says which output is the image stream), stopped there; its
   residual (output - input) per row. The probe runs eagerly, its hook in place only while it runs (a
@@ -24,13 +24,12 @@ from contextlib import contextmanager
 import torch
 from diffusers.hooks._helpers import TransformerBlockRegistry
 
-from common.diffusion.binding import text_kwargs
+from common.diffusion.parts.text import text_kwargs
 from common.diffusion.model_info import STEP_CACHE_FILE, ModelInfo
 from common.diffusion.policy import ModelInput, Policy
 from common.diffusion.rows import forward_rows
 
 SETTINGS_FILE = STEP_CACHE_FILE
-_BLOCK_LISTS = ("blocks", "transformer_blocks")  # Wan; SD3, FLUX (its double-stream blocks), Qwen-Image
 
 
 def _directory_settings(info: ModelInfo) -> dict:
@@ -43,8 +42,8 @@ def teacache_settings(info: ModelInfo) -> tuple[tuple[float, ...], int]:
     """(polynomial coefficients, warm-up steps) of TeaCache for this model directory; no coefficients (())
     where it has none (:func:`teacache_source` is None: requests are refused before they get here)."""
     data = _directory_settings(info)
-    coefficients = data.get("teacache_coefficients", info.family.teacache_coefficients) or ()
-    return tuple(float(c) for c in coefficients), int(data.get("teacache_warmup", info.family.teacache_warmup))
+    coefficients = data.get("teacache_coefficients", info.family.transformer.teacache_coefficients) or ()
+    return tuple(float(c) for c in coefficients), int(data.get("teacache_warmup", info.family.transformer.teacache_warmup))
 
 
 def teacache_source(info: ModelInfo) -> str | None:
@@ -52,15 +51,13 @@ def teacache_source(info: ModelInfo) -> str | None:
     data = _directory_settings(info)
     if data:
         return data.get("source") or f"{info.path / SETTINGS_FILE}"
-    return info.family.teacache_source if info.family.teacache_coefficients else None
+    return info.family.transformer.teacache_source if info.family.transformer.teacache_coefficients else None
 
 
 def cache_problem(method: str, family, workers, info: ModelInfo | None = None) -> str | None:
     """Why the engine cannot serve step caching ``method`` for this family on these workers (``workers``: the
     engine's WorkerSpecs) and, given ``info``, this model directory; or None."""
-    from common.diffusion.binding import Binding
-
-    if method == "teacache" and type(family).modulated_input is Binding.modulated_input:
+    if method == "teacache" and not family.transformer.has_modulated_input:
         return f"{family.pipeline}'s binding has no timestep-modulated input, so it cannot serve teacache"
     if method == "teacache" and info is not None and teacache_source(info) is None:
         return (f"{family.pipeline} has no published TeaCache polynomial and this model directory has no "
@@ -75,11 +72,11 @@ def cache_problem(method: str, family, workers, info: ModelInfo | None = None) -
 def modulated_input(policy: Policy, name: str, x: ModelInput) -> torch.Tensor:
     """The modulated input [1, ...] of one branch piece ``x`` (every sample of a request shares it)."""
     f = policy.family
-    t = f.row_timesteps(policy.info, x.timestep, x.latents[:1], x.image)
+    t = f.condition.row_timesteps(policy.info, x.timestep, x.latents[:1], x.image)
     if t.dim() > 1:  # a timestep per token (Wan2.2 TI2V): the noisy tokens' one
         t = t.amax(dim=1)
     text = {k: v[:1] for k, v in text_kwargs(x.cond).items()}
-    return f.modulated_input(policy.experts[name], t, text, x.guidance_rows(1)).float()
+    return f.transformer.modulated_input(policy.experts[name], t, text, x.guidance_rows(1)).float()
 
 
 class _Probed(Exception):
@@ -91,8 +88,8 @@ class _FirstBlockTap:
     and stops the forward. (A compiled expert guards on its blocks' hooks: one left in place would make every
     graph compile again.)"""
 
-    def __init__(self, model: torch.nn.Module):
-        self.block = first_block(model)
+    def __init__(self, block: torch.nn.Module):
+        self.block = block
         self.index = TransformerBlockRegistry.get(type(self.block)).return_hidden_states_index
         self.residual: torch.Tensor | None = None
 
@@ -112,14 +109,6 @@ class _FirstBlockTap:
         raise _Probed
 
 
-def first_block(model: torch.nn.Module) -> torch.nn.Module:
-    for name in _BLOCK_LISTS:
-        blocks = getattr(model, name, None)
-        if blocks is not None and len(blocks):
-            return blocks[0]
-    raise ValueError(f"{type(model).__name__} has none of the block lists {_BLOCK_LISTS}")
-
-
 _TAPS: "weakref.WeakKeyDictionary[torch.nn.Module, _FirstBlockTap]" = weakref.WeakKeyDictionary()
 
 
@@ -129,7 +118,7 @@ def first_block_residuals(policy: Policy, name: str, inputs: list[ModelInput]) -
     model = policy.experts[name]
     tap = _TAPS.get(model)
     if tap is None:
-        tap = _TAPS[model] = _FirstBlockTap(model)
+        tap = _TAPS[model] = _FirstBlockTap(policy.family.transformer.blocks(model)[0])
     rows, blocks = policy.rows_of(name, inputs)
     try:
         with tap.armed(), torch.compiler.set_stance("force_eager"):

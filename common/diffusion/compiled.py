@@ -5,7 +5,7 @@
 latent shape compiles twice (batch 1, which torch always specialises, and any larger batch), whatever the
 batch sizes continuous batching makes, and another latent shape gets graphs of its own (graphs generic in
 every dimension took several times longer to compile on the tiny model). A family whose inputs vary in
-another dimension between requests of one shape says so (``Binding.compile_dynamic``: Qwen-Image's texts,
+another dimension between requests of one shape says so (its transformer part's ``compile_dynamic``: Qwen-Image's texts,
 each its prompt's own length), and that dimension is dynamic too.
 
 What a forward reads from Python per request (each row's LoRA adapter, the shared-text plan) is an
@@ -43,11 +43,11 @@ def compile_experts(target: "Policy | dict[str, torch.nn.Module]", mode: str | N
     ``torch.compile``'s). Compilation happens at the first forward of each shape: call :func:`warm_up` so
     that no request pays it. ``log_recompiles``: torch logs each recompile and its reason
     (``Recompiling function ...``). With a policy, the dimensions its family says vary between requests
-    (``Binding.compile_dynamic``: Qwen-Image's text length) are dynamic too, a graph for them all."""
+    (its transformer part's ``compile_dynamic``: Qwen-Image's text length) are dynamic too, a graph for them all."""
     from common.diffusion.policy import Policy
 
     experts = target.experts if isinstance(target, Policy) else target
-    dynamic = target.family.compile_dynamic if isinstance(target, Policy) else {}
+    dynamic = target.family.transformer.compile_dynamic if isinstance(target, Policy) else {}
     if not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported():
         raise CompileError(f"torch.compile is not supported by this torch ({torch.__version__}) or Python")
     config = torch._dynamo.config
@@ -93,42 +93,30 @@ def uncompile(experts: dict[str, torch.nn.Module]) -> None:
         model._compiled_call_impl = None
 
 
-def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[int, ...] | None = None,
-            batch: int = 2) -> dict[str, float]:
-    """Compile each expert for ``latent_shape`` ([C, F', H', W']; by default a policy's default request's)
-    by running it: seconds per expert.
+def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch: int = 2) -> dict[str, float]:
+    """Compile each of the policy's experts for ``latent_shape`` ([C, F', H', W']; by default its default
+    request's) by running it: seconds per expert.
 
-    With a policy, its own forwards: ``velocity`` (one sample, guidance) and, when ``batch`` > 1,
-    ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan) and of one row of each of two
-    texts (a step-caching request's branches), and for a family whose
-    texts vary in size (``Binding.compile_dynamic``) one of two texts of different sizes (Qwen-Image pads
-    and masks them: a graph of its own); with bare experts, one forward of a sample and one of ``batch``.
+    Its own forwards, on example inputs its binding's parts make: ``velocity`` (one sample, guidance) and,
+    when ``batch`` > 1, ``batched_velocity`` of ``batch`` samples of one prompt (a shared-text plan) and of one
+    row of each of two texts (a step-caching request's branches), and for a transformer whose texts vary in
+    size (its part's ``compile_dynamic``) one of two texts of different sizes (a graph of its own).
     On failure the experts are made eager again and :class:`CompileError` says why.
     """
-    from common.diffusion.policy import ModelInput, Policy
+    from common.diffusion.policy import ModelInput
 
-    policy = target if isinstance(target, Policy) else None
-    experts = policy.experts if policy is not None else target
+    info, d, parts = policy.info, policy.info.defaults, policy.family
     if latent_shape is None:
-        if policy is None:
-            raise ValueError("warm_up of bare experts needs latent_shape")
-        d = policy.info.defaults
-        latent_shape = policy.info.latent_shape(d["height"], d["width"], d["num_frames"])[1:]
+        latent_shape = info.latent_shape(d["height"], d["width"], d["num_frames"])[1:]
     seconds = {}
-    for name, model in experts.items():
+    for name, model in policy.experts.items():
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         t = torch.tensor(999.0 if name == "transformer" else 0.0, device=device)
-        if policy is not None and policy.expert_for(t) != name:
+        if policy.expert_for(t) != name:
             raise ValueError(f"no timestep of this policy takes {name}")
         g = torch.Generator(device).manual_seed(0)
-        if policy is not None:
-            texts = [policy.family.example_text(policy.info, model, policy.info.defaults["max_sequence_length"], g,
-                                                device, dtype)
-                     for _ in range(2)]
-        else:  # bare Wan experts
-            texts = [torch.randn(1, 512, model.config.text_dim, generator=g, device=device, dtype=dtype)
-                     for _ in range(2)]
+        texts = [parts.text.example(info, model, d["max_sequence_length"], g, device, dtype) for _ in range(2)]
 
         def latents(n):
             return torch.randn(n, *latent_shape, generator=g, device=device, dtype=dtype)
@@ -136,28 +124,23 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                if policy is not None:
-                    policy.share_text()  # its processors now, or their later install would recompile
-                    info, d = policy.info, policy.info.defaults
-                    extra = dict(grid=policy.family.token_grid(info, d["height"], d["width"]),
-                                 image=policy.family.example_image(info, tuple(latent_shape), g, device, dtype),
-                                 embedded_guidance=policy.family.embedded_guidance(info, d["guidance_scale"]))
-                    policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
-                    if batch > 1:
-                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
-                    if batch > 1:  # a step-caching request's two branches as pieces: one row per text
-                        policy.batched_velocity([ModelInput(latents(1), t, texts[0], None, 1.0, **extra),
-                                                 ModelInput(latents(1), t, texts[1], None, 1.0, **extra,
-                                                            unconditional=True)])
-                    if batch > 1 and policy.family.compile_dynamic:  # texts of two sizes in one forward
-                        shorter = _shorter(texts[1], policy.family.compile_dynamic)
-                        policy.batched_velocity([ModelInput(latents(batch), t, texts[0], shorter, 5.0, **extra)])
-                else:
-                    for n in (1, batch) if batch > 1 else (1,):
-                        model(hidden_states=latents(n), timestep=t.expand(n),
-                              encoder_hidden_states=torch.cat(texts[:1] * n), return_dict=False)
+                policy.share_text()  # its processors now, or their later install would recompile
+                extra = dict(grid=parts.latents.token_grid(info, d["height"], d["width"]),
+                             image=parts.condition.example(info, tuple(latent_shape), g, device, dtype),
+                             embedded_guidance=parts.guidance.embedded(info, d["guidance_scale"]))
+                policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
+                if batch > 1:
+                    policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
+                if batch > 1:  # a step-caching request's two branches as pieces: one row per text
+                    policy.batched_velocity([ModelInput(latents(1), t, texts[0], None, 1.0, **extra),
+                                             ModelInput(latents(1), t, texts[1], None, 1.0, **extra,
+                                                        unconditional=True)])
+                dynamic = parts.transformer.compile_dynamic
+                if batch > 1 and dynamic:  # texts of two sizes in one forward
+                    policy.batched_velocity([ModelInput(latents(batch), t, texts[0], _shorter(texts[1], dynamic),
+                                                        5.0, **extra)])
         except Exception as e:
-            uncompile(experts)
+            uncompile(policy.experts)
             raise CompileError(f"torch.compile failed on {name} at latents {list(latent_shape)}: "
                                f"{type(e).__name__}: {e}") from e
         seconds[name] = time.perf_counter() - start
@@ -166,7 +149,7 @@ def warm_up(target: "Policy | dict[str, torch.nn.Module]", latent_shape: tuple[i
 
 def _shorter(text, dynamic: dict[str, tuple[int, ...]]):
     """``text`` one shorter in each of its dynamic dimensions (another size of the same kind of text)."""
-    from common.diffusion.binding import TextCond
+    from common.diffusion.parts.text import TextCond
 
     tensors = dict(text.tensors)
     for k, dims in dynamic.items():

@@ -75,7 +75,7 @@ class ModelInfo:
         if not (tdir / "config.json").is_file():
             tdir = path / "transformer_2"
         tcfg = json.loads((tdir / "config.json").read_text())
-        geometry = family.geometry(path, tcfg)
+        geometry = family.latents.geometry(path, tcfg)
         defaults = family.pipeline_defaults(tcfg, geometry)
         extra = path / SERVING_DEFAULTS_FILE
         if extra.is_file():
@@ -101,4 +101,4 @@ class ModelInfo:
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """Shape of one sample's initial noise, as the family's diffusers pipeline draws it."""
-        return self.family.latent_shape(self, height, width, num_frames)
+        return self.family.latents.shape(self, height, width, num_frames)

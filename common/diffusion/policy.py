@@ -24,7 +24,7 @@ from typing import get_args
 
 import torch
 
-from common.diffusion.binding import Conditioning, text_kwargs
+from common.diffusion.parts.text import Conditioning, text_kwargs
 from common.protocol.messages import ExpertName, SdeType
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.model_info import ModelInfo
@@ -51,7 +51,7 @@ class ModelInput:
     timestep: torch.Tensor  # 0-d, or one per sample of ``latents``
     cond: Conditioning  # Wan: [1, L, D]; else a TextCond of [1, ...] tensors
     uncond: Conditioning | None  # None: no guidance
-    guidance_scale: float  # classifier-free guidance's (the family's cfg field: Binding.cfg_scale)
+    guidance_scale: float  # classifier-free guidance's (the family's cfg field: Binding.guidance.scale)
     guidance_scale_2: float | None = None
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
     grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), which [seq, C] hides
@@ -96,10 +96,10 @@ class Policy:
             self._shared_text(name)
 
     def _shared_text(self, name: str) -> SharedText | None:
-        if not self.family.shares_text_for(self.info):
+        if not self.family.transformer.shares_text(self.info):
             return None
         if name not in self.shared_text:
-            self.shared_text[name] = shared_text.install(self.experts[name])
+            self.shared_text[name] = shared_text.install(self.family.transformer.cross_attentions(self.experts[name]))
         return self.shared_text[name]
 
     @classmethod
@@ -109,7 +109,7 @@ class Policy:
         names = EXPERTS if info.has_transformer_2 else EXPERTS[:1]
         experts = {}
         for name in names:
-            model = info.family.load_expert(info.path / name, dtype)
+            model = info.family.transformer.load(info.path / name, dtype)
             # Laid out as a push or a resume lays it out: the same bytes give the same outputs (weight_storage).
             experts[name] = settle(model.to(device).eval().requires_grad_(trainable))
         return cls(info, experts)
@@ -145,14 +145,14 @@ class Policy:
         """
         name = self.expert_for(x.timestep)
         model = self.experts[name]
-        h = self.family.model_latents(self.info, x.latents, x.image).to(self.dtypes[name])
+        h = self.family.condition.model_latents(self.info, x.latents, x.image).to(self.dtypes[name])
         # float32, as in batched_velocity: the same values (timesteps are at most 1000, and the model's time
         # embedding takes floats), and one dtype for compiled forwards to guard on.
-        t = self.family.row_timesteps(self.info, x.timestep, x.latents, x.image)
-        forward = self.family.forward
+        t = self.family.condition.row_timesteps(self.info, x.timestep, x.latents, x.image)
+        forward = self.family.transformer.forward
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
-        elif x.uncond is not None and self.family.guidance_in_one_forward:
+        elif x.uncond is not None and self.family.guidance.in_one_forward:
             with self.lora_hooks[name].rows([x.lora] * (2 * x.n)):
                 both = forward(model, torch.cat([h, h]), torch.cat([t, t]), _joined_rows(x.uncond, x.cond, x.n),
                                x.grid, x.guidance_rows(2 * x.n))
@@ -162,7 +162,7 @@ class Policy:
             with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
                 v = forward(model, h, t, _text_rows(x.cond, x.n), x.grid, g)
                 v_u = None if x.uncond is None else forward(model, h, t, _text_rows(x.uncond, x.n), x.grid, g)
-        return v if v_u is None else self.family.guide(v, v_u, self.guidance_scale(name, x))
+        return v if v_u is None else self.family.guidance.guide(v, v_u, self.guidance_scale(name, x))
 
     def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):
         """:meth:`velocity`'s two passes on a multi-device worker's ranks: at once with CFG parallel (each on
@@ -212,7 +212,7 @@ class Policy:
         for i, x in enumerate(inputs):
             v = at[(i, False)]
             if x.uncond is not None:
-                v = self.family.guide(v, at[(i, True)], self.guidance_scale(name, x))
+                v = self.family.guidance.guide(v, at[(i, True)], self.guidance_scale(name, x))
             result.append(v)
         return result
 
@@ -221,9 +221,9 @@ class Policy:
         """The rows of one forward of ``inputs`` on expert ``name``, and their blocks (:func:`_blocks_by_adapter`)."""
         blocks = _blocks_by_adapter(inputs, guidance_last)
         f, info = self.family, self.info
-        h = torch.cat([f.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
+        h = torch.cat([f.condition.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
         h = h.to(self.dtypes[name])
-        ts = torch.cat([f.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
+        ts = torch.cat([f.condition.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
                         for i, _ in blocks])
         texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
         loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.diffusion.binding import Binding, Conditioning, text_kwargs
+from common.diffusion.binding import Binding
+from common.diffusion.parts.text import Conditioning, text_kwargs
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.shared_text import SharedText, TextPlan
 
@@ -52,7 +53,7 @@ class Rows:
                 index[id(t)] = len(distinct)
                 distinct.append(t)
             text_of.append(index[id(t)])
-        stacked = family.stack_texts([text_kwargs(t) for t in distinct])
+        stacked = family.text.stack([text_kwargs(t) for t in distinct])
         return cls(hidden_states, timestep, stacked, text_of, loras,
                    hidden_states.shape[0] if cond_rows is None else cond_rows, grid, guidance)
 
@@ -72,8 +73,8 @@ def forward_rows(family: Binding, model: torch.nn.Module, hooks: LoraHooks, shar
     text_loras = None if plan is None else [loras[r] for r in plan.first]
     with hooks.rows(loras, text_loras), (shared.active(plan) if shared is not None else nullcontext()):
         guidance = None if rows.guidance is None else rows.guidance[start:stop]
-        return family.forward(model, rows.hidden_states[start:stop], rows.timestep[start:stop], text, rows.grid,
-                              guidance)
+        return family.transformer.forward(model, rows.hidden_states[start:stop], rows.timestep[start:stop], text,
+                                          rows.grid, guidance)
 
 
 def _pick(texts: torch.Tensor, which: list[int]) -> torch.Tensor:

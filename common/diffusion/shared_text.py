@@ -1,8 +1,8 @@
 """Rows of a batched forward that share their text: the text side computed once per distinct text.
 
 A GRPO group's samples share one prompt (their conditional rows) and one
-negative prompt (their unconditional rows), yet Wan's transformer would project
-the 512 text tokens of every row: the text embedder and, in every block, the
+negative prompt (their unconditional rows), yet a cross-attention transformer (Wan's, for one) would project
+the text tokens of every row: the text embedder and, in every block, the
 cross-attention keys and values. When the latents are small (few tokens next to
 512 text tokens) that is most of a forward. With a :class:`TextPlan`, the
 model is given only the distinct texts ([U, 512, D] instead of [B, 512, D]),
@@ -62,18 +62,17 @@ class SharedText:
             self.plan = None
 
 
-def install(model: torch.nn.Module) -> SharedText:
-    """Put :class:`SharedTextAttention` on every text-only cross-attention of ``model``."""
+def install(cross_attentions: list) -> SharedText:
+    """Put :class:`SharedTextAttention` on each of a model's text-only cross-attentions (its transformer part
+    says which they are)."""
     shared = SharedText()
-    for block in model.blocks:
-        attn = block.attn2
-        if attn.add_k_proj is None:  # image-conditioned (I2V) attention keeps diffusers' processor
-            attn.set_processor(SharedTextAttention(shared, attn.processor))
+    for attn in cross_attentions:
+        attn.set_processor(SharedTextAttention(shared, attn.processor))
     return shared
 
 
 class SharedTextAttention:
-    """Wan's cross-attention over a forward's distinct texts; diffusers' processor when no plan is active."""
+    """A cross-attention over a forward's distinct texts; diffusers' processor when no plan is active."""
 
     def __init__(self, shared: SharedText, original):
         self.shared, self.original = shared, original

@@ -5,7 +5,7 @@ A request asks for it with ``cache`` (:class:`~common.protocol.messages.CachePar
 branch and per sample, so requests at different steps that share a batched forward never see each
 other's state, and a request's skips depend on its own schedule and rows only.
 
-- ``teacache``: the relative L1 change of the timestep-modulated input (:meth:`Binding.modulated_input`)
+- ``teacache``: the relative L1 change of the timestep-modulated input (:meth:`Binding.transformer.modulated_input`)
   since the previous step, rescaled by the model's polynomial (:func:`teacache_coefficients`) and
   accumulated: while the sum stays under the threshold the step reuses the last output; else the step
   computes and the sum restarts. One decision per branch (every sample of a request has the same
@@ -37,7 +37,7 @@ from common.protocol.messages import CacheParams
 class Method:
     default_threshold: float
     max_threshold: float  # thresholds lie in (0, max_threshold]
-    warmup: int  # steps always computed at the start (a family may ask for more: Binding.teacache_warmup)
+    warmup: int  # steps always computed at the start (a family may ask for more: Binding.transformer.teacache_warmup)
     what: str
 
 

@@ -1,7 +1,7 @@
 """Model families: one binding per diffusers pipeline (see :mod:`common.diffusion.binding`).
 
 A model directory's family is its ``model_index.json`` ``_class_name``. Adding a family is one folder
-here with a :class:`~common.diffusion.binding.Binding` subclass, and one line in :data:`BINDINGS`.
+here composing a :class:`~common.diffusion.binding.Binding` of parts, and one line in :data:`BINDINGS`.
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ from pathlib import Path
 
 from common.diffusion.binding import Binding
 from common.diffusion.model_info import ModelInfo, read_index
-from common.families.flux.binding import FluxBinding
-from common.families.qwen_image.binding import QwenImageBinding
-from common.families.sd3.binding import SD3Binding
-from common.families.wan.binding import WanBinding
-from common.families.wan_i2v.binding import WanImageToVideoBinding
+from common.families.flux.binding import FLUX
+from common.families.qwen_image.binding import QWEN_IMAGE
+from common.families.sd3.binding import SD3
+from common.families.wan.binding import WAN
+from common.families.wan.i2v import WAN_I2V
 
-BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WanBinding(), WanImageToVideoBinding(), SD3Binding(),
-                                                        FluxBinding(), QwenImageBinding())}
+BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE)}
 
 
 class UnknownFamily(ValueError):

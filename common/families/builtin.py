@@ -59,7 +59,7 @@ def layout_problem(info, workers, cache=None) -> str | None:
     (``workers``: the engine's WorkerSpecs), or serve the default step caching ``cache`` (--cache) on them;
     None: it can."""
     family = info.family
-    if not family.context_parallel:
+    if not family.transformer.context_parallel:
         for spec in workers:
             if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
                 return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, "

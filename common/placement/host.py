@@ -29,7 +29,7 @@ from common.config.engine import CONFIG_NAME, EngineConfig
 from common.config.topology import free_tcp_port
 from common.runtime.supervisor import start_local
 from common.transport.security import KEY_DIR, fresh_key_dir, new_key_pair
-from common.families.wan.tiny_model import SPECS, ensure_tiny_model
+from common.families.builtin import BUILTINS, ensure_builtin
 
 
 class Placement(msgspec.Struct):
@@ -71,8 +71,8 @@ class WorkerHost:
         """Start the worker from the engine config (this node's runtime dir in it); returns its pid."""
         config = msgspec.json.decode(config_json, type=EngineConfig)
         model = Path(config.model)
-        if model_name in SPECS:
-            model = ensure_tiny_model(model_name)  # generated on this node, the same seeded weights
+        if model_name in BUILTINS:
+            model = ensure_builtin(model_name)  # generated on this node, the same seeded weights
         elif not model.is_dir():
             raise FileNotFoundError(f"model directory {model} is not on this node (every node needs it at the "
                                     "same path, e.g. on shared storage)")

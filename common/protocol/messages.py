@@ -68,7 +68,7 @@ NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLO
 NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
 TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
 # Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
-# encoder's image side makes of them (encoder -> denoise worker; see Binding.image_fields).
+# encoder's image side makes of them (encoder -> denoise worker; see Binding.condition.fields).
 IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)
 LAST_IMAGE = TensorField("last_image", frozenset({"uint8"}), 3, required=False)
 IMAGE_EMBEDS = TensorField("image_embeds", FLOAT_DTYPES, 3, required=False)  # [k, tokens, D]: CLIP, one per image
@@ -248,10 +248,10 @@ class EncodeRequest(_Header, tag="encode", kw_only=True):
 
 
 class DenoiseRequest(_Header, tag="denoise", kw_only=True):
-    """The prompt's text tensors as its family's binding declares them (``Binding.text_fields``). Wan's
+    """The prompt's text tensors as its family's binding declares them (``Binding.text.fields``). Wan's
     embeddings travel trimmed to their real token length ([L, D]); the denoise worker zero-pads them to
     ``max_sequence_length`` as diffusers does, which keeps the padding off the wire. SD3's travel whole,
-    with the pooled projections. An image-to-video request adds its image tensors (``Binding.image_fields``)."""
+    with the pooled projections. An image-to-video request adds its image tensors (``Binding.condition.fields``)."""
 
     carries = TEXT_TENSORS + IMAGE_TENSORS
 

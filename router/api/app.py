@@ -101,7 +101,7 @@ class Routes:
     def sample_body_limit(self) -> int:
         """A generation body's size limit; on an image-to-video model, larger by its images' base64."""
         limits = self.config.limits
-        if self.info.family.image_input(self.info) is None:
+        if self.info.family.condition.image_input(self.info) is None:
             return limits.max_body_bytes
         return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3))
 

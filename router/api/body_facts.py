@@ -46,7 +46,7 @@ def _seconds(info: ModelInfo, frames: list[int]) -> dict:
 def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     """The fields every generation body shares (/generate, /rollout/generate, images, videos)."""
     limits, family = config.limits, info.family
-    fixed = family.fixed_max_sequence_length(info)
+    fixed = family.text.fixed_length(info)
     methods = [m for m in get_args(CacheMethod) if cache_problem(m, family, config.workers, info) is None]
     facts = {
         "prompt": {"maxLength": limits.max_prompt_chars},
@@ -61,13 +61,13 @@ def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     for name in ("max_sequence_length", "true_cfg_scale", "guidance_scale_2"):
         if name not in family.fields or (name == "guidance_scale_2" and info.boundary_ratio is None):
             facts[name] = NULL_ONLY
-    if family.cfg_field != "guidance_scale" and family.embedded_guidance(info, 1.0) is None:
+    if family.cfg_field != "guidance_scale" and family.guidance.embedded(info, 1.0) is None:
         facts["guidance_scale"] = NULL_ONLY
     if not info.dynamic_shifting:
         facts["mu"] = NULL_ONLY
-    if family.image_input(info) is None:
+    if family.condition.image_input(info) is None:
         facts["image"] = NULL_ONLY
-    if family.last_image_input(info) is None:
+    if family.condition.last_image_input(info) is None:
         facts["last_image"] = NULL_ONLY
     facts["num_frames"] = {"enum": _frames(config, info)}
     return facts
@@ -93,7 +93,7 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
              "ImagesBody": {"properties": openai},
              "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])}},
              "LoadLoraTensorsBody": rank, "LoraFromMemoryBody": rank}
-    if info.family.image_input(info) == "required":
+    if info.family.condition.image_input(info) == "required":
         for title in ("GenerateBody", "RolloutBody", "VideoBody"):
             facts[title]["required"] = ["prompt", "image"]
     return facts

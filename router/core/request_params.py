@@ -74,7 +74,7 @@ def check_model_fields(body: GenerateBody, info) -> None:
         raise FieldError("num_inference_steps", "this model's scheduler stretches its schedule to shift_terminal, "
                                                 "which needs at least 2 steps")
     if (body.guidance_scale is not None and family.cfg_field != "guidance_scale"
-            and family.embedded_guidance(info, body.guidance_scale) is None):
+            and family.guidance.embedded(info, body.guidance_scale) is None):
         raise FieldError("guidance_scale", f"this {family.pipeline} transformer has no guidance embedding (its "
                                            "guidance_embeds is false); classifier-free guidance is true_cfg_scale "
                                            "with a negative_prompt")
@@ -83,17 +83,17 @@ def check_model_fields(body: GenerateBody, info) -> None:
 def check_image_fields(body: GenerateBody, info) -> None:
     """``image`` and ``last_image`` as the model directory takes them (``info``: its ModelInfo): refused where
     it takes none, required where it cannot run without one. The images themselves: router/api/images.py."""
-    family, takes = info.family, info.family.image_input(info)
+    family, takes = info.family, info.family.condition.image_input(info)
     if body.image is None and takes == "required":
         raise FieldError("image", f"this {family.pipeline} model makes videos from an image: give image "
                                   "(a base64 PNG, JPEG or WEBP, or a data: URL)")
     if body.image is not None and takes is None:
         raise FieldError("image", f"this {family.pipeline} model takes no image (it is not an image-to-video model)")
-    fixed = family.fixed_max_sequence_length(info)
+    fixed = family.text.fixed_length(info)
     if fixed is not None and body.max_sequence_length not in (None, fixed):
         raise FieldError("max_sequence_length", f"this {family.pipeline} model's attention takes exactly {fixed} "
                                                 f"text tokens before its image tokens, got {body.max_sequence_length}")
-    last = family.last_image_input(info)
+    last = family.condition.last_image_input(info)
     if body.last_image is None and last == "required" and body.image is not None:
         raise FieldError("last_image", f"this {family.pipeline} model makes videos between two frames: give "
                                        "last_image too")

@@ -89,7 +89,7 @@ class OpenAIRoutes:
             {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
              "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
              "defaults": info.defaults, "video": info.family.video,
-             "image_input": info.family.image_input(info) or "none", "fps": info.fps}]})
+             "image_input": info.family.condition.image_input(info) or "none", "fps": info.fps}]})
 
     # --- POST /v1/images/generations --------------------------------------------------
     async def images(self, request: Request) -> JSONResponse:

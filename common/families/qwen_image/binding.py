@@ -3,7 +3,7 @@
 - encoder: Qwen2.5-VL's last hidden state of the prompt in diffusers' template, the template's prefix tokens
   dropped (:mod:`common.families.qwen_image.text`); a prompt travels as ``prompt_embeds`` [L, D], its own
   length (no padding);
-- denoise: ``QwenImageTransformer2DModel`` on packed latents (:mod:`common.diffusion.packed`) with its
+- denoise: ``QwenImageTransformer2DModel`` on packed latents (:class:`~common.diffusion.parts.latents.PackedLatents`) with its
   ``img_shapes`` and the timestep / 1000; texts of different lengths in one forward are zero-padded with
   an ``encoder_hidden_states_mask``, as the pipeline batches prompts; true classifier-free guidance is
   ``true_cfg_scale`` with a negative prompt, two forwards and the pipeline's norm rescale;
@@ -14,77 +14,53 @@
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from common.diffusion.binding import HIDDEN, Geometry, TextCond
-from common.diffusion.packed import PackedBinding
-from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.binding import Binding
+from common.diffusion.parts.guidance import TrueGuidance
+from common.diffusion.parts.latents import Geometry, PackedLatents, vae_config
+from common.diffusion.parts.text import HIDDEN, MaskedText, TextCond
+from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
+from common.families.qwen_image.vae import QwenImageDecoder
 from common.protocol.messages import PROMPT_EMBEDS
 
 MASK = "encoder_hidden_states_mask"
 
 
-class QwenImageBinding(PackedBinding):
-    family = "qwen-image"
-    pipeline = "QwenImagePipeline"
-    # QwenImagePipeline's own defaults. guidance_scale is the guidance-distilled models' embedded guidance
-    # (their config's guidance_embeds); the others take none and refuse the field.
-    defaults = {"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 50, "guidance_scale": 1.0,
-                "true_cfg_scale": 4.0, "max_sequence_length": 512}
-    fields = frozenset({"max_sequence_length", "true_cfg_scale"})
-    max_sequence_length_limit = 1024  # QwenImagePipeline.check_inputs
-    text_fields = (PROMPT_EMBEDS,)
-    masks_text_padding = True  # QwenImageTransformer2DModel's encoder_hidden_states_mask (see stack_texts)
+def geometry(path, transformer_config: dict) -> Geometry:
+    return Geometry(latent_channels=int(transformer_config.get("in_channels", 64)) // 4,
+                    vae_scale_spatial=2 ** len(vae_config(path).get("temperal_downsample", [False, True, True])),
+                    patch_size=(2, 2))
+
+
+def load_text_encoder(info, dtype: torch.dtype, device):
+    from common.families.qwen_image.text import QwenImageTextEncoder
+
+    return QwenImageTextEncoder.load(info.path, dtype, device)
+
+
+def example_text(info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    width = model.config.joint_attention_dim
+    return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
+                                         device=device, dtype=dtype)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenImageTransformer(TransformerPart):
+    model_class: str = "QwenImageTransformer2DModel"
     # Texts are their prompt's own length (padded and masked only in a forward of several): under --compile
     # the text length is dynamic, else every new prompt length compiles new graphs.
-    compile_dynamic = {HIDDEN: (1,), MASK: (1,)}
-    context_parallel = True  # QwenImageTransformer2DModel has a _cp_plan
+    compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
+    context_parallel: bool = True  # QwenImageTransformer2DModel has a _cp_plan
     # Both streams' attention projections (the recipes' LoRA targets for Qwen-Image).
-    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                    "attn.to_out.0", "attn.to_q", "attn.to_v")
+    lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
 
-    def geometry(self, path: Path, transformer_config: dict) -> Geometry:
-        vcfg = json.loads((path / "vae" / "config.json").read_text())
-        return Geometry(latent_channels=int(transformer_config.get("in_channels", 64)) // 4,
-                        vae_scale_spatial=2 ** len(vcfg.get("temperal_downsample", [False, True, True])),
-                        patch_size=(2, 2))
-
-    def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
-        size = 128 * geometry.vae_scale_spatial  # QwenImagePipeline.default_sample_size
-        return {**self.defaults, "height": size, "width": size}
-
-    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-        """True CFG, then rescaled to the conditional prediction's norm per token (QwenImagePipeline)."""
-        combined = uncond + scale * (cond - uncond)
-        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-
-    def stack_texts(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        embeds = [t[HIDDEN] for t in texts]
-        longest = max(e.shape[1] for e in embeds)
-        if all(e.shape[1] == longest for e in embeds):
-            return {HIDDEN: torch.cat(embeds)}  # no mask: what the pipeline passes for one prompt
-        padded = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embeds])
-        mask = torch.zeros(len(embeds), longest, dtype=torch.int64, device=padded.device)
-        for i, e in enumerate(embeds):
-            mask[i, : e.shape[1]] = 1
-        return {HIDDEN: padded, MASK: mask}
-
-    def load_expert(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
-        from diffusers import QwenImageTransformer2DModel
-
+    def load(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
         _trace_text_length_symbolically()
-        return QwenImageTransformer2DModel.from_pretrained(path, dtype=dtype)
-
-    def load_text_encoder(self, info, dtype: torch.dtype, device):
-        from common.families.qwen_image.text import QwenImageTextEncoder
-
-        return QwenImageTextEncoder.load(info.path, dtype, device)
-
-    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
-        return TextCond({HIDDEN: wire[PROMPT_EMBEDS.name][None]})
+        return super().load(path, dtype)
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         # One img_shapes entry for every row: the transformer's rotary embedding reads only the first (all rows
@@ -96,7 +72,6 @@ class QwenImageBinding(PackedBinding):
 
     # No published TeaCache polynomial for this signal: teacache needs the directory's step_cache.json (the
     # built-in models carry one fitted on small-qwen-image-smooth; a real checkpoint: bench/fit_teacache.py MODEL_DIR --write).
-
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
         dtype = text[HIDDEN].dtype  # (the embedding reads only the dtype of the hidden states it is given)
         t, like = timestep.to(dtype) / 1000, text[HIDDEN][:, :1]
@@ -104,15 +79,21 @@ class QwenImageBinding(PackedBinding):
             return model.time_text_embed(t, like)
         return model.time_text_embed(t, guidance.to(dtype) * 1000, like)
 
-    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
-        width = model.config.joint_attention_dim
-        return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
-                                             device=device, dtype=dtype)})
 
-    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
-        from common.families.qwen_image.vae import QwenImageDecoder
-
-        return QwenImageDecoder.load(info, dtype, device, tiling)
+QWEN_IMAGE = Binding(
+    family="qwen-image", pipeline="QwenImagePipeline",
+    # QwenImageTransformer2DModel's encoder_hidden_states_mask: texts of different lengths share a forward.
+    text=MaskedText(fields=(PROMPT_EMBEDS,), keywords=(HIDDEN,), load_encoder=load_text_encoder,
+                    example=example_text, mask=MASK),
+    latents=PackedLatents(geometry=geometry), transformer=QwenImageTransformer(), decoder=QwenImageDecoder,
+    guidance=TrueGuidance(rescale=True),  # true CFG rescaled to the conditional prediction's norm per token
+    # QwenImagePipeline's own defaults. guidance_scale is the guidance-distilled models' embedded guidance
+    # (their config's guidance_embeds); the others take none and refuse the field.
+    defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 50, "guidance_scale": 1.0,
+              "true_cfg_scale": 4.0, "max_sequence_length": 512},
+    default_size=lambda tcfg, geometry: 128 * geometry.vae_scale_spatial,  # QwenImagePipeline.default_sample_size
+    max_sequence_length_limit=1024,  # QwenImagePipeline.check_inputs
+    fields=frozenset({"max_sequence_length", "true_cfg_scale"}))
 
 
 _TRACED = False

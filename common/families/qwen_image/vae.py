@@ -1,30 +1,28 @@
-"""Qwen-Image's VAE decode: packed tokens unpacked, de-normalised, ``AutoencoderKLQwenImage`` as the pipeline
+"""Qwen-Image's VAE decode: the unpacked latents de-normalised, ``AutoencoderKLQwenImage`` as the pipeline
 (tiled above the tiling budget)."""
 
 from __future__ import annotations
 
 import torch
 
-from common.diffusion.packed import unpack
 from common.diffusion.vae_tiling import VaeTiling
 
 
 class QwenImageDecoder:
-    def __init__(self, info, vae, device, tiling: VaeTiling = VaeTiling()):
-        self.info, self.vae, self.device, self.tiling = info, vae, device, tiling
+    def __init__(self, vae, device, tiling: VaeTiling = VaeTiling()):
+        self.vae, self.device, self.tiling = vae, device, tiling
 
     @classmethod
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "QwenImageDecoder":
         from diffusers import AutoencoderKLQwenImage
 
         vae = AutoencoderKLQwenImage.from_pretrained(info.path / "vae", dtype=dtype)
-        return cls(info, vae.to(device).eval().requires_grad_(False), device, tiling)
+        return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Packed latents [n, seq, 64] -> float32 frames [n, 1, H, W, 3] in [0, 1]."""
-        grid = self.info.family.token_grid(self.info, height, width)
-        latents = unpack(latents.to(self.device), grid)[:, :, None].to(self.vae.dtype)  # [n, C, 1, H', W']
+        """Latents [n, C, H', W'] -> float32 frames [n, 1, H, W, 3] in [0, 1]."""
+        latents = latents.to(self.device)[:, :, None].to(self.vae.dtype)  # [n, C, 1, H', W']
         cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)

@@ -13,6 +13,7 @@ from pathlib import Path
 import regex
 import torch
 
+from common.diffusion.parts.text import pad_embeddings
 from common.protocol.messages import PROMPT_EMBEDS
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default
@@ -31,13 +32,6 @@ def clean_prompt(text: str) -> str:
         text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return _SPACES.sub(" ", text).strip()
-
-
-def pad_embeddings(embeds: torch.Tensor, length: int = MAX_SEQUENCE_LENGTH) -> torch.Tensor:
-    """[L, D] -> [1, length, D], zero-padded after the real tokens as Wan expects."""
-    out = embeds.new_zeros((1, length, embeds.shape[-1]))
-    out[0, : embeds.shape[0]] = embeds
-    return out
 
 
 def conditioning(prompt_embeds: torch.Tensor, negative_embeds: torch.Tensor | None,

@@ -23,8 +23,8 @@ class WanDecoder:
         self.latents_std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
 
     @classmethod
-    def load(cls, path, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "WanDecoder":
-        vae = AutoencoderKLWan.from_pretrained(path / "vae", dtype=dtype)
+    def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "WanDecoder":
+        vae = AutoencoderKLWan.from_pretrained(info.path / "vae", dtype=dtype)
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()

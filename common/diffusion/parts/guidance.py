@@ -1,0 +1,57 @@
+"""The guidance part: which request field scales classifier-free guidance, how a request's two passes
+combine and run, and the transformer's embedded guidance.
+
+:class:`Guidance` is classic CFG on ``guidance_scale``; :class:`TrueGuidance` is true CFG on
+``true_cfg_scale`` (a negative prompt's second pass), optionally rescaled to the conditional prediction's norm,
+beside a guidance-distilled transformer's embedded guidance (``guidance_scale``, when the config has
+``guidance_embeds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from common.diffusion.model_info import ModelInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guidance:
+    field: str = "guidance_scale"  # the request field that scales classifier-free guidance
+    # A single request's two passes as the pipeline runs them: one forward ([uncond, cond]), or two (cond, uncond).
+    in_one_forward: bool = False
+    # The pipeline hands its scheduler ``sigmas = linspace(1, 1/N, N)`` when a request gives none; else the
+    # scheduler spaces its own steps.
+    default_sigmas: bool = False
+
+    def scale(self, params) -> float:
+        """The request's classifier-free guidance scale (guidance runs above 1)."""
+        value = getattr(params, self.field)
+        return 1.0 if value is None else float(value)
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance of one request's two passes, in its pipeline's order of operations."""
+        return uncond + scale * (cond - uncond)
+
+    def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
+        """The transformer's guidance-embedding input for a request's ``guidance_scale``, else None."""
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrueGuidance(Guidance):
+    field: str = "true_cfg_scale"
+    default_sigmas: bool = True
+    rescale: bool = False  # the guided prediction rescaled to the conditional one's norm per token
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        combined = uncond + scale * (cond - uncond)
+        if not self.rescale:
+            return combined
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
+        return float(guidance_scale) if info.transformer_config.get("guidance_embeds") else None

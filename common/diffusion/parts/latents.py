@@ -1,0 +1,124 @@
+"""The latents part: what a model directory says about its latents, and the latents its pipeline steps on.
+
+Plain video latents ``[C, F', H', W']``, plain image latents ``[C, H', W']``, or packed tokens ``[seq, C * 4]``:
+each 2x2 patch of the VAE latent one token, row-major over the ``(H' / 2) x (W' / 2)`` grid (the transformer
+and the scheduler only ever see the tokens; latents on the wire are these tokens, as the pipelines return
+them, and the decode side unpacks them). The noise is drawn as :meth:`LatentsPart.noise_shape` says and
+packed by :meth:`LatentsPart.pack`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from common.diffusion.model_info import ModelInfo
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a model directory says about its latents: read once (:attr:`LatentsPart.geometry`)."""
+
+    latent_channels: int
+    vae_scale_spatial: int
+    vae_scale_temporal: int = 1  # 1: an image model
+    patch_size: tuple[int, ...] = (1, 2, 2)
+
+
+# (model directory, transformer config) -> its Geometry
+GeometryReader = Callable[[Path, dict], Geometry]
+
+
+def vae_config(path: Path) -> dict:
+    return json.loads((path / "vae" / "config.json").read_text())
+
+
+def autoencoder_kl_scale(path: Path) -> int:
+    """Pixels per latent of an ``AutoencoderKL``: one halving per block after the first."""
+    return 2 ** (len(vae_config(path).get("block_out_channels", [0] * 4)) - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentsPart:
+    """Plain latents ``[C, (F',) H', W']``: the noise is what the pipeline steps on."""
+
+    geometry: GeometryReader
+    video: bool = False  # a frame axis: [C, F', H', W']
+
+    def shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """One sample's latents as the pipeline steps on them (leading 1)."""
+        h, w = height // info.vae_scale_spatial, width // info.vae_scale_spatial
+        if self.video:
+            return (1, info.latent_channels, (num_frames - 1) // info.vae_scale_temporal + 1, h, w)
+        return (1, info.latent_channels, h, w)
+
+    def noise_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """One sample's initial noise as the pipeline draws it, before :meth:`pack` (leading 1)."""
+        return self.shape(info, height, width, num_frames)
+
+    def pack(self, noise: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+        """Drawn noise [n, *noise_shape] as the latents the pipeline steps on (identity: not packed)."""
+        return noise
+
+    def unpack(self, latents: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+        """Stepped latents as the VAE takes them (the inverse of :meth:`pack`)."""
+        return latents
+
+    def token_grid(self, info: "ModelInfo", height: int, width: int) -> tuple[int, int]:
+        """Packed latents: the (rows, columns) of a size's image tokens, which their position ids need."""
+        return (0, 0)
+
+    def image_seq_len(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> int:
+        """The transformer's image tokens for a size (the dynamic shift's ``mu`` depends on it)."""
+        shape = self.shape(info, height, width, num_frames)
+        return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedLatents(LatentsPart):
+    """2x2 patches of an image latent as tokens (see the module docstring)."""
+
+    def token_grid(self, info: "ModelInfo", height: int, width: int) -> tuple[int, int]:
+        step = info.vae_scale_spatial * 2
+        return height // step, width // step
+
+    def noise_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        rows, cols = self.token_grid(info, height, width)
+        return (1, info.latent_channels, 2 * rows, 2 * cols)
+
+    def shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        rows, cols = self.token_grid(info, height, width)
+        return (1, rows * cols, info.latent_channels * 4)
+
+    def pack(self, noise: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+        return pack(noise)
+
+    def unpack(self, latents: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+        return unpack(latents, self.token_grid(info, height, width))
+
+    def image_seq_len(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> int:
+        rows, cols = self.token_grid(info, height, width)
+        return rows * cols
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[n, C, H', W'] (or [n, 1, C, H', W']) -> [n, (H'/2) * (W'/2), C * 4]."""
+    if latents.dim() == 5:  # a pipeline that draws a frame axis of one
+        latents = latents[:, 0]
+    n, c, h, w = latents.shape
+    x = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """[n, rows * cols, C * 4] -> [n, C, 2 * rows, 2 * cols], the inverse of :func:`pack`."""
+    n, _, channels = tokens.shape
+    rows, cols = grid
+    x = tokens.view(n, rows, cols, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(n, channels // 4, 2 * rows, 2 * cols)
