@@ -8,7 +8,8 @@ import torch
 
 from common.config.engine import EngineConfig
 from common.protocol.errors import Forbidden, RequestError
-from common.protocol.messages import LORA_BLOB, ControlRequest, GenerationParams
+from common.protocol.control import FromMemory, LoadLora, UnloadLora
+from common.protocol.messages import LORA_BLOB, GenerationParams
 from common.diffusion.lora import LoraAdapter, build_adapter
 from common.diffusion.lora_format import LoraConfig, LoraError, parse_state, read_lora
 from common.diffusion.weights import WeightsError
@@ -32,18 +33,18 @@ class AdapterTable:
             raise RequestError(f"lora_name: no adapter {params.lora_name!r} is loaded")
         return adapter, params.lora_scale
 
-    def load(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
+    def load(self, msg: LoadLora, tensors: dict[str, torch.Tensor]) -> dict:
         """An adapter from a path, or from the trainer's tensors in the message (one blob)."""
         return self._install(msg, lambda: self._read_path(msg) if msg.path else self._read_tensors(msg, tensors))
 
-    def load_state(self, msg: ControlRequest, state: dict[str, torch.Tensor]) -> dict:
+    def load_state(self, msg: FromMemory, state: dict[str, torch.Tensor]) -> dict:
         """An adapter from the trainer's memory (shared-memory buckets or a broadcast): peft-named tensors."""
         if msg.lora_rank is None:
             raise RequestError("lora.rank: required")
         return self._install(msg, lambda: parse_state(state, LoraConfig(r=msg.lora_rank, lora_alpha=msg.lora_alpha),
                                                       default_expert=msg.module))
 
-    def _install(self, msg: ControlRequest, read) -> dict:
+    def _install(self, msg: LoadLora | FromMemory, read) -> dict:
         limits = self.config.limits
         if msg.lora_name not in self.by_name and len(self.by_name) >= limits.max_loras:
             raise RequestError(f"lora_name: {len(self.by_name)} adapters are loaded, the most --max-loras allows")
@@ -57,22 +58,21 @@ class AdapterTable:
         self.by_name[adapter.name] = adapter  # one assignment: the next request sees the new version
         return adapter.describe()
 
-    def unload(self, msg: ControlRequest) -> dict:
+    def unload(self, msg: UnloadLora) -> None:
         if self.by_name.pop(msg.lora_name, None) is None:
             raise RequestError(f"lora_name: no adapter {msg.lora_name!r} is loaded")
-        return {"lora_name": msg.lora_name}
 
     def _next_version(self, name: str) -> int:
         old = self.by_name.get(name)
         return 1 if old is None else old.version + 1
 
-    def _read_path(self, msg: ControlRequest):
+    def _read_path(self, msg: LoadLora):
         if not self.config.weight_roots:  # the router refuses first; never read from anywhere
             raise Forbidden("adapter loads from a path are disabled: start the engine with --weight-root DIR")
         return read_lora(msg.path, self.config.weight_roots, swap_experts=msg.load_into_transformer_2)
 
     @staticmethod
-    def _read_tensors(msg: ControlRequest, tensors: dict[str, torch.Tensor]):
+    def _read_tensors(msg: LoadLora, tensors: dict[str, torch.Tensor]):
         """The trainer's tensors: consecutive pieces of one flat blob, named and shaped by the message."""
         blob = tensors.get(LORA_BLOB.name)
         if blob is None or not msg.lora_tensors or msg.lora_rank is None:

@@ -7,16 +7,17 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
-from common.protocol.errors import Cancelled, DeadlineExceeded, Forbidden, RequestError, Sleeping, check_deadline
+from common.protocol.control import ReleaseMemory, ReleaseReply, ResumeMemory, ResumeReply
+from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, check_deadline
 from common.protocol.messages import (
     IMAGE_CONDITION,
     LATENTS,
     NEGATIVE_OF,
     OUTPUT,
     PROTOCOL_VERSION,
-    ControlRequest,
     DecodeRequest,
     DenoiseRequest,
     Result,
@@ -30,9 +31,9 @@ from common.diffusion.compiled import compile_experts, warm_up
 from common.families import read_model
 from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.policy import Policy, uses_guidance
-from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.caching import request_cache
+from denoise_worker.controls import DenoiseControls, applies_between_steps
 from denoise_worker.forward import Outcome, step_each, step_velocities
 from denoise_worker.joint_step import advance_all
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
@@ -46,9 +47,6 @@ from denoise_worker.weight_sync import WeightSync
 log = logging.getLogger("disagg.denoise")
 
 PROGRESS_INTERVAL_S = 0.5  # how often a request's step count goes to the router (none for shorter requests)
-# Control operations that take weights from the trainer's memory (off unless --weight-sync-from-memory).
-FROM_MEMORY = ("update_weights_from_tensors", "init_weights_group", "update_weights_from_distributed",
-               "destroy_weights_group")
 
 
 @dataclass
@@ -84,6 +82,7 @@ class DenoiseStage(Stage):
         if self.config.compile:
             self._compile()
         self.adapters = AdapterTable(self.config, self.policy)
+        self.controls = DenoiseControls(self)
         self.texts = TextTable(self.family, self.device, self.policy.dtype)
         self.sync = WeightSync(self.config, self.device, receiver_for(self.config, self.spec))
         self.teacache = teacache_settings(self.info)
@@ -274,78 +273,27 @@ class DenoiseStage(Stage):
         self.active.clear()
         return dropped
 
-    def release_memory(self, msg: ControlRequest) -> dict:
+    def release_memory(self, msg: ReleaseMemory) -> ReleaseReply:
         """Every rank's experts; and the trainer's last buckets, which a worker keeps mapped between pushes."""
         if self.policy.ranks is not None:
             self.policy.ranks.memory("release", level=msg.level)
         self.sync.release()
         return super().release_memory(msg)
 
-    def resume_memory(self, msg: ControlRequest) -> dict:
+    def resume_memory(self, msg: ResumeMemory) -> ResumeReply:
         reloaded = self.memory.missing()
-        data = super().resume_memory(msg)
+        reply = super().resume_memory(msg)
         if self.policy.ranks is not None:  # host copies back on each rank; what the leader reloaded, broadcast
             self.policy.ranks.memory("resume")
             for name in reloaded:
                 self.policy.ranks.share_weights(name)
         if reloaded:  # the model directory's weights again: a new weight version
             self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
-        return {**data, "weight_version": self.weight_version, "reloaded": reloaded}
+        return msgspec.structs.replace(reply, weight_version=self.weight_version, reloaded=reloaded)
 
-    def _load_asleep(self, name: str, load) -> None:
-        """A push into a sleeping expert: storage for it first (its values come with the push); a refused push
-        leaves it as asleep as it was."""
-        expert = self.memory.modules[name]
-        level = expert.level
-        expert.materialize()
-        try:
-            load()
-        except BaseException:
-            expert.release(level)
-            raise
+    # --- control messages: weight sync and adapters (denoise_worker/controls.py) ------------------
+    def control_handlers(self) -> dict:
+        return {**super().control_handlers(), **self.controls.table()}
 
-    # --- weight sync and adapters ---------------------------------------------
-    def applies_between_steps(self, msg: ControlRequest) -> bool:
-        """Adapter changes need no quiet moment: requests in flight keep the version they hold."""
-        return msg.op in ("load_lora", "unload_lora") or msg.lora_name is not None
-
-    def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
-        if msg.op == "load_lora":
-            return self.adapters.load(msg, tensors)
-        if msg.op == "unload_lora":
-            return self.adapters.unload(msg)
-        if msg.op in FROM_MEMORY and not self.config.weight_sync_from_memory:  # the router refuses first
-            raise Forbidden("weight sync from memory is off: start the engine with --weight-sync-from-memory")
-        if msg.op == "init_weights_group":
-            return self.sync.init_group(msg)
-        if msg.op == "destroy_weights_group":
-            return self.sync.destroy_group()
-        if msg.lora_name is not None:  # an adapter from the trainer's memory
-            return self.adapters.load_state(msg, self.sync.tensors(msg))
-        module = self.policy.experts.get(msg.module)
-        if module is None:
-            raise RequestError(f"module: this model has no {msg.module}")
-        if msg.op == "checksum":
-            if not self.memory.modules[msg.module].present:
-                raise Sleeping(f"{msg.module}: its weights are released (level {self.memory.level})")
-            return {"weight_version": self.weight_version, "sha256": state_dict_checksum(module)}
-        t0 = time.perf_counter()
-        if msg.op == "update_weights":
-            self._load_asleep(msg.module, lambda: self._load_weights(module, msg.path))
-        else:
-            self._load_asleep(msg.module, lambda: self.sync.load(module, msg))
-        if self.policy.ranks is not None:  # the followers' copies follow the leader's
-            self.policy.ranks.share_weights(msg.module)
-        self.weight_version = msg.version if msg.version is not None else self.weight_version + 1
-        return {"weight_version": self.weight_version, "load_s": time.perf_counter() - t0,
-                "sha256": state_dict_checksum(module) if msg.checksum else None}
-
-    def _load_weights(self, module: torch.nn.Module, path: str | None) -> None:
-        if not path:
-            raise RequestError("path: required")
-        if not self.config.weight_roots:  # the router refuses first; never read from anywhere
-            raise Forbidden("weight updates are disabled: start the engine with --weight-root DIR")
-        try:
-            load_into(module, read_weights(path, allowed_roots=self.config.weight_roots))
-        except WeightsError as e:
-            raise RequestError(str(e)) from None
+    def applies_between_steps(self, msg) -> bool:
+        return applies_between_steps(msg)

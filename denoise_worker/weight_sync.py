@@ -30,7 +30,7 @@ import torch.distributed as dist
 from common.config.engine import EngineConfig
 from common.protocol.codec import WireError
 from common.protocol.errors import RequestError, TransferFailed
-from common.protocol.messages import ControlRequest
+from common.protocol.control import FromMemory, InitWeightsGroup, UpdateWeightsFromGroup
 from common.transport import weights_group
 from common.transport.cuda_ipc import CudaIpcReceiver
 from common.transport.shm import engine_prefix
@@ -70,7 +70,7 @@ class WeightSync:
         self.segments.close()
         self._kept = {}
 
-    def load(self, module: torch.nn.Module, msg: ControlRequest) -> None:
+    def load(self, module: torch.nn.Module, msg: FromMemory) -> None:
         """``module``'s new weights, from the trainer's memory: every bucket first, then all of it or nothing."""
         with self._buffers(msg) as buffers:
             try:
@@ -78,7 +78,7 @@ class WeightSync:
             except (LayoutError, WeightsError) as e:
                 raise RequestError(str(e)) from None
 
-    def tensors(self, msg: ControlRequest) -> dict[str, torch.Tensor]:
+    def tensors(self, msg: FromMemory) -> dict[str, torch.Tensor]:
         """The update's tensors as copies of their own on this worker's device (an adapter's: it outlives
         the buckets)."""
         with self._buffers(msg) as buffers:
@@ -89,9 +89,9 @@ class WeightSync:
                 raise RequestError(str(e)) from None
 
     @contextlib.contextmanager
-    def _buffers(self, msg: ControlRequest) -> Iterator[list[torch.Tensor]]:
+    def _buffers(self, msg: FromMemory) -> Iterator[list[torch.Tensor]]:
         """Every bucket of the update, for the length of the block."""
-        if msg.op == "update_weights_from_distributed":
+        if isinstance(msg, UpdateWeightsFromGroup):
             yield self._broadcast(msg)
         elif any(b.cuda is not None for b in msg.weight_buckets):
             with self._borrowed(msg) as views:
@@ -101,7 +101,7 @@ class WeightSync:
 
     # --- one host, the trainer's tensors on a GPU: CUDA IPC ------------------------------
     @contextlib.contextmanager
-    def _borrowed(self, msg: ControlRequest) -> Iterator[list[torch.Tensor]]:
+    def _borrowed(self, msg: FromMemory) -> Iterator[list[torch.Tensor]]:
         if self.cuda_ipc is None:
             raise RequestError("buckets: CUDA IPC handles need denoise workers on GPUs of the trainer's host "
                                "(and CUDA IPC on); send host buckets or use a weights group")
@@ -117,16 +117,14 @@ class WeightSync:
             raise RequestError(str(e)) from None
 
     # --- one host: shared memory -----------------------------------------------------
-    def _mapped(self, msg: ControlRequest) -> list[torch.Tensor]:
+    def _mapped(self, msg: FromMemory) -> list[torch.Tensor]:
         try:
             return self.segments.open(msg.weight_buckets)
         except WireError as e:
             raise RequestError(str(e)) from None
 
     # --- across hosts: a torch.distributed group ---------------------------------------
-    def init_group(self, msg: ControlRequest) -> dict:
-        if msg.master_address is None or msg.master_port is None or msg.world_size is None or msg.rank is None:
-            raise RequestError("master_address, master_port, world_size and rank: required")
+    def init_group(self, msg: InitWeightsGroup) -> None:
         if msg.backend == "nccl" and self.device.type != "cuda":
             raise RequestError("backend: nccl needs denoise workers on GPUs; use gloo")
         self.destroy_group()
@@ -137,7 +135,6 @@ class WeightSync:
             raise TransferFailed(f"could not join the trainer's {msg.backend} group at "
                                  f"{msg.master_address}:{msg.master_port}: {e}") from None
         self.group = _Group(tcp, pg, msg.backend)
-        return {"rank": msg.rank, "world_size": msg.world_size, "backend": msg.backend}
 
     def _staging(self, sizes: list[int], backend: str, adapter: bool) -> list[torch.Tensor]:
         """Buffers for every bucket of an update. On the CPU (gloo) they are kept for the next update of the
@@ -149,13 +146,14 @@ class WeightSync:
             self._kept[adapter] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         return self._kept[adapter]
 
-    def destroy_group(self) -> dict:
+    def destroy_group(self) -> bool:
+        """Leave the trainer's group; whether there was one."""
         had = self.group is not None
         self.group = None  # the group and its store close when they are collected
         self._kept = {}
-        return {"group": "destroyed" if had else "none"}
+        return had
 
-    def _broadcast(self, msg: ControlRequest) -> list[torch.Tensor]:
+    def _broadcast(self, msg: FromMemory) -> list[torch.Tensor]:
         group = self.group
         if group is None:
             raise RequestError("no weights group: call init_weights_group first")

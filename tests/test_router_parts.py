@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 from fastapi import FastAPI
@@ -15,9 +16,8 @@ from pydantic import BaseModel
 
 from common.config.engine import Limits, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
-from common.protocol.messages import (
-    PROTOCOL_VERSION, ControlReply, ErrorReply, Heartbeat, Progress, Result, Route,
-)
+from common.protocol.control import ChecksumReply, UpdateWeights, WeightsReply, kind_of
+from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, Heartbeat, Progress, Result, Route
 from router.link.admission import Admission
 from router.control.fanout import WeightControl, control_failure, fan_out
 from router.core.errors import EngineError
@@ -249,7 +249,8 @@ def test_resolve_turns_errors_and_empty_results_into_engine_errors():
             decode(encode(_result("b"), {}))
         assert refused.value.request_id == "b" and table.reject("b", str(refused.value)) is True
         assert table.reject("b", "again") is False and table.reject("nobody", "x") is False
-        reply = ControlReply(v=PROTOCOL_VERSION, request_id="c", role="denoise", index=0, data={"sha256": "x"})
+        reply = ChecksumReply(v=PROTOCOL_VERSION, request_id="c", role="denoise", index=0, weight_version=0,
+                              sha256="x")
         table.resolve(reply, {})
         e = _error_of(table.get("a").future)
         assert (e.status, e.type, e.message, e.stage, e.request_id) == (500, "RuntimeError", "boom", "denoise", "a")
@@ -323,8 +324,14 @@ def test_fail_all_settles_every_open_request():
 
 # --- control -------------------------------------------------------------------
 
-def _reply(index: int, **data) -> ControlReply:
-    return ControlReply(v=PROTOCOL_VERSION, request_id=f"r{index}", role="denoise", index=index, data=data)
+def _reply(index: int, sha256: str = "aa", request_id: str | None = None) -> WeightsReply:
+    return WeightsReply(v=PROTOCOL_VERSION, request_id=request_id or f"r{index}", role="denoise", index=index,
+                        weight_version=1, load_s=0.0, sha256=sha256)
+
+
+def _checksum(index: int, sha256: str, weight_version: int) -> ChecksumReply:
+    return ChecksumReply(v=PROTOCOL_VERSION, request_id=f"r{index}", role="denoise", index=index,
+                         weight_version=weight_version, sha256=sha256)
 
 
 def test_control_failure_is_none_when_every_worker_answered():
@@ -354,22 +361,24 @@ def test_fan_out_asks_every_worker_and_keeps_their_order():
     async def body():
         table, sent = PendingTable(), []
 
-        async def send(w, msg, tensors):  # worker 0 answers, worker 1 fails, worker 2 never answers
-            sent.append((w.index, msg.op, msg.module, msg.path))
+        async def send(w, msg, tensors):  # 0 answers, 1 fails, 2 never answers, 3 answers another kind's reply
+            sent.append((w.index, kind_of(msg), msg.module, msg.path))
             if w.index == 0:
-                table.resolve(ControlReply(v=PROTOCOL_VERSION, request_id=msg.request_id, role="denoise", index=0,
-                                           data={"sha256": "aa"}), {})
+                table.resolve(_reply(0, request_id=msg.request_id), {})
             elif w.index == 1:
                 table.resolve(ErrorReply(v=PROTOCOL_VERSION, request_id=msg.request_id, stage="denoise",
                                          type="FileNotFoundError", message="gone", status=400), {})
+            elif w.index == 3:
+                table.resolve(msgspec.structs.replace(_checksum(3, "aa", 1), request_id=msg.request_id), {})
 
-        workers = [WorkerSpec("denoise", i) for i in range(3)]
-        replies = await fan_out(workers, "update_weights", {"module": "transformer", "path": "/w"}, table, send,
+        workers = [WorkerSpec("denoise", i) for i in range(4)]
+        replies = await fan_out(workers, UpdateWeights, {"module": "transformer", "path": "/w"}, table, send,
                                 timeout_s=0.2)
-        assert sent == [(i, "update_weights", "transformer", "/w") for i in range(3)]
-        assert isinstance(replies[0], ControlReply) and replies[0].data == {"sha256": "aa"}
+        assert sent == [(i, "update_weights", "transformer", "/w") for i in range(4)]
+        assert isinstance(replies[0], WeightsReply) and replies[0].sha256 == "aa"
         assert (replies[1].status, replies[1].type) == (400, "FileNotFoundError")
         assert (replies[2].status, replies[2].type, replies[2].stage) == (504, "timeout", "denoise")
+        assert (replies[3].status, replies[3].type) == (502, "bad_result") and "checksum_reply" in replies[3].message
         assert len(table) == 0  # nothing left behind
 
     asyncio.run(body())
@@ -387,16 +396,16 @@ def test_weight_control_counts_versions_only_when_every_worker_loaded():
         answers.append([_reply(0, sha256="aa"), _reply(1, sha256="aa")])
         done = await weights.update("transformer", "/w/1")
         assert (done["weight_version"], done["sha256"], weights.version) == (1, "aa", 1)
-        assert calls[0] == ("denoise", "update_weights",
+        assert calls[0] == ("denoise", UpdateWeights,
                             {"module": "transformer", "path": "/w/1", "version": 1, "checksum": True})
         answers.append([_reply(0, sha256="bb"), EngineError(500, "RuntimeError", "boom", "denoise", "x")])
         with pytest.raises(EngineError) as e:
             await weights.update("transformer", "/w/2")
         assert e.value.type == "inconsistent_workers" and weights.version == 1
-        answers.append([_reply(0, sha256="aa", weight_version=1), _reply(1, sha256="bb", weight_version=1)])
+        answers.append([_checksum(0, sha256="aa", weight_version=1), _checksum(1, sha256="bb", weight_version=1)])
         summary = await weights.checksum("transformer")
         assert summary["consistent"] is False and summary["sha256"] is None and summary["weight_version"] is None
-        answers.append([_reply(0, sha256="aa", weight_version=1), _reply(1, sha256="aa", weight_version=1)])
+        answers.append([_checksum(0, sha256="aa", weight_version=1), _checksum(1, sha256="aa", weight_version=1)])
         summary = await weights.checksum("transformer")
         assert (summary["consistent"], summary["sha256"], summary["weight_version"]) == (True, "aa", 1)
         assert [w["index"] for w in summary["workers"]] == [0, 1]

@@ -249,18 +249,23 @@ class _Dispatcher:
         self.fail, self.sent = fail, []
 
     async def control(self, role, op, only=None, **fields):
-        from common.protocol.messages import PROTOCOL_VERSION, ControlReply
+        from common.protocol.control import ReleaseMemory, ReleaseReply, ResumeReply
+        from common.protocol.messages import PROTOCOL_VERSION
         from router.core.errors import EngineError
 
         self.sent.append((role, op, fields))
         if role in self.fail:
             return [EngineError(500, "RuntimeError", "boom", role, "x")]
-        return [ControlReply(v=PROTOCOL_VERSION, request_id="x", role=role, index=0, data={"released_bytes": 1})]
+        header = dict(v=PROTOCOL_VERSION, request_id="x", role=role, index=0)
+        if op is ReleaseMemory:
+            return [ReleaseReply(**header, level=fields["level"], released_bytes=1, before={}, after={})]
+        return [ResumeReply(**header, level=0, after={})]
 
 
 def test_sleep_control_keeps_what_each_release_did_and_refuses_a_resume_without_weights():
     import asyncio
 
+    from common.protocol.control import ResumeMemory
     from router.control.fanout import WeightControl
     from router.core.errors import EngineError
     from router.control.sleep import SleepControl, components_of
@@ -290,6 +295,6 @@ def test_sleep_control_keeps_what_each_release_did_and_refuses_a_resume_without_
         await sleep.release(["transformer"], level=2)
         out = await sleep.resume(["transformer"], reload="disk")  # the model directory's weights: a new version
         assert out["weight_version"] == weights.version == 1
-        assert d.sent[-1] == ("denoise", "resume_memory", {"reload": "disk", "version": 1})
+        assert d.sent[-1] == ("denoise", ResumeMemory, {"reload": "disk", "version": 1})
 
     asyncio.run(body())

@@ -18,7 +18,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.protocol.messages import WeightTensor
+from common.protocol.control import WeightTensor
 from common.runtime.engine_process import ROOT, free_port
 from common.transport import weight_segments
 from common.diffusion import weight_buckets

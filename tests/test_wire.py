@@ -224,3 +224,102 @@ def test_every_kind_declares_distinct_tensor_names():
         names = [f.name for f in kind.carries]
         assert len(names) == len(set(names)) == len(kind.contract())
     assert DecodeRequest.contract()["latents"].required and not Result.contract()["log_probs"].required
+
+
+# ---------------------------------------------------------------- control kinds
+
+
+def _controls() -> list:
+    """One message of every control kind (requests and replies), each with its own fields set."""
+    from common.protocol import control as c
+
+    head = dict(v=PROTOCOL_VERSION, request_id="k1")
+    answer = dict(head, role="denoise", index=1)
+    tensors = [c.WeightTensor(name="w", dtype="float32", shape=[2], bucket=0, offset=0)]
+    buckets = [c.WeightBucket(nbytes=8, segment="seg-1")]
+    return [
+        c.UpdateWeights(**head, module="transformer_2", path="/w/1", version=3, checksum=False),
+        c.Checksum(**head, module="transformer"),
+        c.UpdateWeightsFromTensors(**head, version=2, weight_tensors=tensors, weight_buckets=buckets),
+        c.UpdateWeightsFromGroup(**head, weight_tensors=tensors, weight_buckets=[c.WeightBucket(nbytes=8)],
+                                 lora_name="style-a", lora_rank=4, lora_alpha=8.0),
+        c.InitWeightsGroup(**head, master_address="10.0.0.5", master_port=29600, world_size=3, rank=2,
+                           backend="nccl", group_timeout_s=60.0),
+        c.DestroyWeightsGroup(**head),
+        c.LoadLora(**head, lora_name="style-a", version=1, lora_tensors=[c.LoraTensor(name="a.lora_A", shape=[4, 8])],
+                   lora_rank=4, lora_alpha=4.0),
+        c.UnloadLora(**head, lora_name="style-a"),
+        c.ReleaseMemory(**head, level=2, abort=True),
+        c.ResumeMemory(**head, reload="disk", version=4),
+        c.WeightsReply(**answer, weight_version=3, load_s=0.5, sha256=None),
+        c.ChecksumReply(**answer, weight_version=3, sha256="ab"),
+        c.LoraReply(**answer, lora_name="style-a", lora_version=1, rank=4, scale=1.0, target_modules=["to_q"],
+                    experts=["transformer"], sha256="cd"),
+        c.UnloadLoraReply(**answer, lora_name="style-a"),
+        c.GroupReply(**answer, rank=2, world_size=3, backend="gloo"),
+        c.GroupDestroyedReply(**answer, group="none"),
+        c.ReleaseReply(**answer, level=2, released_bytes=10, before={"rss": 20}, after={"rss": 10}),
+        c.ResumeReply(**answer, level=0, after={"rss": 20}, weight_version=4, reloaded=["transformer"]),
+    ]
+
+
+def test_every_control_kind_round_trips_with_its_own_tag():
+    from common.protocol.control import CONTROL_REPLIES, CONTROL_REQUESTS, kind_of
+
+    messages = _controls()
+    assert {type(m) for m in messages} == set(CONTROL_REQUESTS) | set(CONTROL_REPLIES)
+    assert len({kind_of(m) for m in messages}) == len(messages)  # one wire kind each
+    for msg in messages:
+        blob = {"lora.blob": torch.randn(32)} if kind_of(msg) == "load_lora" else {}
+        frames = encode(msg, blob)
+        assert _header(frames)["kind"] == kind_of(msg)
+        back, got = decode(frames)
+        assert back == msgspec.structs.replace(msg, tensors=back.tensors) and set(got) == set(blob)
+
+
+def test_every_control_request_names_the_replies_it_gets():
+    from common.protocol.control import CONTROL_REPLIES, CONTROL_REQUESTS
+
+    for kind in CONTROL_REQUESTS:
+        assert kind.replies and set(kind.replies) <= set(CONTROL_REPLIES), kind.__name__
+
+
+def _control_header(i: int) -> dict:
+    return _header(encode(_controls()[i]))
+
+
+@pytest.mark.parametrize("header, needle", [
+    ({**_control_header(1), "path": "/w"}, "unknown field `path`"),  # a field of another kind
+    ({**_control_header(7), "kind": "unload"}, "Invalid value 'unload'"),  # no such kind
+    ({**_control_header(0), "kind": "checksum"}, "unknown field `path`"),  # another kind's tag
+    ({k: v for k, v in _control_header(0).items() if k != "path"}, "missing required field `path`"),
+    ({**_control_header(0), "path": ""}, "length >= 1"),
+    ({**_control_header(0), "module": "vae"}, "Invalid enum value 'vae'"),
+    ({**_control_header(4), "master_port": 70000}, "<= 65535"),
+    ({**_control_header(4), "rank": 0}, ">= 1"),
+    ({**_control_header(4), "world_size": 1}, ">= 2"),
+    ({**_control_header(4), "group_timeout_s": 0}, "> 0"),
+    ({**_control_header(6), "lora_name": "../up"}, "matching regex"),
+    ({**_control_header(6), "lora_rank": 0}, ">= 1"),
+    ({**_control_header(8), "level": 3}, "Invalid enum value 3"),
+    ({**_control_header(9), "reload": "network"}, "Invalid enum value 'network'"),
+    ({**_control_header(11), "sha256": 1}, "Expected `str`, got `int`"),
+    ({**_control_header(16), "data": {}}, "unknown field `data`"),
+], ids=["other-kinds-field", "unknown-kind", "wrong-tag", "missing-path", "empty-path", "module", "port", "rank",
+        "world-size", "timeout", "lora-name", "lora-rank", "level", "reload", "reply-field-type", "old-reply-data"])
+def test_control_headers_outside_their_kind_are_refused_naming_the_request(header, needle):
+    with pytest.raises(WireError, match="invalid header") as e:
+        decode([msgpack.packb(header)])
+    assert needle in str(e.value) and e.value.request_id == "k1"
+
+
+def test_only_an_adapter_load_carries_a_tensor():
+    from common.protocol.control import Checksum, LoadLora
+
+    blob = {"lora.blob": torch.randn(8)}
+    load = LoadLora(v=PROTOCOL_VERSION, request_id="k1", lora_name="a")
+    with pytest.raises(WireError, match="carries no tensor 'lora.blob'"):
+        decode(encode(Checksum(v=PROTOCOL_VERSION, request_id="k1"), blob))
+    with pytest.raises(WireError, match="dtype int64"):
+        decode(encode(load, {"lora.blob": torch.ones(8).long()}))
+    assert set(decode(encode(load, blob))[1]) == set(blob)

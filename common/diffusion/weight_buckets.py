@@ -2,7 +2,7 @@
 
 One layout, used by both ends: the trainer packs its tensors into buckets of at
 most ``bucket_bytes`` (a larger tensor gets a bucket of its own) and describes
-them with :class:`~common.protocol.messages.WeightTensor` entries; a denoise
+them with :class:`~common.protocol.control.WeightTensor` entries; a denoise
 worker turns the buckets it received (shared-memory segments, or broadcast
 buffers) back into named tensors with :func:`unpack`, views without a copy,
 which it validates against its module before loading anything.
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from common.protocol.codec import DTYPE_NAMES, DTYPES
-from common.protocol.messages import WeightTensor
+from common.protocol.control import WeightTensor
 
 ALIGN = 64  # every tensor starts on a 64-byte boundary: any dtype can view it, copies stay aligned
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, Union
 
 import msgspec
 import torch
 
+from common.protocol.control import ControlReply, ControlRequest
 from common.protocol.messages import PROTOCOL_VERSION, CudaIpcHandle, Message, TensorSpec
 
 if sys.byteorder != "little":  # raw frames are little-endian by contract
@@ -58,8 +59,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+# Every kind a peer may send: the data and bookkeeping kinds, and the control requests and their replies.
+Wire = Union[Message, ControlRequest, ControlReply]
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder = msgspec.msgpack.Decoder(Wire)
 
 
 class WireError(ValueError):
@@ -120,7 +123,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode(
-    msg: Message,
+    msg: Wire,
     tensors: dict[str, torch.Tensor] | None = None,
     shm: ShmSend | None = None,
     cuda: CudaSend | None = None,
@@ -208,7 +211,7 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
 
 def decode(
     frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
-) -> tuple[Message, dict[str, torch.Tensor]]:
+) -> tuple[Wire, dict[str, torch.Tensor]]:
     """Validate and decode a multipart message, its tensors checked against its kind's contract
     (``carries``: names, dtype classes, ranks, required ones present). Raises :class:`WireError`.
 
@@ -221,14 +224,14 @@ def decode(
 
 def decode_frames(
     frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
-) -> tuple[Message, dict[str, torch.Tensor]]:
+) -> tuple[Wire, dict[str, torch.Tensor]]:
     """:func:`decode` without the message kind's tensor contract: the data plane alone
     (header, descriptors, frames, segments, handles), for code that moves arbitrary tensors."""
     return _decode(frames, shm, cuda, check_contract=False)
 
 
 def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None,
-            check_contract: bool) -> tuple[Message, dict[str, torch.Tensor]]:
+            check_contract: bool) -> tuple[Wire, dict[str, torch.Tensor]]:
     if not frames:
         raise WireError("empty message")
     head = _frame_buffer(frames[0])
@@ -257,7 +260,7 @@ def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | N
         raise
 
 
-def _check_contract(msg: Message) -> None:
+def _check_contract(msg: Wire) -> None:
     """Every tensor is one its kind declares, of the declared dtype class and rank; required ones are there."""
     contract = type(msg).contract()
     kind = type(msg).__name__
@@ -275,7 +278,7 @@ def _check_contract(msg: Message) -> None:
 
 
 def _tensors(
-    msg: Message, frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None, opened: set[str]
+    msg: Wire, frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None, opened: set[str]
 ) -> dict[str, torch.Tensor]:
     if len(msg.tensors) > MAX_TENSORS:
         raise WireError(f"{len(msg.tensors)} tensors exceed the limit {MAX_TENSORS}", msg.request_id)

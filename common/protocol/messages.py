@@ -150,34 +150,6 @@ LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 LoraName = Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)]
 
 
-class LoraTensor(_Strict, frozen=True):
-    """One tensor of an adapter sent from memory: its state-dict key and shape inside ``LORA_BLOB``."""
-
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]], msgspec.Meta(min_length=1, max_length=2)]
-
-
-class WeightTensor(_Strict, frozen=True):
-    """One tensor of a weight update from memory: its state-dict name, dtype, shape, and where its
-    bytes lie (bucket index, byte offset) in the update's buckets (common/diffusion/weight_buckets.py)."""
-
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    dtype: str
-    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]], msgspec.Meta(max_length=8)]
-    bucket: Annotated[int, msgspec.Meta(ge=0)]
-    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
-
-
-class WeightBucket(_Strict, frozen=True):
-    """One bucket of a weight update: its size and, on one host, the shared-memory segment holding it
-    (written by the trainer; common/transport/weight_segments.py) or the CUDA IPC handle of the trainer's
-    GPU buffer holding it. Broadcast buckets have neither."""
-
-    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
-    segment: ShmName | None = None
-    cuda: CudaIpcHandle | None = None
-
-
 class CacheParams(_Strict):
     """A request's step caching: reuse a transformer output between close steps (serving, never an SDE step)."""
 
@@ -285,43 +257,6 @@ class Result(_Header, tag="result", kw_only=True):
     info: dict[str, Info] = {}
 
 
-class ControlRequest(_Header, tag="control", kw_only=True):
-    """Router -> worker administration. Weight updates wait until no request is in flight; adapter
-    loads apply between two steps (requests in flight keep the adapter version they started with)."""
-
-    carries = (LORA_BLOB,)
-
-    op: Literal["update_weights", "checksum", "load_lora", "unload_lora", "update_weights_from_tensors",
-                "init_weights_group", "update_weights_from_distributed", "destroy_weights_group",
-                "release_memory", "resume_memory"]
-    module: ExpertName = "transformer"  # load_lora from memory: the expert the tensors belong to
-    path: str | None = None
-    version: int | None = None  # the weight (or adapter) version to report after a successful load
-    checksum: bool = True  # weight updates: answer with the sha256 of the new weights (one pass over them)
-    lora_name: LoraName | None = None
-    load_into_transformer_2: bool = False  # load_lora from a path: its transformer keys go to the second expert
-    # load_lora from memory: the adapter's tensors, in order, inside LORA_BLOB, and its rank and alpha.
-    lora_tensors: list[LoraTensor] = []
-    lora_rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    lora_alpha: float | None = None
-    # Weight updates from memory: the tensors and their buckets (segments on one host, else broadcast).
-    weight_tensors: list[WeightTensor] = []
-    weight_buckets: list[WeightBucket] = []
-    # init_weights_group: the trainer's torch.distributed group (the trainer is rank 0 and hosts the store).
-    master_address: Annotated[str, msgspec.Meta(max_length=255)] | None = None
-    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
-    world_size: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    backend: Literal["gloo", "nccl"] = "gloo"
-    group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
-    # release_memory: 1 moves the worker's weights to host memory, 2 drops them; abort: drop the requests it
-    # holds instead of finishing them first. resume_memory: reload "disk" loads dropped weights from the model
-    # directory (with ``version``: the denoise worker's weight version after it).
-    level: Literal[1, 2] = 1
-    abort: bool = False
-    reload: Literal["disk"] | None = None
-
-
 class Cancel(_Header, tag="cancel", kw_only=True):
     """Router -> encoder, then along the route: a stage holding ``request_id`` drops it (answers 499 ``cancelled``),
     else passes this on behind it on the same socket. ``partial``: a denoise worker answers a rollout's steps done."""
@@ -329,12 +264,6 @@ class Cancel(_Header, tag="cancel", kw_only=True):
     route: Route
     decode: bool = True  # whether the request goes through a decode worker (not for output_type latent)
     partial: bool = False
-
-
-class ControlReply(_Header, tag="control_reply", kw_only=True):
-    role: str
-    index: int
-    data: dict[str, str | int | float | list[str] | dict[str, int] | None] = {}  # dict: memory usage by kind
 
 
 class Progress(_Header, tag="progress", kw_only=True):
@@ -389,8 +318,9 @@ class PeerMoved(_Header, tag="peer_moved", kw_only=True):
     node: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
+# The data and bookkeeping kinds; the control kinds are in common/protocol/control.py (the codec takes both).
 Message = Union[
-    EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, ControlRequest, ControlReply,
-    Cancel, Progress, StepProgress, PeerMoved,
+    EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, Cancel, Progress, StepProgress,
+    PeerMoved,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

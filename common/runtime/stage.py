@@ -9,6 +9,8 @@ sockets, lives in :mod:`common.runtime.worker`.
 from __future__ import annotations
 
 import collections
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -16,8 +18,12 @@ import torch
 
 from common.config.engine import EngineConfig, WorkerSpec, torch_dtype_for
 from common.protocol.errors import Cancelled, RequestError
-from common.protocol.messages import ControlRequest, Message
+from common.protocol.control import (ControlReply, ControlRequest, ReleaseMemory, ReleaseReply, ResumeMemory,
+                                     ResumeReply, kind_of)
+from common.protocol.messages import PROTOCOL_VERSION, Message
 from common.runtime.component_memory import ComponentMemory, memory_usage, modules_of, return_freed_memory
+
+log = logging.getLogger("disagg.worker")
 
 
 @dataclass
@@ -76,9 +82,22 @@ class Stage:
         """Whether ``msg`` may apply while requests are in flight; else it waits until none is."""
         return False
 
-    def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> dict:
-        """Administration (weight sync, adapters); stages that have none refuse."""
-        raise RequestError(f"{self.role} worker takes no {msg.op} requests")
+    # --- control messages ------------------------------------------------------------
+    def control_handlers(self) -> dict[type, Callable[..., ControlReply]]:
+        """The control kinds this stage answers, each with its handler: ``handler(msg)``, or ``handler(msg,
+        tensors)`` for a kind that carries tensors. A stage adds its own kinds to these."""
+        return {ReleaseMemory: self.release, ResumeMemory: self.resume}
+
+    def control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> ControlReply:
+        """``msg``'s handler's reply; a kind this stage does not handle is refused (the worker answers the error)."""
+        handler = self.control_handlers().get(type(msg))
+        if handler is None:
+            raise RequestError(f"the {self.role} worker takes no {kind_of(msg)} messages")
+        return handler(msg, tensors) if type(msg).carries else handler(msg)
+
+    def answer(self, msg: ControlRequest, kind: type, **fields) -> ControlReply:
+        """The reply of kind ``kind`` to ``msg``, from this worker."""
+        return kind(v=PROTOCOL_VERSION, request_id=msg.request_id, role=self.role, index=self.spec.index, **fields)
 
     # --- releasing and resuming the weights (a colocated trainer) -----------------------
     memory: ComponentMemory | None = None  # set by ``load`` in stages whose weights can sleep
@@ -102,18 +121,37 @@ class Stage:
         partial result); None when it is not held here."""
         return None
 
-    def release_memory(self, msg: ControlRequest) -> dict:
+    def release(self, msg: ReleaseMemory) -> ReleaseReply:
+        """Release the stage's weights (a colocated trainer's turn on the device); with ``abort``, drop the
+        requests held first."""
+        self._check_memory()
+        dropped = self.drop_work() if msg.abort else 0
+        if dropped:
+            log.info("release_memory (abort): dropped %d request(s)", dropped)
+        reply = self.release_memory(msg)
+        log.info("weights released (level %d): %d bytes", msg.level, reply.released_bytes)
+        return reply
+
+    def resume(self, msg: ResumeMemory) -> ResumeReply:
+        self._check_memory()
+        return self.resume_memory(msg)
+
+    def _check_memory(self) -> None:
+        if self.memory is None:
+            raise RequestError(f"the {self.role} worker holds no weights to release")
+
+    def release_memory(self, msg: ReleaseMemory) -> ReleaseReply:
         """The answer says what the process held before and after (``memory_usage``), for the trainer's logs."""
         devices = self.memory.devices
         before = memory_usage(devices)
         released = self.memory.release(msg.level)
         return_freed_memory(devices)
-        return {"level": self.memory.level, "released_bytes": released, "before": before,
-                "after": memory_usage(devices)}
+        return self.answer(msg, ReleaseReply, level=self.memory.level, released_bytes=released, before=before,
+                           after=memory_usage(devices))
 
-    def resume_memory(self, msg: ControlRequest) -> dict:
+    def resume_memory(self, msg: ResumeMemory) -> ResumeReply:
         self.memory.resume(msg.reload)
-        return {"level": 0, "after": memory_usage(self.memory.devices)}
+        return self.answer(msg, ResumeReply, level=0, after=memory_usage(self.memory.devices))
 
 
 class QueuedBatchStage(Stage):

@@ -23,14 +23,13 @@ import zmq
 
 from common.config.engine import EngineConfig, default_threads
 from common.protocol.codec import WireError, decode, encode
-from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, Sleeping, check_deadline
+from common.protocol.control import CONTROL_REQUESTS, ControlRequest, ReleaseMemory, kind_of
+from common.protocol.errors import Cancelled, DeadlineExceeded, Sleeping, check_deadline
 from common.protocol.messages import (
     PROTOCOL_VERSION,
     REQUEST_KINDS,
     ROLES,
     Cancel,
-    ControlReply,
-    ControlRequest,
     ErrorReply,
     Heartbeat,
     PeerMoved,
@@ -50,7 +49,6 @@ POLL_MS = 100
 FAULT_ENV = "DISAGG_FAULT_EXIT_ON_PROMPT"
 FAULT_EXIT_CODE = 86
 MAX_DRAIN = 256
-MEMORY_OPS = ("release_memory", "resume_memory")
 
 
 class WorkerRuntime:
@@ -154,8 +152,8 @@ class WorkerRuntime:
         if isinstance(msg, Cancel):
             self.cancel(msg)
             return
-        if isinstance(msg, ControlRequest):
-            if self.stage.applies_between_steps(msg) or (msg.op == "release_memory" and msg.abort):
+        if isinstance(msg, CONTROL_REQUESTS):
+            if self.stage.applies_between_steps(msg) or (isinstance(msg, ReleaseMemory) and msg.abort):
                 self.handle_control(msg, tensors)  # here, between two steps of the stage's work
             else:
                 self._controls.append((msg, tensors))  # applied when no request is in flight
@@ -252,29 +250,15 @@ class WorkerRuntime:
         log.info("%s worker %d moved to %s", msg.role, msg.index, msg.endpoint)
 
     def handle_control(self, msg: ControlRequest, tensors: dict[str, torch.Tensor]) -> None:
+        """The stage's handler for the message's kind answers it; a failure, or a kind the stage does not
+        handle, is answered with an error."""
         try:
-            data = self.memory_control(msg) if msg.op in MEMORY_OPS else self.stage.control(msg, tensors)
+            reply = self.stage.control(msg, tensors)
         except Exception as e:
-            log.exception("%s %s failed", msg.op, msg.request_id)
+            log.exception("%s %s failed", kind_of(msg), msg.request_id)
             self.reply_error(msg.request_id, e)
             return
-        reply = ControlReply(
-            v=PROTOCOL_VERSION, request_id=msg.request_id, role=self.stage.role, index=self.spec.index, data=data
-        )
         self.send(Forward("router", reply))
-
-    def memory_control(self, msg: ControlRequest) -> dict:
-        """Release or resume the stage's weights (a colocated trainer's turn on the device)."""
-        if self.stage.memory is None:
-            raise RequestError(f"the {self.stage.role} worker holds no weights to release")
-        if msg.op == "resume_memory":
-            return self.stage.resume_memory(msg)
-        dropped = self.stage.drop_work() if msg.abort else 0
-        if dropped:
-            log.info("release_memory (abort): dropped %d request(s)", dropped)
-        data = self.stage.release_memory(msg)
-        log.info("weights released (level %d): %d bytes", msg.level, data["released_bytes"])
-        return data
 
     def step(self, pull: zmq.Socket, poller: zmq.Poller) -> None:
         """One turn of the loop: take what has arrived, apply controls when quiet, advance held work."""

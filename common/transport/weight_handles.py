@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from common.protocol.messages import WeightBucket
+from common.protocol.control import WeightBucket
 from common.transport.cuda_ipc import export_handle
 
 

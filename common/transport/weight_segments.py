@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from common.protocol.codec import WireError
-from common.protocol.messages import WeightBucket
+from common.protocol.control import WeightBucket
 from common.transport.shm_segments import (
     create_segment, is_token, new_token, open_segment, own_regular_file, release, segment_path, unlink_segment,
 )

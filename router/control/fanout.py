@@ -13,37 +13,41 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
 from common.config.engine import WorkerSpec
-from common.protocol.messages import PROTOCOL_VERSION, ControlReply, ControlRequest
+from common.protocol.control import (Checksum, ChecksumReply, ControlReply, ControlRequest, FromMemory,
+                                     UpdateWeights, WeightsReply, kind_of)
+from common.protocol.messages import PROTOCOL_VERSION
 from router.core.errors import EngineError
 from router.link.join import Pending, PendingTable
 
 Reply = ControlReply | EngineError
 FROM_MEMORY = "<memory>"  # the source of an update a restarted worker cannot be given again
 SendControl = Callable[[WorkerSpec, ControlRequest, dict | None], Awaitable[None]]
-# Dispatcher.control(role, op, **fields): every instance's reply, by index.
+# Dispatcher.control(role, kind, **fields): every instance's reply to a ``kind`` message with ``fields``, by index.
 ControlCall = Callable[..., Awaitable[list[Reply]]]
 
 
-async def fan_out(workers: Iterable[WorkerSpec], op: str, fields: dict, pending: PendingTable,
+async def fan_out(workers: Iterable[WorkerSpec], kind: type[ControlRequest], fields: dict, pending: PendingTable,
                   send: SendControl, timeout_s: float, tensors: dict | None = None) -> list[Reply]:
-    """Ask every worker at once (each gets ``tensors`` too), then collect each answer (or its error,
-    or a 504) in order."""
+    """Ask every worker at once (a ``kind`` message with ``fields``; each gets ``tensors`` too), then collect
+    each answer (or its error, or a 504) in order. An answer of a kind that does not answer ``kind`` is a 502."""
     loop = asyncio.get_running_loop()
     waits = []
     for w in workers:
         rid = f"ctl-{uuid.uuid4().hex}"
         fut = loop.create_future()
         pending.add(rid, Pending(fut, None, target=(w.role, w.index)))
-        await send(w, ControlRequest(v=PROTOCOL_VERSION, request_id=rid, op=op, **fields), tensors)
+        await send(w, kind(v=PROTOCOL_VERSION, request_id=rid, **fields), tensors)
         waits.append((w, rid, fut))
     out: list[Reply] = []
     for w, rid, fut in waits:
         try:
-            out.append(await asyncio.wait_for(fut, timeout=timeout_s))
+            reply = await asyncio.wait_for(fut, timeout=timeout_s)
+            out.append(reply if isinstance(reply, kind.replies) else EngineError(
+                502, "bad_result", f"a {kind_of(reply)} does not answer {kind_of(kind)}", w.role, rid))
         except EngineError as e:
             out.append(e)
         except asyncio.TimeoutError:
-            out.append(EngineError(504, "timeout", f"no answer to {op}", w.role, rid))
+            out.append(EngineError(504, "timeout", f"no answer to {kind_of(kind)}", w.role, rid))
         finally:
             pending.discard(rid)
     return out
@@ -85,27 +89,30 @@ class WeightControl:
         self._loaded: dict[str, str] = {}
         self.on_supplied: Callable[[str], None] | None = None  # every worker holds this module's latest weights
 
-    async def _all(self, op: str, timeout_s: float | None = None, **fields) -> list[ControlReply]:
+    async def _all(self, kind: type[ControlRequest], timeout_s: float | None = None, **fields) -> list[ControlReply]:
         if timeout_s is not None:
             fields["timeout_s"] = timeout_s
-        replies = await self._control(self.role, op, **fields)
+        replies = await self._control(self.role, kind, **fields)
         failure = control_failure(replies, self.role)
         if failure is not None:
             raise failure
         return replies
 
     async def update(self, module: str, path: str, checksum: bool = True) -> dict:
-        return await self._update("update_weights", module, path, path=path, checksum=checksum)
+        return await self._update(UpdateWeights, module, path, path=path, checksum=checksum)
 
-    async def update_from_memory(self, op: str, module: str, timeout_s: float | None = None, **fields) -> dict:
+    async def update_from_memory(self, kind: type[FromMemory], module: str, timeout_s: float | None = None,
+                                 **fields) -> dict:
         """An update whose tensors come from the trainer's memory (shared memory or a broadcast)."""
-        return await self._update(op, module, FROM_MEMORY, timeout_s=timeout_s, **fields)
+        return await self._update(kind, module, FROM_MEMORY, timeout_s=timeout_s, **fields)
 
-    async def _update(self, op: str, module: str, source: str, timeout_s: float | None = None, **fields) -> dict:
+    async def _update(self, kind: type[UpdateWeights | FromMemory], module: str, source: str,
+                      timeout_s: float | None = None, **fields) -> dict:
         async with self._lock:
             version = self.version + 1
             t0 = time.perf_counter()
-            replies = await self._all(op, module=module, version=version, timeout_s=timeout_s, **fields)
+            replies: list[WeightsReply] = await self._all(kind, module=module, version=version, timeout_s=timeout_s,
+                                                          **fields)
             self.version = version
             self._loaded[module] = source
             if self.on_supplied is not None:
@@ -113,9 +120,9 @@ class WeightControl:
         return {
             "weight_version": version,
             "module": module,
-            "sha256": _only({r.data["sha256"] for r in replies}),
+            "sha256": _only({r.sha256 for r in replies}),
             "seconds": time.perf_counter() - t0,
-            "workers": [{"index": r.index, **r.data} for r in replies],
+            "workers": [{"index": r.index, **r.body()} for r in replies],
         }
 
     async def reset(self, modules: list[str], run: Callable[[int], Awaitable[list]]) -> list:
@@ -140,7 +147,7 @@ class WeightControl:
                 if path == FROM_MEMORY:
                     missing.add(module)
                     continue
-                replies = await self._control(self.role, "update_weights", only=worker, module=module, path=path,
+                replies = await self._control(self.role, UpdateWeights, only=worker, module=module, path=path,
                                               version=self.version)
                 failure = control_failure(replies, self.role)
                 if failure is not None:
@@ -148,14 +155,14 @@ class WeightControl:
             return missing
 
     async def checksum(self, module: str) -> dict:
-        replies = await self._all("checksum", module=module)
-        sums = {r.data["sha256"] for r in replies}
-        versions = {r.data["weight_version"] for r in replies}
+        replies: list[ChecksumReply] = await self._all(Checksum, module=module)
+        sums = {r.sha256 for r in replies}
+        versions = {r.weight_version for r in replies}
         consistent = len(sums) == 1 and len(versions) == 1
         return {
             "module": module,
             "sha256": _only(sums) if consistent else None,
             "weight_version": _only(versions) if consistent else None,
             "consistent": consistent,
-            "workers": [{"index": r.index, **r.data} for r in replies],
+            "workers": [{"index": r.index, **r.body()} for r in replies],
         }

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from common.protocol.http_tensors import body_to_tensor
-from common.protocol.messages import LORA_BLOB, LoraTensor
+from common.protocol.control import ControlRequest, FromMemory, LoadLora, LoraTensor, UnloadLora
+from common.protocol.messages import LORA_BLOB
 from router.control.fanout import FROM_MEMORY, ControlCall, control_failure
 from router.api.schemas import FieldError, LoadLoraBody, LoadLoraTensorsBody
 
@@ -62,29 +63,30 @@ class LoraControl:
         return await self._load(body.lora_name, {LORA_BLOB.name: blob}, lora_tensors=specs, lora_rank=body.rank,
                                 lora_alpha=body.alpha, module=body.module)
 
-    async def load_from_memory(self, op: str, name: str, **fields) -> dict:
-        """An adapter in the trainer's shared-memory buckets or broadcast over its group (``op``, as for weights)."""
-        return await self._load(name, None, op=op, source=FROM_MEMORY, **fields)
+    async def load_from_memory(self, kind: type[FromMemory], name: str, **fields) -> dict:
+        """An adapter in the trainer's shared-memory buckets or broadcast over its group (``kind``, as for
+        weights)."""
+        return await self._load(name, None, kind=kind, source=FROM_MEMORY, **fields)
 
-    async def _load(self, name: str, tensors: dict[str, torch.Tensor] | None, op: str = "load_lora",
-                    source: str | None = None, **fields) -> dict:
+    async def _load(self, name: str, tensors: dict[str, torch.Tensor] | None,
+                    kind: type[ControlRequest] = LoadLora, source: str | None = None, **fields) -> dict:
         async with self._lock:
             version = self.table.get(name, {}).get("lora_version", 0) + 1
             t0 = time.perf_counter()
-            replies = await self._control(self.role, op, tensors=tensors, lora_name=name, version=version, **fields)
+            replies = await self._control(self.role, kind, tensors=tensors, lora_name=name, version=version, **fields)
             failure = control_failure(replies, self.role)
             if failure is not None:
                 raise failure
-            self.table[name] = dict(replies[0].data)
+            self.table[name] = replies[0].body()
             self._sources[name] = source or (tensors, fields)
             self._supplied(name)
         return {**self.table[name], "seconds": time.perf_counter() - t0,
-                "workers": [{"index": r.index, "sha256": r.data.get("sha256")} for r in replies]}
+                "workers": [{"index": r.index, "sha256": r.sha256} for r in replies]}
 
     async def unload(self, name: str) -> dict:
         async with self._lock:
             self.check_name(name)
-            failure = control_failure(await self._control(self.role, "unload_lora", lora_name=name), self.role)
+            failure = control_failure(await self._control(self.role, UnloadLora, lora_name=name), self.role)
             if failure is not None:
                 raise failure
             del self.table[name], self._sources[name]
@@ -105,7 +107,7 @@ class LoraControl:
                     missing.add(missing_adapter(name))
                     continue
                 tensors, fields = self._sources[name]
-                replies = await self._control(self.role, "load_lora", tensors=tensors, only=worker, lora_name=name,
+                replies = await self._control(self.role, LoadLora, tensors=tensors, only=worker, lora_name=name,
                                               version=self.table[name]["lora_version"], **fields)
                 failure = control_failure(replies, self.role)
                 if failure is not None:

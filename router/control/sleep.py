@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from common.protocol.control import ControlRequest, ReleaseMemory, ReleaseReply, ResumeMemory, ResumeReply
 from common.protocol.messages import MEMORY_TAGS, TAG_ROLES
 from router.control.fanout import WeightControl, control_failure
 from router.core.errors import EngineError
@@ -59,8 +60,8 @@ class SleepControl:
             components[tag] = {"sleeping": level is not None, "level": level, "weights": weights}
         return {"is_sleeping": bool(self.levels), "components": components}
 
-    async def _control(self, tag: str, op: str, **fields) -> list:
-        replies = await self.dispatcher.control(TAG_ROLES[tag], op, **fields)
+    async def _control(self, tag: str, kind: type[ControlRequest], **fields) -> list:
+        replies = await self.dispatcher.control(TAG_ROLES[tag], kind, **fields)
         failure = control_failure(replies, TAG_ROLES[tag])
         if failure is not None:
             raise failure
@@ -73,7 +74,7 @@ class SleepControl:
             for tag in tags:
                 registry.set_sleeping(TAG_ROLES[tag], True)  # from now on no new work reaches them
             await asyncio.gather(*(self._quiet(TAG_ROLES[tag], mode == "abort") for tag in tags))
-            replies = await asyncio.gather(*(self._control(tag, "release_memory", level=level, abort=mode == "abort")
+            replies = await asyncio.gather(*(self._control(tag, ReleaseMemory, level=level, abort=mode == "abort")
                                              for tag in tags), return_exceptions=True)
             for tag, reply in zip(tags, replies):
                 if not isinstance(reply, BaseException):
@@ -84,9 +85,9 @@ class SleepControl:
             failed = [r for r in replies if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
-            workers = [{"role": r.role, "index": r.index, "released_bytes": r.data.get("released_bytes"),
-                        "memory_before": r.data.get("before"), "memory_after": r.data.get("after")}
-                       for rs in replies for r in rs]
+            released: list[ReleaseReply] = [r for rs in replies for r in rs]
+            workers = [{"role": r.role, "index": r.index, "released_bytes": r.released_bytes,
+                        "memory_before": r.before, "memory_after": r.after} for r in released]
             return {"tags": tags, "level": level, "seconds": time.perf_counter() - t0, "workers": workers,
                     **self.status()}
 
@@ -113,20 +114,20 @@ class SleepControl:
                 raise EngineError(409, "weights_missing", f"dropped at level 2 and not pushed since: "
                                   f"{'; '.join(missing)}; push the weights first, or resume with reload: disk",
                                   "router", "")
-            replies = []
+            replies: list[ResumeReply] = []
             for tag in asleep:
                 if tag == "transformer" and reloads[tag]:  # the model directory's weights: a new weight version
                     replies += await self.weights.reset(reloads[tag], lambda version: self._control(
-                        tag, "resume_memory", reload=reload, version=version))
+                        tag, ResumeMemory, reload=reload, version=version))
                 else:
-                    replies += await self._control(tag, "resume_memory", reload=reload)
+                    replies += await self._control(tag, ResumeMemory, reload=reload)
                 del self.levels[tag]
                 if tag == "transformer":
                     self.pushed = set()
                 self.dispatcher.registry.set_sleeping(TAG_ROLES[tag], False)
             return {"tags": tags, "resumed": asleep, "seconds": time.perf_counter() - t0,
                     "weight_version": self.weights.version,
-                    "workers": [{"role": r.role, "index": r.index, "memory_after": r.data.get("after")}
+                    "workers": [{"role": r.role, "index": r.index, "memory_after": r.after}
                                 for r in replies], **self.status()}
 
     def _dropped(self, tag: str) -> list[str]:
@@ -146,7 +147,7 @@ class SleepControl:
         """A worker restarted while its component sleeps goes back to sleep before anything is routed to it."""
         for tag, level in self.levels.items():
             if TAG_ROLES[tag] == worker.role:
-                replies = await self.dispatcher.control(worker.role, "release_memory", only=worker, level=level)
+                replies = await self.dispatcher.control(worker.role, ReleaseMemory, only=worker, level=level)
                 failure = control_failure(replies, worker.role)
                 if failure is not None:
                     raise failure

@@ -13,7 +13,8 @@ import asyncio
 import msgspec
 
 from common.config.engine import EngineConfig
-from common.protocol.messages import WeightBucket, WeightTensor
+from common.protocol.control import (DestroyWeightsGroup, FromMemory, GroupReply, InitWeightsGroup,
+                                     UpdateWeightsFromGroup, UpdateWeightsFromTensors, WeightBucket, WeightTensor)
 from common.diffusion.weight_buckets import LayoutError, check_layout
 from common.transport.cuda_ipc import takes_cuda_ipc
 from common.transport.shm import engine_prefix
@@ -49,45 +50,46 @@ class MemorySync:
                 "denoise_workers": len(self.config.of_role(self.role)),
                 "weight_version": self.weights.version, "group": self.group_timeout_s is not None}
 
-    async def _apply(self, op: str, body: UpdateWeightsFromTensorsBody, timeout_s: float | None = None) -> dict:
+    async def _apply(self, kind: type[FromMemory], body: UpdateWeightsFromTensorsBody,
+                     timeout_s: float | None = None) -> dict:
         """The weights of ``body.module``, or the adapter ``body.lora`` names, from the trainer's memory."""
         if body.lora is None:
-            return await self.weights.update_from_memory(op, body.module, timeout_s=timeout_s, **_layout(body))
-        return await self.loras.load_from_memory(op, body.lora.lora_name, module=body.module, timeout_s=timeout_s,
+            return await self.weights.update_from_memory(kind, body.module, timeout_s=timeout_s, **_layout(body))
+        return await self.loras.load_from_memory(kind, body.lora.lora_name, module=body.module, timeout_s=timeout_s,
                                                  lora_rank=body.lora.rank, lora_alpha=body.lora.alpha,
                                                  **_layout(body))
 
     async def from_tensors(self, body: UpdateWeightsFromTensorsBody) -> dict:
-        return await self._apply("update_weights_from_tensors", body)
+        return await self._apply(UpdateWeightsFromTensors, body)
 
     async def init_group(self, body: InitWeightsGroupBody) -> dict:
         workers = self.config.of_role(self.role)
         world = 1 + len(workers)
         replies = await asyncio.gather(*(
-            self._control(self.role, "init_weights_group", only=w, timeout_s=body.timeout_s + GRACE_S,
+            self._control(self.role, InitWeightsGroup, only=w, timeout_s=body.timeout_s + GRACE_S,
                           master_address=body.master_address, master_port=body.master_port, world_size=world,
                           rank=1 + k, backend=body.backend, group_timeout_s=body.timeout_s)
             for k, w in enumerate(workers)))
-        replies = [r for rs in replies for r in rs]
+        replies: list[GroupReply] = [r for rs in replies for r in rs]
         failure = control_failure(replies, self.role)
         if failure is not None:
             raise failure
         self.group_timeout_s = body.timeout_s
         return {"world_size": world, "backend": body.backend,
-                "ranks": [{"index": r.index, "rank": r.data["rank"]} for r in replies]}
+                "ranks": [{"index": r.index, "rank": r.rank} for r in replies]}
 
     async def from_distributed(self, body: UpdateWeightsFromDistributedBody) -> dict:
         if self.group_timeout_s is None:
             raise EngineError(400, "invalid_request", "no weights group: POST /init_weights_group first", "router", "")
         try:
-            return await self._apply("update_weights_from_distributed", body, self.group_timeout_s + GRACE_S)
+            return await self._apply(UpdateWeightsFromGroup, body, self.group_timeout_s + GRACE_S)
         except EngineError as e:
             if e.status == 504 or e.type == "inconsistent_workers":
                 self.group_timeout_s = None  # a broken-off broadcast drops the group on the workers
             raise
 
     async def destroy_group(self) -> dict:
-        failure = control_failure(await self._control(self.role, "destroy_weights_group"), self.role)
+        failure = control_failure(await self._control(self.role, DestroyWeightsGroup), self.role)
         self.group_timeout_s = None
         if failure is not None:
             raise failure

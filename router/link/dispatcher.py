@@ -26,9 +26,10 @@ import zmq.asyncio
 
 from common.config.engine import EngineConfig, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
+from common.protocol.control import CONTROL_REPLIES, ControlRequest
 from common.protocol.messages import (
-    PROTOCOL_VERSION, ROLES, Cancel, ControlReply, ControlRequest, EncodeRequest, ErrorReply, GenerationParams,
-    Heartbeat, PeerMoved, Progress, Result, Route, StepProgress,
+    PROTOCOL_VERSION, ROLES, Cancel, EncodeRequest, ErrorReply, GenerationParams, Heartbeat, PeerMoved, Progress,
+    Result, Route, StepProgress,
 )
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
@@ -247,12 +248,12 @@ class Dispatcher:
                     raise
                 await asyncio.sleep(0.05)
 
-    async def control(self, role: str, op: str, tensors: dict | None = None, only: WorkerSpec | None = None,
-                      timeout_s: float | None = None, **fields) -> list[Reply]:
-        """Send one control request (with ``tensors``) to every instance of ``role`` (or ``only`` that one);
-        each answer or error, waited for ``timeout_s`` (default: the request timeout)."""
+    async def control(self, role: str, kind: type[ControlRequest], tensors: dict | None = None,
+                      only: WorkerSpec | None = None, timeout_s: float | None = None, **fields) -> list[Reply]:
+        """Send one control message of ``kind`` with ``fields`` (and ``tensors``) to every instance of ``role``
+        (or ``only`` that one); each answer or error, waited for ``timeout_s`` (default: the request timeout)."""
         workers = [only] if only is not None else self.config.of_role(role)
-        return await fan_out(workers, op, fields, self.pending, self._send_control,
+        return await fan_out(workers, kind, fields, self.pending, self._send_control,
                              timeout_s or self.config.limits.request_timeout_s, tensors)
 
     async def _send_control(self, w: WorkerSpec, msg: ControlRequest | PeerMoved, tensors: dict | None) -> None:
@@ -298,7 +299,7 @@ class Dispatcher:
             self.pending.progress(msg)
         elif isinstance(msg, StepProgress):
             self.pending.step_progress(msg)
-        elif isinstance(msg, (Result, ErrorReply, ControlReply)):
+        elif isinstance(msg, (Result, ErrorReply, *CONTROL_REPLIES)):
             self.pending.resolve(msg, tensors)
         else:
             log.warning("router does not take %s messages", type(msg).__name__)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.protocol.messages import (
-    PER_SAMPLE, ROLES, ControlReply, ErrorReply, Progress, Result, Route, StepProgress,
-)
+from common.protocol.control import CONTROL_REPLIES, ControlReply
+from common.protocol.messages import PER_SAMPLE, ROLES, ErrorReply, Progress, Result, Route, StepProgress
 from router.core.errors import EngineError
 
 log = logging.getLogger("disagg.router")
@@ -147,7 +146,7 @@ class PendingTable:
             return False
         if isinstance(msg, ErrorReply):
             p.future.set_exception(EngineError(msg.status, msg.type, msg.message, msg.stage, msg.request_id))
-        elif isinstance(msg, ControlReply):
+        elif isinstance(msg, CONTROL_REPLIES):
             p.future.set_result(msg)
         elif (problem := sample_count_problem(tensors, p.samples)) is not None:
             p.future.set_exception(EngineError(502, "bad_result", f"malformed answer: {problem}", msg.stage,
