@@ -40,10 +40,10 @@ from common.runtime.memory_flags import add_memory_flags, check_memory_flags, me
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.families import UnknownFamily, read_model
-from common.families.builtin import BUILTINS, ModelNotFound, layout_problem, resolve as resolve_builtin_or_dir
+from common.families.layouts import layout_problem
+from common.builtin import BUILTINS, ModelNotFound, resolve as resolve_builtin_or_dir
 from common.diffusion.step_cache import cli_flag as cache_flag
-from common.families.tiny_cache import CACHE_ENV as TINY_CACHE_ENV
-from common.families.tiny_cache import DEFAULT_CACHE_DIR as TINY_CACHE_DIR
+from common.builtin.cache import cache_root
 from common.transport.security import provision_curve, remove_secrets
 from common.diffusion.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
@@ -265,8 +265,7 @@ def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, l
 
 def _load_model(name: str) -> Path:
     if name in BUILTINS:
-        cache = Path(os.environ.get(TINY_CACHE_ENV) or TINY_CACHE_DIR).expanduser()
-        log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache)
+        log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache_root())
     try:
         return resolve_builtin_or_dir(name)
     except ModelNotFound as e:

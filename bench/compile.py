@@ -45,7 +45,7 @@ from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families.wan.text import MAX_SEQUENCE_LENGTH  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.diffusion.policy import ModelInput, Policy  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 
 TARGET = 0.8  # compiled / diffusers eager
 TOLERANCE = 1e-4
@@ -91,7 +91,7 @@ def policy_velocity(policy: Policy, req: Request):
 def run_preset(name: str, args) -> dict:
     from diffusers import WanTransformer3DModel
 
-    info = read_model(ensure_tiny_model(name))
+    info = read_model(ensure_builtin(name))
     diff_model = WanTransformer3DModel.from_pretrained(info.path / "transformer", dtype=torch.float32).eval()
     eager, compiled = (Policy.load(info, torch.float32, "cpu") for _ in range(2))
     req = Request(info, diff_model.config.text_dim)

@@ -49,7 +49,7 @@ from common.diffusion.cache_signals import SETTINGS_FILE, modulated_input, teaca
 from common.diffusion.policy import Policy, uses_guidance  # noqa: E402
 from common.diffusion.step_cache import METHODS, rel_l1, rescale  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.builtin import BUILTINS, ensure_builtin  # noqa: E402
+from common.builtin import BUILTINS, ensure_builtin  # noqa: E402
 from common.protocol.messages import GenerationParams  # noqa: E402
 from denoise_worker.task import DenoiseTask  # noqa: E402
 from denoise_worker.texts import TextTable  # noqa: E402

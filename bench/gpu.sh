@@ -180,7 +180,7 @@ fi
 step transfer "${TRANSFER_TIMEOUT:-60}" "$PY" bench/transfer.py "${TRANSFER[@]}" --json "$OUT/transfer-gpu.json"
 
 # ---- 3. model ----------------------------------------------------------------------------------------------
-if step model "${GEN_TIMEOUT:-120}" "$PY" -m common.families.wan.tiny_model --name "$MODEL"; then
+if step model "${GEN_TIMEOUT:-120}" "$PY" -m common.builtin "$MODEL"; then
     du -sh "$(tail -n 1 "$OUT/model.log")" 2>/dev/null
     # ---- 4. benchmark ------------------------------------------------------------------------------------------
     # shellcheck disable=SC2086  # SERVE_ARGS is a flag list

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 from serve import PROMPTS, CpuMeter  # noqa: E402
 
@@ -105,7 +105,7 @@ def bodies(model: str, args) -> list[dict]:
     p = {**PRESETS.get(model, {}), **{k: v for k, v in (("height", args.height), ("width", args.width),
                                                           ("num_frames", args.num_frames), ("steps", args.steps))
                                       if v is not None}}
-    d = read_model(ensure_tiny_model(model)).defaults
+    d = read_model(ensure_builtin(model)).defaults
     return [{"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": "", "seed": 1000 + i,
              "height": p.get("height", d["height"]), "width": p.get("width", d["width"]),
              "num_frames": p.get("num_frames", d["num_frames"]),
@@ -220,7 +220,7 @@ def push_times(c: EngineClient, model_dir: Path, work: Path, ranks, repeats: int
 
 
 def bench_model(model: str, args, work: Path) -> dict:
-    model_dir = ensure_tiny_model(model)
+    model_dir = ensure_builtin(model)
     shapes = linear_shapes(model_dir)
     names = [f"lora{i}" for i in range(args.adapters)]
     paths = {n: save_diffusers(work / model / n, lora_state(shapes, args.rank, seed=i), args.rank)
@@ -301,7 +301,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lora-bench-"))  # the engines may read adapters only below it
     results = [bench_model(m, args, work) for m in args.models]
     if args.push_model and args.push_model not in args.models:
-        model_dir = ensure_tiny_model(args.push_model)
+        model_dir = ensure_builtin(args.push_model)
         with EngineProcess(args.push_model, extra=["--weight-root", str(work)], workdir=work / "engine-push") as eng, \
                 EngineClient(eng.url) as c:
             results.append({"model": args.push_model,

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 
 warnings.simplefilter("ignore", DeprecationWarning)  # the client marks OpenAI's video API deprecated
 MSGPACK = {"Accept": "application/msgpack"}
@@ -78,7 +78,7 @@ BASELINE = {"tensor": "tensor", "mp4": "tensor", "video job": "tensor", "image t
 
 
 def bench_model(name: str, repeats: int) -> dict:
-    model_dir = ensure_tiny_model(name)
+    model_dir = ensure_builtin(name)
     d = read_model(model_dir).defaults
     with EngineProcess(name, "encoder=1,denoise=1,decode=1", ready_timeout_s=600) as eng, \
             openai.OpenAI(base_url=eng.url + "/v1", api_key="unused", max_retries=0) as oa:

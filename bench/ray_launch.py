@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 (read when Ray is imported)
 
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
 NODES = ("node_a", "node_b", "node_c")
@@ -66,7 +66,7 @@ def engines(model: str, address: str, tmp: Path) -> dict[str, tuple[EngineProces
 
 
 def measure(model: str, address: str, repeats: int, tmp: Path) -> list[dict]:
-    ensure_tiny_model(model)
+    ensure_builtin(model)
     started = engines(model, address, tmp)
     clients = {k: EngineClient(e.url) for k, (e, _) in started.items()}
     times: dict[str, list[float]] = {k: [] for k in started}

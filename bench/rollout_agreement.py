@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.diffusion.model_info import ModelInfo  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from rl import TrainerPolicy, Trajectory  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
@@ -37,7 +37,7 @@ CASES = [
 
 
 def bench_model(name: str, requests: int, repeats: int) -> dict:
-    model_dir = ensure_tiny_model(name)
+    model_dir = ensure_builtin(name)
     d = read_model(model_dir).defaults
     policy = TrainerPolicy(model_dir)
     base = dict(negative_prompt="", height=d["height"], width=d["width"], num_frames=d["num_frames"],

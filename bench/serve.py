@@ -102,7 +102,7 @@ PRESETS = {
     # A compute-bound model: single-request latency against diffusers in-process.
     "small": dict(model="small", height=128, width=128, num_frames=9, steps=10, guidance=5.0,
                   concurrency=[1], requests=5, warmup=1),
-    # Wan2.1-T2V-1.3B's shape (common.families.wan.tiny_model "wan2.1-1.3b") in bfloat16 on one GPU, sized so that the
+    # Wan2.1-T2V-1.3B's shape (common/builtin/specs/wan.py "wan2.1-1.3b") in bfloat16 on one GPU, sized so that the
     # whole run (engine start, 2 levels x 8 requests, diffusers' 8) takes a few minutes on an H100-class
     # card: 480x832 as the real default but 17 frames (5 latent frames, 7800 tokens) and 10 steps instead
     # of 81 frames and 50 steps, about 3e13 FLOP per transformer call, ~6e14 per request with CFG.

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.weight_sync import MODEL_DTYPES, memcpy_seconds, state_bytes  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from router.client import EngineClient  # noqa: E402
 
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    model_dir = ensure_tiny_model(args.model)
+    model_dir = ensure_builtin(args.model)
     dtype_name = MODEL_DTYPES.get(args.model, "float32")
     from diffusers import WanTransformer3DModel
 

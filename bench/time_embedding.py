@@ -4,7 +4,7 @@ For each model: the timesteps of a ``--steps`` schedule of its own scheduler as 
 (its serving defaults' size for the dynamic shift of FLUX and Qwen-Image), then the relative L1 change
 ``mean|e_i - e_{i-1}| / mean|e_{i-1}|`` of each time embedder's output between consecutive steps (Wan: also
 its 6 x D ``timestep_proj``), min / median / max over the steps; a two-expert model's per expert, over the
-steps it takes. See common/families/smooth_time.py.
+steps it takes. See common/builtin/smooth_time.py.
 
     .venv/bin/python bench/time_embedding.py tiny tiny-sd3 [--steps 50]
 """
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.diffusion import schedulers  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.builtin import BUILTINS, ensure_builtin  # noqa: E402
-from common.families.smooth_time import EXPERTS, embedding_changes  # noqa: E402
+from common.builtin import BUILTINS, ensure_builtin  # noqa: E402
+from common.builtin.smooth_time import EXPERTS, embedding_changes  # noqa: E402
 from common.protocol.messages import GenerationParams  # noqa: E402
 
 SUFFIX = "-smooth"

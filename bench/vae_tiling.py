@@ -68,7 +68,7 @@ def _decoder(case: str, tiling: VaeTiling, device: torch.device):
         from diffusers import AutoencoderKLQwenImage
 
         from common.families import read_model
-        from common.families.builtin import ensure_builtin
+        from common.builtin import ensure_builtin
         from common.families.qwen_image.vae import QwenImageDecoder
 
         info = read_model(ensure_builtin("tiny-qwen-image"))  # for its token grid: 2x2 latents per token, 8x VAE

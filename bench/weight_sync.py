@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common.diffusion.weight_buckets as weight_buckets_module  # noqa: E402
 from common.runtime.engine_process import EngineProcess, free_port  # noqa: E402
 from common.transport.weight_segments import WrittenBuckets  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from common.diffusion.weights import save_weights, state_dict_checksum, validate_against  # noqa: E402
 from rl import WeightsGroup  # noqa: E402
 from router.client import EngineClient  # noqa: E402
@@ -345,7 +345,7 @@ class Updates:
 
 
 def bench_model(name: str, repeats: int, denoise: int, bucket_bytes: int) -> dict:
-    model_dir = ensure_tiny_model(name)
+    model_dir = ensure_builtin(name)
     dtype_name = MODEL_DTYPES.get(name, "float32")
     dtype = getattr(torch, dtype_name)
     trainer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.config.engine import DATA_DIR_ENV  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
-from common.families.wan.tiny_model import ensure_tiny_model  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from engine_pool import DEFAULT_TOPOLOGY, EnginePool  # noqa: E402
 
 # Engines started by this test process (every EngineProcess, shared or not), reported at the end of the run:
@@ -85,12 +85,12 @@ class Engine(EngineProcess):
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    return ensure_tiny_model("tiny")
+    return ensure_builtin("tiny")
 
 
 @pytest.fixture(scope="session")
 def alt_dir() -> Path:
-    return ensure_tiny_model("tiny-alt")
+    return ensure_builtin("tiny-alt")
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def diffusers_generate(model_dir: Path, *, prompt, seed, height, width, num_fram
 
 @pytest.fixture(scope="session")
 def moe_dir() -> Path:
-    return ensure_tiny_model("tiny-moe")
+    return ensure_builtin("tiny-moe")
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.protocol.messages import CacheParams, RolloutParams
 from family_harness import InProcess, InStage
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import WanTransformer3DModel
 
-from common.families.wan.tiny_model import ensure_tiny_model
+from common.builtin import ensure_builtin
 
 TOL = 1e-5
 
@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> N
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        model = WanTransformer3DModel.from_pretrained(ensure_tiny_model(name) / "transformer").eval()
+        model = WanTransformer3DModel.from_pretrained(ensure_builtin(name) / "transformer").eval()
         enable_context_parallel(model, world)
         with torch.no_grad():
             out = settled(model(**_inputs(model))[0])
@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> N
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_two_ulysses_ranks_equal_one_process(name, tmp_path):
-    model = WanTransformer3DModel.from_pretrained(ensure_tiny_model(name) / "transformer").eval()
+    model = WanTransformer3DModel.from_pretrained(ensure_builtin(name) / "transformer").eval()
     with torch.no_grad():
         ref = model(**_inputs(model))[0]
     out_path = str(tmp_path / "out.pt")
@@ -65,7 +65,7 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     try:
-        model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny-alt") / "transformer")
+        model = WanTransformer3DModel.from_pretrained(ensure_builtin("tiny-alt") / "transformer")
         try:
             enable_context_parallel(model, 2)
         except ValueError as e:
@@ -83,7 +83,7 @@ def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_p
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         layout = ParallelLayout.create(cfg, world // cfg)
-        policy = Policy.load(read_model(ensure_tiny_model("tiny")), torch.float32, "cpu")
+        policy = Policy.load(read_model(ensure_builtin("tiny")), torch.float32, "cpu")
         layout.prepare(policy)
         if rank:
             Follower(policy, layout, torch.device("cpu")).run()
@@ -120,7 +120,7 @@ def _rows(model, k: int):
 def test_the_leader_hands_each_forward_to_its_followers(world, cfg, tmp_path):
     """Only the leader has the inputs; the followers get them over the group and run their share: the
     sequence split by diffusers' Ulysses, the unconditional rows on the second CFG group, or both."""
-    model = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny") / "transformer").eval()
+    model = WanTransformer3DModel.from_pretrained(ensure_builtin("tiny") / "transformer").eval()
     with torch.no_grad():
         refs = []
         for k in range(3):

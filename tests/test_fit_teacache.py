@@ -19,7 +19,7 @@ import fit_teacache  # noqa: E402
 
 from common.diffusion.cache_signals import SETTINGS_FILE, teacache_settings  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.builtin import ensure_builtin  # noqa: E402
+from common.builtin import ensure_builtin  # noqa: E402
 from common.protocol.messages import CacheParams  # noqa: E402
 from family_harness import InProcess  # noqa: E402
 

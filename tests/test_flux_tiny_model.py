@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.families.builtin import BUILTINS
-from common.families.flux.tiny_model import _main, build_tiny_flux, transformer_config
-from common.families.flux.tiny_specs import SPECS, TinyFluxSpec
-from common.families.sd3.tiny_tokenizer import CLIP_L_PAD_TOKEN
+from common.builtin import BUILTINS
+from common.builtin.__main__ import main as builtin_main
+from common.builtin.build import build as build_tiny_flux
+from common.builtin.specs.flux import SPECS, TinyFluxSpec, transformer_config
+from common.builtin.tokenizer.clip import CLIP_L_PAD_TOKEN
 
 PROMPTS = ("A small red fox runs in the forest at dawn, cinematic lighting.",
            "A giant silver robot swims over the ocean at night.")
@@ -200,8 +201,8 @@ def test_non_default_spec_builds_and_runs(tmp_path):
 def test_cli_and_weights_dtype(tmp_path, capsys):
     from safetensors import safe_open
 
-    out = tmp_path / "bf16"
-    _main(["--name", "tiny-flux", "--out", str(out), "--dtype", "bfloat16"])
+    builtin_main(["tiny-flux", "--out", str(tmp_path), "--dtype", "bfloat16"])
+    out = tmp_path / "tiny-flux"
     assert Path(capsys.readouterr().out.strip()) == out.resolve()
     with safe_open(out / "transformer" / "diffusion_pytorch_model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}

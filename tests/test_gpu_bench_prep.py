@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import serve  # noqa: E402
 from common.config.engine import Limits  # noqa: E402
-from common.families.wan.tiny_model import SPECS, _cache_key, _keyed_fields, transformer_config, vae_config  # noqa: E402
+from common.builtin.cache import cache_key as _cache_key, keyed_fields as _keyed_fields  # noqa: E402
+from common.builtin.specs.wan import SPECS, transformer_config, vae_config  # noqa: E402
 
 SPEC = SPECS["wan2.1-1.3b"]
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from common.families.builtin import BUILTINS
+from common.builtin import BUILTINS
 from common.runtime.engine_process import EngineProcess
 from conftest import ROOT, pid_alive
 
@@ -95,7 +95,7 @@ def test_no_torchvision_warnings_from_the_families_pipelines_nor_bars_from_a_fir
     import CLIP's and SigLIP's image processors); the engine binds the PIL processors the fallback would use.
     A built-in model's first build printed transformers' "Writing model shards" bars."""
     code = ("import common.families, importlib.util, transformers, sys\n"
-            "from common.families.builtin import ensure_builtin\n"
+            "from common.builtin import ensure_builtin\n"
             f"ensure_builtin('tiny-sd3', {str(tmp_path)!r})\n"
             "from diffusers import StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, WanImageToVideoPipeline\n"
             "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"

@@ -14,7 +14,7 @@ import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
 
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from conftest import Engine
 from router.client import EngineClient
 

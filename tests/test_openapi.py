@@ -16,7 +16,7 @@ import pytest
 from common.config.engine import EngineConfig, Limits
 from common.config.topology import parse_topology
 from common.families import read_model
-from common.families.wan.tiny_model import ensure_tiny_model
+from common.builtin import ensure_builtin
 from router.api.app import create_app
 from router.link.dispatcher import Dispatcher
 from router.core.request_params import size_multiple
@@ -29,7 +29,7 @@ LIMITS = Limits(max_height=96, max_width=160, max_num_frames=13, max_steps=7, ma
 @pytest.fixture(scope="module", params=MODELS)
 def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rt")
-    model = ensure_tiny_model(request.param)
+    model = ensure_builtin(request.param)
     config = EngineConfig(model=str(model), workers=parse_topology("encoder=1,denoise=1,decode=1", tmp),
                           router_endpoint=f"ipc://{tmp}/router.sock", runtime_dir=str(tmp),
                           limits=Limits(**{**{f: getattr(LIMITS, f) for f in LIMITS.__struct_fields__},

@@ -22,7 +22,7 @@ from PIL import Image
 
 from common.diffusion.weights import state_dict_checksum
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from conftest import Engine, solo_then_concurrent
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient

@@ -35,11 +35,10 @@ from common.config.engine import Limits
 from common.diffusion import schedulers
 from common.diffusion.policy import ModelInput, Policy
 from common.families import read_model
-from common.families.builtin import ensure_builtin
-from common.families.flux.tiny_model import build_tiny_flux
-from common.families.flux.tiny_specs import SPECS as FLUX_SPECS
-from common.families.qwen_image.tiny_model import build_tiny_qwen_image
-from common.families.qwen_image.tiny_specs import SPECS as QWEN_SPECS
+from common.builtin import ensure_builtin
+from common.builtin.build import build as build_builtin
+from common.builtin.specs.flux import SPECS as FLUX_SPECS
+from common.builtin.specs.qwen_image import SPECS as QWEN_SPECS
 from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,
@@ -80,9 +79,9 @@ QWEN_Y = dataclasses.replace(
     vae_base_dim=4, seed=11, height=80, width=48, num_inference_steps=3, max_sequence_length=32)
 # FLUX_X with one block of each kind: the cheapest FLUX.1-dev-like model to compile (section 6).
 FLUX_X1 = dataclasses.replace(FLUX_X, name="flux-test-x1", num_layers=1, num_single_layers=1)
-SPECS = {"flux-x": (FLUX_X, build_tiny_flux), "flux-y": (FLUX_Y, build_tiny_flux),
-         "flux-x1": (FLUX_X1, build_tiny_flux),
-         "qwen-x": (QWEN_X, build_tiny_qwen_image), "qwen-y": (QWEN_Y, build_tiny_qwen_image)}
+SPECS = {"flux-x": (FLUX_X, build_builtin), "flux-y": (FLUX_Y, build_builtin),
+         "flux-x1": (FLUX_X1, build_builtin),
+         "qwen-x": (QWEN_X, build_builtin), "qwen-y": (QWEN_Y, build_builtin)}
 SCHEDULERS = {"qwen-x": dict(base_image_seq_len=8, max_image_seq_len=64, max_shift=1.2),
               "qwen-y": dict(base_shift=0.4, max_shift=0.8, base_image_seq_len=16, max_image_seq_len=256,
                              shift_terminal=0.05)}

@@ -16,22 +16,23 @@ import numpy as np
 import pytest
 import torch
 
-from common.families.qwen_image.tiny_model import build_tiny_qwen_image, transformer_config
-from common.families.qwen_image.tiny_specs import (
+from common.builtin.build import build as build_tiny_qwen_image
+from common.builtin.specs.qwen_image import (
     LATENTS_MEAN,
     LATENTS_STD,
     SCHEDULER_CONFIG,
     SPECS,
     TinyQwenImageSpec,
+    transformer_config,
 )
-from common.families.qwen_image.tiny_tokenizer import (
+from common.builtin.tokenizer.qwen import (
     ENDOFTEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
     PROMPT_PREFIX,
     PROMPT_TEMPLATE,
     PROMPT_TEMPLATE_START_IDX,
-    build_tokenizer,
+    qwen2_tokenizer as build_tokenizer,
 )
 
 PROMPTS = ("A small red fox runs in the forest at dawn, cinematic lighting.",
@@ -94,7 +95,7 @@ def test_build_is_byte_identical_and_leaves_global_state(tmp_path, tiny_dir):
 
 def test_tokenizer_is_the_same_in_another_process(tiny_dir):
     code = ("import hashlib, tempfile, pathlib\n"
-            "from common.families.qwen_image.tiny_tokenizer import build_tokenizer\n"
+            "from common.builtin.tokenizer.qwen import qwen2_tokenizer as build_tokenizer\n"
             "d = pathlib.Path(tempfile.mkdtemp()); build_tokenizer().save_pretrained(d)\n"
             "print(hashlib.sha256((d / 'tokenizer.json').read_bytes()).hexdigest())\n")
     env = dict(os.environ, PYTHONHASHSEED="12345")
@@ -197,7 +198,7 @@ def test_prompts_of_different_lengths_in_one_call(pipe):
 def test_bfloat16_weights(tmp_path):
     from safetensors import safe_open
 
-    model_dir = build_tiny_qwen_image(SPECS["tiny-qwen-image"], tmp_path / "bf16", dtype="bfloat16")
+    model_dir = build_tiny_qwen_image(dataclasses.replace(SPECS["tiny-qwen-image"], weights_dtype="bfloat16"), tmp_path / "bf16")
     for part in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
         with safe_open(model_dir / part, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
@@ -232,7 +233,7 @@ def test_spec_validation(change, message):
 def test_named_specs_and_registration():
     from diffusers import QwenImageTransformer2DModel
 
-    from common.families.builtin import BUILTINS
+    from common.builtin import BUILTINS
 
     for name in ("tiny-qwen-image", "small-qwen-image"):
         assert isinstance(BUILTINS[name], TinyQwenImageSpec) and BUILTINS[name] is SPECS[name]

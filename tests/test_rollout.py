@@ -167,7 +167,7 @@ def test_rollout_frames_carry_log_probs(client, policy):
 
 def test_convention_check_rejects_mismatch_and_logs_once(caplog):
     template = schedulers.rollout_template_for(schedulers.load_serving_template(read_model(
-        __import__("common.families.wan.tiny_model", fromlist=["x"]).ensure_tiny_model("tiny"))))
+        __import__("common.builtin", fromlist=["x"]).ensure_builtin("tiny"))))
     bad = FlowMatchEulerDiscreteScheduler.from_config(template.config)
     bad.set_timesteps(timesteps=[900.0, 600.0, 300.0])  # diffusers shifts the sigmas but not these timesteps
     with pytest.raises(schedulers.ConventionError, match="flow-match convention"):
@@ -255,9 +255,9 @@ def test_update_of_missing_expert_is_refused(client):
 
 @pytest.fixture(scope="module")
 def moe(engine_factory, weights_dir):
-    from common.families.wan.tiny_model import ensure_tiny_model
+    from common.builtin import ensure_builtin
 
-    d = ensure_tiny_model("tiny-moe")
+    d = ensure_builtin("tiny-moe")
     eng = engine_factory("tiny-moe", extra=["--weight-root", str(weights_dir)])
     with EngineClient(eng.url) as c:
         yield d, c

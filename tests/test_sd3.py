@@ -28,9 +28,9 @@ from common.diffusion import schedulers
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, Policy
 from common.families import read_model
-from common.families.builtin import ensure_builtin
-from common.families.sd3.tiny_model import build_tiny_sd3
-from common.families.sd3.tiny_specs import SPECS
+from common.builtin import ensure_builtin
+from common.builtin.build import build as build_tiny_sd3
+from common.builtin.specs.sd3 import SPECS
 from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,

@@ -20,7 +20,7 @@ from PIL import Image
 
 from common.diffusion.weights import save_weights, state_dict_checksum
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from conftest import ROOT, Engine, reference_pipeline, solo_then_concurrent
 from common.runtime.engine_process import free_port
 from rl import TrainerPolicy, Trajectory, WeightsGroup

@@ -27,7 +27,7 @@ from common.diffusion.lora_format import METADATA_KEY, LoraConfig, lora_sha256, 
 from common.diffusion.policy import ModelInput, Policy, uses_guidance
 from common.diffusion.weight_storage import settle
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.families.sd3.binding import SD3
 from common.families.wan.binding import WAN
 from common.protocol.messages import (

@@ -16,7 +16,7 @@ from common.config.engine import EngineConfig, WorkerSpec
 from common.diffusion.policy import Policy
 from common.diffusion.weights import load_into, state_dict_checksum
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.protocol.errors import WeightsMissing
 from common.diffusion.weight_storage import ALIGN, unsettled, weight_tensors
 from common.runtime.component_memory import ComponentMemory, ModuleMemory, modules_of

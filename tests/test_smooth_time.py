@@ -1,4 +1,4 @@
-"""The ``-smooth`` built-ins (common/families/smooth_time.py): each tiny family's builds, loads, runs, and its
+"""The ``-smooth`` built-ins (common/builtin/smooth_time.py): each tiny family's builds, loads, runs, and its
 time embedding moves a few percent per step where the base's moves tens, with no other weight changed."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from common.diffusion.compiled import warm_up  # noqa: E402
 from common.diffusion.model_info import SERVING_DEFAULTS_FILE  # noqa: E402
 from common.diffusion.policy import Policy  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.families.builtin import BUILTINS, SMOOTH_BASES, ensure_builtin  # noqa: E402
-from common.families.smooth_time import EXPERTS, SmoothTimeSpec, column_gains, time_embedders  # noqa: E402
-from common.families.tiny_cache import _cache_key  # noqa: E402
+from common.builtin import BUILTINS, SMOOTH_BASES, ensure_builtin  # noqa: E402
+from common.builtin.smooth_time import EXPERTS, SmoothTimeSpec, column_gains, time_embedders  # noqa: E402
+from common.builtin.cache import cache_key as _cache_key  # noqa: E402
 
 TINY = ("tiny", "tiny-moe", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v")
 
@@ -81,7 +81,7 @@ def test_the_embedding_changes_a_few_percent_per_step(base, built):
 def test_a_forward_feeds_the_embedders_the_sinusoids_the_measure_assumes(base, built):
     """One forward of each expert on example inputs, the engine's way (warm_up runs the policy's velocity;
     eager here): it runs, and each time embedder reads ``Timesteps(t / scale)`` of its t on the 0..1000
-    scale, as :func:`common.families.smooth_time.time_embeddings` feeds it."""
+    scale, as :func:`common.builtin.smooth_time.time_embeddings` feeds it."""
     info = read_model(built(base)[1])
     policy = Policy.load(info, torch.float32, "cpu")
     seen = {}

@@ -30,7 +30,7 @@ import torch
 from common.diffusion import step_cache
 from common.diffusion.policy import uses_guidance
 from common.diffusion.step_cache import METHODS, RequestCache, parse_flag, rel_l1, rescale, threshold_problem
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, CacheParams,
     RolloutParams,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.protocol.messages import CacheParams
 from conftest import ROOT, Engine, solo_then_concurrent
 from family_harness import InProcess, max_diff

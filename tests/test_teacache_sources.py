@@ -14,7 +14,7 @@ import pytest
 
 from common.diffusion.cache_signals import SETTINGS_FILE, cache_problem, teacache_settings, teacache_source
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from conftest import ROOT
 
 PUBLISHED = {"tiny": "Wan2.1-T2V-1.3B", "tiny-wan-i2v": "Wan2.1-I2V-14B-480P"}

@@ -148,9 +148,9 @@ def test_add_lora_checks(tiny_dir):
 
 
 def test_two_experts_each_get_their_own_adapter():
-    from common.families.wan.tiny_model import ensure_tiny_model
+    from common.builtin import ensure_builtin
 
-    policy = TrainerPolicy(ensure_tiny_model("tiny-moe"))
+    policy = TrainerPolicy(ensure_builtin("tiny-moe"))
     add_lora(policy, 2, seed=0)
     add_lora(policy, 4, expert="transformer_2", seed=1)  # freezing again keeps the first adapter trainable
     assert len(lora_parameters(policy, "transformer")) == len(lora_parameters(policy, "transformer_2")) == 32
@@ -246,9 +246,9 @@ def test_repush_after_a_step_and_disk_load_agree(client, pushed, lora_root):
 def test_second_expert_adapter_from_memory_and_disk(engine_factory, lora_root):
     """A LoRA on transformer_2 only (the low-noise expert): pushed with module=transformer_2, or saved in
     diffusers' format and loaded with load_into_transformer_2; the trainer recomputes the steps of both experts."""
-    from common.families.wan.tiny_model import ensure_tiny_model
+    from common.builtin import ensure_builtin
 
-    policy = TrainerPolicy(ensure_tiny_model("tiny-moe"))
+    policy = TrainerPolicy(ensure_builtin("tiny-moe"))
     add_lora(policy, 2, 4.0, expert="transformer_2", seed=0)
     _randomise_lora_b(policy.experts["transformer_2"], 11)
     save_lora(policy, lora_root / "moe", expert="transformer_2")

@@ -17,7 +17,7 @@ from PIL import Image
 
 from common.diffusion.vae_tiling import DEFAULT_TILING_PIXELS, VaeTiling
 from common.families import read_model
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from common.families.qwen_image.vae import QwenImageDecoder
 from common.diffusion.parts.decoder import AutoencoderKLDecoder
 from common.families.wan.vae import WanDecoder

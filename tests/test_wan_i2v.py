@@ -31,9 +31,9 @@ from PIL import Image
 
 from common.config.engine import Limits
 from common.families import read_model
-from common.families.builtin import ensure_builtin
-from common.families.wan_i2v.tiny_model import build_tiny_wan_i2v
-from common.families.wan_i2v.tiny_specs import SPECS as I2V_SPECS
+from common.builtin import ensure_builtin
+from common.builtin.build import build as build_tiny_wan_i2v
+from common.builtin.specs.wan_i2v import SPECS as I2V_SPECS
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, RolloutParams
 from conftest import reference_pipeline
 from family_harness import InProcess, compare_tasks, max_diff

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from common.diffusion.weights import state_dict_checksum
-from common.families.builtin import ensure_builtin
+from common.builtin import ensure_builtin
 from conftest import Engine, reference_pipeline, solo_then_concurrent
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient, image_field

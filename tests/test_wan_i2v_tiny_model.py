@@ -14,15 +14,16 @@ import pytest
 import torch
 from PIL import Image
 
-from common.families.builtin import BUILTINS, ensure_builtin
-from common.families.wan.tiny_model import transformer_config as wan_transformer_config
-from common.families.wan_i2v.tiny_model import (
+from common.builtin import BUILTINS, ensure_builtin
+from common.builtin.build import build as build_tiny_wan_i2v
+from common.builtin.specs.wan import transformer_config as wan_transformer_config
+from common.builtin.specs.wan_i2v import (
+    SPECS,
     WAN22_LATENTS_MEAN,
-    build_tiny_wan_i2v,
+    TinyWanI2VSpec,
     transformer_config,
     vae_config,
 )
-from common.families.wan_i2v.tiny_specs import SPECS, TinyWanI2VSpec
 
 PROMPT = "A small red fox runs in the forest at dawn, cinematic lighting."
 

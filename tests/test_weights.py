@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from common.families.wan.tiny_model import ensure_tiny_model
+from common.builtin import ensure_builtin
 from common.diffusion.weights import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def transformer_dir() -> Path:
-    return ensure_tiny_model("tiny") / "transformer"
+    return ensure_builtin("tiny") / "transformer"
 
 
 @pytest.fixture

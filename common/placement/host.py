@@ -29,7 +29,7 @@ from common.config.engine import CONFIG_NAME, EngineConfig
 from common.config.topology import free_tcp_port
 from common.runtime.supervisor import start_local
 from common.transport.security import KEY_DIR, fresh_key_dir, new_key_pair
-from common.families.builtin import BUILTINS, ensure_builtin
+from common.builtin import BUILTINS, ensure_builtin
 
 
 class Placement(msgspec.Struct):

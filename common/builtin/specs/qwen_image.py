@@ -1,13 +1,14 @@
-"""The tiny Qwen-Image models' specs: :class:`TinyQwenImageSpec` (one configuration plus the request it
-serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.qwen_image.tiny_model`)."""
+"""The built-in Qwen-Image text-to-image models: :class:`TinyQwenImageSpec` (one configuration plus the request
+it serves), the table of named specs, :data:`SPECS`, and their pipeline's :func:`components`: the layout of a
+real Qwen-Image checkpoint (a Qwen2.5-VL model in ``text_encoder/``, a Qwen2 tokenizer in ``tokenizer/``)."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 from dataclasses import dataclass
-from pathlib import Path
 
-from common.families.wan.tiny_specs import WEIGHT_DTYPES
+from common.builtin.build import seeded
+from common.builtin.spec import BuiltinSpec, check_weights_dtype
 
 # AutoencoderKLQwenImage: four levels (three 2x downsamplings, 8x as Qwen-Image's VAE), 16 latent channels.
 VAE_LEVELS = 4
@@ -48,8 +49,11 @@ TEXT_HEAD_DIM_MULTIPLE = 2 * sum(MROPE_PROPORTIONS)
 
 
 @dataclass(frozen=True)
-class TinyQwenImageSpec:
+class TinyQwenImageSpec(BuiltinSpec):
     """One tiny Qwen-Image text-to-image configuration plus the request it is meant to serve."""
+
+    PIPELINE = "QwenImagePipeline"
+    SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length")
 
     name: str
     # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
@@ -113,8 +117,7 @@ class TinyQwenImageSpec:
         self._check_text_encoder()
         self._check_vae()
         self._check_request()
-        if self.weights_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+        check_weights_dtype(self)
 
     def _check_transformer(self) -> None:
         if min(self.num_layers, self.num_attention_heads, self.attention_head_dim) < 1:
@@ -159,12 +162,6 @@ class TinyQwenImageSpec:
         if self.true_cfg_scale < 1.0:
             raise ValueError("true_cfg_scale must be >= 1 (1 disables classifier-free guidance)")
 
-    def build(self, out_dir: str | Path) -> Path:
-        """Write this model's diffusers directory into ``out_dir`` and return it."""
-        from common.families.qwen_image.tiny_model import build_tiny_qwen_image
-
-        return build_tiny_qwen_image(self, out_dir)
-
 
 SPECS: dict[str, TinyQwenImageSpec] = {
     spec.name: spec
@@ -198,3 +195,45 @@ SPECS: dict[str, TinyQwenImageSpec] = {
         ),
     )
 }
+
+
+def transformer_config(spec: TinyQwenImageSpec) -> dict:
+    """``QwenImageTransformer2DModel`` arguments for ``spec`` (Qwen-Image's, with the spec's sizes)."""
+    return dict(
+        patch_size=PATCH_SIZE,
+        in_channels=LATENT_CHANNELS * PATCH_SIZE * PATCH_SIZE,
+        out_channels=LATENT_CHANNELS,
+        num_layers=spec.num_layers,
+        attention_head_dim=spec.attention_head_dim,
+        num_attention_heads=spec.num_attention_heads,
+        joint_attention_dim=spec.joint_attention_dim,
+        guidance_embeds=False,
+        axes_dims_rope=spec.axes_dims_rope,
+    )
+
+
+def components(spec: TinyQwenImageSpec) -> dict:
+    """``QwenImagePipeline``'s components of ``spec``: the transformer, the VAE (Wan's layout with Qwen-Image's
+    statistics), the scheduler Qwen/Qwen-Image ships, the Qwen2.5-VL text encoder and its tokenizer."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from common.builtin.text_encoders import qwen2_5_vl
+    from common.builtin.tokenizer.qwen import qwen2_tokenizer
+    from common.builtin.vaes import wan_vae, wan_vae_config
+
+    tokenizer = qwen2_tokenizer()
+    vae = wan_vae_config(spec.vae_base_dim, spec.vae_dim_mult, spec.vae_num_res_blocks) | dict(
+        latents_mean=list(LATENTS_MEAN), latents_std=list(LATENTS_STD))
+    return dict(
+        transformer=seeded(spec, "transformer", lambda: QwenImageTransformer2DModel(**transformer_config(spec))),
+        vae=wan_vae(spec, vae, "AutoencoderKLQwenImage"),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        text_encoder=qwen2_5_vl(spec, "text_encoder", tokenizer=tokenizer, hidden_size=spec.text_hidden_size,
+                                intermediate_size=spec.text_intermediate_size, num_layers=spec.text_num_layers,
+                                num_heads=spec.text_num_heads, num_kv_heads=spec.text_num_kv_heads,
+                                mrope_section=spec.mrope_section, vision_depth=spec.vision_depth,
+                                vision_hidden_size=spec.vision_hidden_size,
+                                vision_intermediate_size=spec.vision_intermediate_size,
+                                vision_num_heads=spec.vision_num_heads),
+        tokenizer=tokenizer,
+    )

@@ -1,27 +1,30 @@
-"""The tiny Wan models' specs: :class:`TinyWanSpec` (one configuration plus the request it serves)
-and the table of named specs, :data:`SPECS` (see :mod:`common.families.wan.tiny_model`)."""
+"""The built-in Wan text-to-video models: :class:`TinyWanSpec` (one configuration plus the request it serves),
+the table of named specs, :data:`SPECS`, and their pipeline's :func:`components`: the layout of a real Wan2.1
+T2V checkpoint, optionally with a Wan2.2-style second expert (``transformer_2/`` plus ``boundary_ratio``).
+
+Besides the tiny specs there is ``wan2.1-1.3b``: a transformer and VAE of exactly Wan2.1-T2V-1.3B's shape
+(random weights, stored in bfloat16) for benchmarking on a GPU; see its comment in ``SPECS``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from common.families.wan.tiny_tokenizer import FIXED_TOKENS
+from common.builtin.build import seeded
+from common.builtin.spec import BuiltinSpec, check_weights_dtype, later_field
+from common.builtin.tokenizer.unigram import FIXED_TOKENS
 
 # 64 rotary positions per axis allows latent grids up to 128x128 (1024 px),
 # far beyond what tests use, at negligible cost.
 _ROPE_MAX_SEQ_LEN = 64
-WEIGHT_DTYPES = ("float32", "bfloat16")
-
-
-def _later_field(default):
-    """A spec field added after cached models existed: part of the cache key
-    only when it differs from ``default`` (see ``tiny_model._keyed_fields``)."""
-    return field(default=default, metadata={"keyed_if_set": True})
 
 
 @dataclass(frozen=True)
-class TinyWanSpec:
+class TinyWanSpec(BuiltinSpec):
     """One tiny Wan T2V configuration plus the request it is meant to serve."""
+
+    PIPELINE = "WanPipeline"
+    SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 
     name: str
     # Transformer (WanTransformer3DModel).
@@ -30,7 +33,7 @@ class TinyWanSpec:
     attention_head_dim: int = 12
     ffn_dim: int = 32
     freq_dim: int = 16
-    rope_max_seq_len: int = _later_field(_ROPE_MAX_SEQ_LEN)
+    rope_max_seq_len: int = later_field(_ROPE_MAX_SEQ_LEN)
     # Text encoder (UMT5EncoderModel); text_dim is both its d_model and the
     # transformer's text_dim.
     text_dim: int = 32
@@ -41,8 +44,8 @@ class TinyWanSpec:
     vocab_size: int = 256
     # VAE (AutoencoderKLWan).
     vae_base_dim: int = 4
-    vae_dim_mult: tuple[int, ...] = _later_field((1, 1, 1, 1))
-    vae_num_res_blocks: int = _later_field(1)
+    vae_dim_mult: tuple[int, ...] = later_field((1, 1, 1, 1))
+    vae_num_res_blocks: int = later_field(1)
     # Scheduler (UniPCMultistepScheduler with flow sigmas).
     flow_shift: float = 3.0
     # Wan2.2-style mixture of two experts.
@@ -51,7 +54,7 @@ class TinyWanSpec:
     seed: int = 0
     # How the safetensors files store the weights (they are generated in
     # float32 either way; loaders cast to the dtype they ask for).
-    weights_dtype: str = _later_field("float32")
+    weights_dtype: str = later_field("float32")
     # Default request for this model.
     height: int = 32
     width: int = 32
@@ -82,14 +85,7 @@ class TinyWanSpec:
         # Four VAE levels: three spatial downsamplings (stride 8) as in Wan.
         if len(self.vae_dim_mult) != 4 or self.vae_num_res_blocks < 1:
             raise ValueError("vae_dim_mult must have 4 entries and vae_num_res_blocks be >= 1")
-        if self.weights_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
-
-    def build(self, out_dir):
-        """Write this model's diffusers directory (common.families.tiny_cache calls it)."""
-        from common.families.wan.tiny_model import build_tiny_model
-
-        return build_tiny_model(self, out_dir)
+        check_weights_dtype(self)
 
 
 SPECS: dict[str, TinyWanSpec] = {
@@ -181,3 +177,57 @@ SPECS: dict[str, TinyWanSpec] = {
         ),
     )
 }
+
+
+def transformer_config(spec: TinyWanSpec) -> dict:
+    """``WanTransformer3DModel`` arguments for ``spec`` (Wan2.1 T2V's, with the spec's sizes)."""
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=spec.num_attention_heads,
+        attention_head_dim=spec.attention_head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=spec.text_dim,
+        freq_dim=spec.freq_dim,
+        ffn_dim=spec.ffn_dim,
+        num_layers=spec.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        image_dim=None,
+        added_kv_proj_dim=None,
+        rope_max_seq_len=spec.rope_max_seq_len,
+    )
+
+
+def vae_config(spec: TinyWanSpec) -> dict:
+    """``AutoencoderKLWan`` arguments for ``spec``: the real Wan VAE's strides and statistics, the spec's widths."""
+    from common.builtin.vaes import wan_vae_config
+
+    return wan_vae_config(spec.vae_base_dim, spec.vae_dim_mult, spec.vae_num_res_blocks)
+
+
+def components(spec: TinyWanSpec, transformer: dict | None = None, vae: dict | None = None) -> dict:
+    """``WanPipeline``'s components of ``spec``: the UMT5 encoder (umt5-xxl's structure) and its tokenizer, the
+    VAE, the UniPC scheduler Wan checkpoints ship, the expert(s); ``transformer`` / ``vae``: other configs (Wan
+    image-to-video's)."""
+    from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+
+    from common.builtin.text_encoders import t5_encoder
+    from common.builtin.tokenizer.unigram import t5_tokenizer
+    from common.builtin.vaes import wan_vae
+
+    transformer = transformer_config(spec) if transformer is None else transformer
+    return dict(
+        tokenizer=t5_tokenizer(spec.vocab_size),
+        text_encoder=t5_encoder(spec, "text_encoder", umt5=True, vocab_size=spec.vocab_size, d_model=spec.text_dim,
+                                d_kv=spec.text_d_kv, d_ff=spec.text_d_ff, num_layers=spec.text_layers,
+                                num_heads=spec.text_heads),
+        vae=wan_vae(spec, vae_config(spec) if vae is None else vae),
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                          num_train_timesteps=1000, flow_shift=spec.flow_shift),
+        transformer=seeded(spec, "transformer", lambda: WanTransformer3DModel(**transformer)),
+        transformer_2=(seeded(spec, "transformer_2", lambda: WanTransformer3DModel(**transformer))
+                       if spec.two_experts else None),
+        boundary_ratio=spec.boundary_ratio,
+    )

@@ -1,20 +1,26 @@
-"""The tiny FLUX.1 models' specs: :class:`TinyFluxSpec` (one configuration plus the request it serves) and
-the table of named specs, :data:`SPECS` (see :mod:`common.families.flux.tiny_model`)."""
+"""The built-in FLUX.1 text-to-image models: :class:`TinyFluxSpec` (one configuration plus the request it
+serves), the table of named specs, :data:`SPECS`, and their pipeline's :func:`components`: the layout of a real
+FLUX.1 checkpoint (CLIP-L in ``text_encoder/``, T5 in ``text_encoder_2/``, each with its tokenizer)."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 from dataclasses import dataclass
-from pathlib import Path
 
-from common.families.wan.tiny_specs import WEIGHT_DTYPES
-from common.families.wan.tiny_tokenizer import FIXED_TOKENS
+from common.builtin.build import seeded
+from common.builtin.spec import BuiltinSpec, check_kl_vae, check_t5, check_weights_dtype
 
 # AutoencoderKL with four levels downsamples 8x, as FLUX's VAE does.
 VAE_LEVELS = 4
 VAE_SPATIAL_STRIDE = 2 ** (VAE_LEVELS - 1)
 # FluxPipeline packs the latents into 2x2 patches.
 PACK_SIZE = 2
+# FLUX.1's VAE latent normalisation.
+VAE_SCALING_FACTOR = 0.3611
+VAE_SHIFT_FACTOR = 0.1159
+LATENT_CHANNELS = 16
+# FluxPipeline.default_sample_size: its default image side is this many latent pixels.
+DEFAULT_SAMPLE_SIZE = 128
 # FluxPipeline.check_inputs refuses longer T5 prompts.
 MAX_T5_SEQUENCE_LENGTH = 512
 # The rotary embedding's axes: the (unused) text axis, then latent rows and columns.
@@ -22,8 +28,12 @@ ROPE_AXES = 3
 
 
 @dataclass(frozen=True)
-class TinyFluxSpec:
+class TinyFluxSpec(BuiltinSpec):
     """One tiny FLUX.1 text-to-image configuration plus the request it is meant to serve."""
+
+    PIPELINE = "FluxPipeline"
+    SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+                            "max_sequence_length")
 
     name: str
     # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
@@ -97,11 +107,10 @@ class TinyFluxSpec:
         object.__setattr__(self, "vae_block_out_channels", tuple(self.vae_block_out_channels))
         self._check_transformer()
         self._check_text_encoders()
-        self._check_vae()
+        check_kl_vae(self, VAE_LEVELS)
         self._check_scheduler()
         self._check_request()
-        if self.weights_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+        check_weights_dtype(self)
 
     def _check_transformer(self) -> None:
         if min(self.num_layers, self.num_attention_heads, self.attention_head_dim) < 1 or self.num_single_layers < 0:
@@ -115,18 +124,7 @@ class TinyFluxSpec:
         hidden, heads = self.clip_l_hidden_size, self.clip_l_num_heads
         if min(hidden, heads, self.clip_l_num_layers, self.clip_l_intermediate_size) < 1 or hidden % heads:
             raise ValueError("clip_l_hidden_size must be a positive multiple of clip_l_num_heads")
-        if min(self.t5_d_model, self.t5_d_kv, self.t5_d_ff, self.t5_num_layers, self.t5_num_heads) < 1:
-            raise ValueError("T5 sizes must be positive")
-        if self.t5_vocab_size <= FIXED_TOKENS:
-            raise ValueError("t5_vocab_size too small for the T5 tokenizer's alphabet")
-
-    def _check_vae(self) -> None:
-        if len(self.vae_block_out_channels) != VAE_LEVELS:
-            raise ValueError(f"vae_block_out_channels must have {VAE_LEVELS} entries (8x downsampling)")
-        if self.vae_norm_num_groups < 1 or any(c % self.vae_norm_num_groups for c in self.vae_block_out_channels):
-            raise ValueError("every VAE width must be a multiple of vae_norm_num_groups")
-        if self.vae_layers_per_block < 1:
-            raise ValueError("vae_layers_per_block must be >= 1")
+        check_t5(self)
 
     def _check_scheduler(self) -> None:
         if self.shift <= 0:
@@ -146,12 +144,6 @@ class TinyFluxSpec:
             raise ValueError("num_inference_steps must be >= 1")
         if self.guidance_scale < 0 or self.true_cfg_scale < 1:
             raise ValueError("guidance_scale must be >= 0 and true_cfg_scale >= 1 (1: no true CFG)")
-
-    def build(self, out_dir: str | Path) -> Path:
-        """Write this model's diffusers directory into ``out_dir`` and return it."""
-        from common.families.flux.tiny_model import build_tiny_flux
-
-        return build_tiny_flux(self, out_dir)
 
 
 SPECS: dict[str, TinyFluxSpec] = {
@@ -187,3 +179,65 @@ SPECS: dict[str, TinyFluxSpec] = {
         ),
     )
 }
+
+
+def transformer_config(spec: TinyFluxSpec) -> dict:
+    """``FluxTransformer2DModel`` arguments for ``spec`` (FLUX.1-dev's, with the spec's sizes)."""
+    return dict(
+        # The pipeline packs 2x2 latent patches into channels, so the transformer's own patch is 1.
+        patch_size=1,
+        in_channels=LATENT_CHANNELS * PACK_SIZE * PACK_SIZE,
+        out_channels=None,
+        num_layers=spec.num_layers,
+        num_single_layers=spec.num_single_layers,
+        attention_head_dim=spec.attention_head_dim,
+        num_attention_heads=spec.num_attention_heads,
+        joint_attention_dim=spec.joint_attention_dim,
+        pooled_projection_dim=spec.pooled_projection_dim,
+        guidance_embeds=spec.guidance_embeds,
+        axes_dims_rope=spec.axes_dims_rope,
+    )
+
+
+def scheduler_config(spec: TinyFluxSpec) -> dict:
+    """``FlowMatchEulerDiscreteScheduler`` arguments: FLUX.1-dev's (dynamic shifting by image size)."""
+    return dict(
+        num_train_timesteps=1000,
+        shift=spec.shift,
+        use_dynamic_shifting=spec.use_dynamic_shifting,
+        base_shift=spec.base_shift,
+        max_shift=spec.max_shift,
+        base_image_seq_len=spec.base_image_seq_len,
+        max_image_seq_len=spec.max_image_seq_len,
+    )
+
+
+def components(spec: TinyFluxSpec) -> dict:
+    """``FluxPipeline``'s components of ``spec``: the scheduler, the VAE, CLIP-L (``CLIPTextModel``: FLUX uses
+    its pooled output; its config carries a projection as CLIP-L's does, the hidden size) and T5 with their
+    tokenizers, the transformer."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    from common.builtin.text_encoders import clip_text_encoder, t5_encoder
+    from common.builtin.tokenizer.clip import CLIP_L_PAD_TOKEN, clip_tokenizer
+    from common.builtin.tokenizer.unigram import t5_tokenizer
+    from common.builtin.vaes import autoencoder_kl
+
+    tokenizer = clip_tokenizer(CLIP_L_PAD_TOKEN)
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(spec)),
+        vae=autoencoder_kl(spec, spec.vae_block_out_channels, spec.vae_layers_per_block, spec.vae_norm_num_groups,
+                           sample_size=DEFAULT_SAMPLE_SIZE * VAE_SPATIAL_STRIDE,  # in pixels, as FLUX.1's 1024
+                           scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR),
+        text_encoder=clip_text_encoder(spec, "text_encoder", False, tokenizer=tokenizer,
+                                       hidden_size=spec.clip_l_hidden_size,
+                                       intermediate_size=spec.clip_l_intermediate_size,
+                                       projection_dim=spec.clip_l_hidden_size, num_layers=spec.clip_l_num_layers,
+                                       num_heads=spec.clip_l_num_heads, hidden_act="quick_gelu"),
+        tokenizer=tokenizer,
+        text_encoder_2=t5_encoder(spec, "text_encoder_2", vocab_size=spec.t5_vocab_size, d_model=spec.t5_d_model,
+                                  d_kv=spec.t5_d_kv, d_ff=spec.t5_d_ff, num_layers=spec.t5_num_layers,
+                                  num_heads=spec.t5_num_heads),
+        tokenizer_2=t5_tokenizer(spec.t5_vocab_size),
+        transformer=seeded(spec, "transformer", lambda: FluxTransformer2DModel(**transformer_config(spec))),
+    )

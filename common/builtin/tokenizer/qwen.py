@@ -1,8 +1,8 @@
-"""The tiny Qwen-Image models' tokenizer: a byte-level BPE laid out like Qwen2.5-VL's (``Qwen2Tokenizer``:
+"""The Qwen-Image built-ins' tokenizer: a byte-level BPE laid out like Qwen2.5-VL's (``Qwen2Tokenizer``:
 Qwen's pre-tokeniser regex, no unk, the chat special tokens after the learned vocabulary), trained here with
 the ``tokenizers`` BPE trainer on a small fixed corpus.
 
-The corpus is the English scene descriptions of :mod:`common.families.wan.tiny_tokenizer`, each also wrapped
+The corpus is the English scene descriptions of :mod:`common.builtin.tokenizer.corpus`, each also wrapped
 in :data:`PROMPT_TEMPLATE`, so the template's words are among the first merges: every word of the template's
 system prefix is one token, as with the real tokenizer, and the prefix is exactly
 :data:`PROMPT_TEMPLATE_START_IDX` tokens long, which is what ``QwenImagePipeline`` drops from the encoder's
@@ -15,7 +15,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from common.families.wan.tiny_tokenizer import corpus
+from common.builtin.tokenizer.corpus import corpus
 
 if TYPE_CHECKING:
     from transformers import Qwen2Tokenizer
@@ -102,8 +102,8 @@ def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """The tiny Qwen2 tokenizer (``AutoTokenizer.from_pretrained`` reloads it as ``Qwen2Tokenizer``)."""
+def qwen2_tokenizer() -> Qwen2Tokenizer:
+    """The Qwen2 tokenizer (``AutoTokenizer.from_pretrained`` reloads it as ``Qwen2Tokenizer``)."""
     from transformers import Qwen2Tokenizer
 
     vocab, merges = vocab_and_merges()

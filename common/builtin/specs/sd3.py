@@ -1,18 +1,23 @@
-"""The tiny SD3 models' specs: :class:`TinySD3Spec` (one configuration plus the request it serves) and
-the table of named specs, :data:`SPECS` (see :mod:`common.families.sd3.tiny_model`)."""
+"""The built-in Stable Diffusion 3 / 3.5 text-to-image models: :class:`TinySD3Spec` (one configuration plus the
+request it serves), the table of named specs, :data:`SPECS`, and their pipeline's :func:`components`: the layout
+of a real SD3 checkpoint (CLIP-L in ``text_encoder/``, CLIP-G in ``text_encoder_2/``, T5 in ``text_encoder_3/``,
+each with its tokenizer)."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 from dataclasses import dataclass
-from pathlib import Path
 
-from common.families.wan.tiny_specs import WEIGHT_DTYPES
-from common.families.wan.tiny_tokenizer import FIXED_TOKENS
+from common.builtin.build import seeded
+from common.builtin.spec import BuiltinSpec, check_kl_vae, check_t5, check_weights_dtype
 
 # AutoencoderKL with four levels downsamples 8x, as SD3's VAE does.
 VAE_LEVELS = 4
 VAE_SPATIAL_STRIDE = 2 ** (VAE_LEVELS - 1)
+# SD3.5's VAE latent normalisation (SD3.0 has the same scaling factor and shift).
+VAE_SCALING_FACTOR = 1.5305
+VAE_SHIFT_FACTOR = 0.0609
+LATENT_CHANNELS = 16
 # StableDiffusion3Pipeline.check_inputs refuses longer T5 prompts.
 MAX_T5_SEQUENCE_LENGTH = 512
 # The query/key norms SD3 (None) and SD3.5 ("rms_norm") use, and the plain layer norm.
@@ -20,8 +25,11 @@ QK_NORMS = (None, "rms_norm", "layer_norm")
 
 
 @dataclass(frozen=True)
-class TinySD3Spec:
+class TinySD3Spec(BuiltinSpec):
     """One tiny SD3 / SD3.5 text-to-image configuration plus the request it is meant to serve."""
+
+    PIPELINE = "StableDiffusion3Pipeline"
+    SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
 
     name: str
     # TeaCache's polynomial the built directory carries in step_cache.json (the family has no published one):
@@ -98,10 +106,9 @@ class TinySD3Spec:
         object.__setattr__(self, "vae_block_out_channels", tuple(self.vae_block_out_channels))
         self._check_transformer()
         self._check_text_encoders()
-        self._check_vae()
+        check_kl_vae(self, VAE_LEVELS)
         self._check_request()
-        if self.weights_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
+        check_weights_dtype(self)
 
     def _check_transformer(self) -> None:
         if min(self.num_layers, self.num_attention_heads, self.attention_head_dim, self.patch_size) < 1:
@@ -124,18 +131,7 @@ class TinySD3Spec:
         # SD3 zero-pads the two CLIP hidden states, side by side, to the T5 width before joining them.
         if self.clip_l_hidden_size + self.clip_g_hidden_size > self.t5_d_model:
             raise ValueError("clip_l_hidden_size + clip_g_hidden_size must not exceed t5_d_model")
-        if min(self.t5_d_kv, self.t5_d_ff, self.t5_num_layers, self.t5_num_heads) < 1:
-            raise ValueError("T5 sizes must be positive")
-        if self.t5_vocab_size <= FIXED_TOKENS:
-            raise ValueError("t5_vocab_size too small for the T5 tokenizer's alphabet")
-
-    def _check_vae(self) -> None:
-        if len(self.vae_block_out_channels) != VAE_LEVELS:
-            raise ValueError(f"vae_block_out_channels must have {VAE_LEVELS} entries (8x downsampling)")
-        if self.vae_norm_num_groups < 1 or any(c % self.vae_norm_num_groups for c in self.vae_block_out_channels):
-            raise ValueError("every VAE width must be a multiple of vae_norm_num_groups")
-        if self.vae_layers_per_block < 1:
-            raise ValueError("vae_layers_per_block must be >= 1")
+        check_t5(self)
 
     def _check_request(self) -> None:
         # The pipeline needs whole patches of whole latent pixels (16 px for patch 2).
@@ -149,12 +145,6 @@ class TinySD3Spec:
             raise ValueError(f"max_sequence_length must be in [1, {MAX_T5_SEQUENCE_LENGTH}]")
         if self.num_inference_steps < 1 or self.shift <= 0:
             raise ValueError("num_inference_steps must be >= 1 and shift > 0")
-
-    def build(self, out_dir: str | Path) -> Path:
-        """Write this model's diffusers directory into ``out_dir`` and return it."""
-        from common.families.sd3.tiny_model import build_tiny_sd3
-
-        return build_tiny_sd3(self, out_dir)
 
 
 SPECS: dict[str, TinySD3Spec] = {
@@ -197,3 +187,60 @@ SPECS: dict[str, TinySD3Spec] = {
         ),
     )
 }
+
+
+def transformer_config(spec: TinySD3Spec) -> dict:
+    """``SD3Transformer2DModel`` arguments for ``spec`` (SD3's, with the spec's sizes)."""
+    return dict(
+        sample_size=spec.sample_size,
+        patch_size=spec.patch_size,
+        in_channels=LATENT_CHANNELS,
+        num_layers=spec.num_layers,
+        attention_head_dim=spec.attention_head_dim,
+        num_attention_heads=spec.num_attention_heads,
+        joint_attention_dim=spec.joint_attention_dim,
+        caption_projection_dim=spec.caption_projection_dim,
+        pooled_projection_dim=spec.pooled_projection_dim,
+        out_channels=LATENT_CHANNELS,
+        pos_embed_max_size=spec.pos_embed_max_size,
+        dual_attention_layers=spec.dual_attention_layers,
+        qk_norm=spec.qk_norm,
+    )
+
+
+def _clip(spec: TinySD3Spec, prefix: str, tokenizer) -> dict:
+    """CLIP-L's (``prefix`` "clip_l") or CLIP-G's ("clip_g") sizes; as the real encoders, openai's CLIP-L uses
+    quick_gelu, laion's bigG plain gelu."""
+    return dict(tokenizer=tokenizer, hidden_size=getattr(spec, f"{prefix}_hidden_size"),
+                intermediate_size=getattr(spec, f"{prefix}_intermediate_size"),
+                projection_dim=getattr(spec, f"{prefix}_projection_dim"),
+                num_layers=getattr(spec, f"{prefix}_num_layers"), num_heads=getattr(spec, f"{prefix}_num_heads"),
+                hidden_act="quick_gelu" if prefix == "clip_l" else "gelu")
+
+
+def components(spec: TinySD3Spec) -> dict:
+    """``StableDiffusion3Pipeline``'s components of ``spec``: the transformer, the flow-match scheduler SD3 /
+    SD3.5 ship (static shift), the VAE, the three text encoders and their tokenizers."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from common.builtin.text_encoders import clip_text_encoder, t5_encoder
+    from common.builtin.tokenizer.clip import CLIP_G_PAD_TOKEN, CLIP_L_PAD_TOKEN, clip_tokenizer
+    from common.builtin.tokenizer.unigram import t5_tokenizer
+    from common.builtin.vaes import autoencoder_kl
+
+    tokenizer, tokenizer_2 = clip_tokenizer(CLIP_L_PAD_TOKEN), clip_tokenizer(CLIP_G_PAD_TOKEN)
+    return dict(
+        transformer=seeded(spec, "transformer", lambda: SD3Transformer2DModel(**transformer_config(spec))),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=spec.shift),
+        vae=autoencoder_kl(spec, spec.vae_block_out_channels, spec.vae_layers_per_block, spec.vae_norm_num_groups,
+                           sample_size=spec.sample_size * VAE_SPATIAL_STRIDE, scaling_factor=VAE_SCALING_FACTOR,
+                           shift_factor=VAE_SHIFT_FACTOR),
+        text_encoder=clip_text_encoder(spec, "text_encoder", True, **_clip(spec, "clip_l", tokenizer)),
+        tokenizer=tokenizer,
+        text_encoder_2=clip_text_encoder(spec, "text_encoder_2", True, **_clip(spec, "clip_g", tokenizer_2)),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=t5_encoder(spec, "text_encoder_3", vocab_size=spec.t5_vocab_size, d_model=spec.t5_d_model,
+                                  d_kv=spec.t5_d_kv, d_ff=spec.t5_d_ff, num_layers=spec.t5_num_layers,
+                                  num_heads=spec.t5_num_heads),
+        tokenizer_3=t5_tokenizer(spec.t5_vocab_size),
+    )

@@ -1,5 +1,6 @@
-"""The tiny Wan image-to-video models' specs: :class:`TinyWanI2VSpec` (one configuration plus the request it
-serves) and the table of named specs, :data:`SPECS` (see :mod:`common.families.wan_i2v.tiny_model`).
+"""The built-in Wan image-to-video models: :class:`TinyWanI2VSpec` (one configuration plus the request it
+serves), the table of named specs, :data:`SPECS`, and their pipeline's :func:`components`. The text encoder,
+tokenizer, scheduler and experts are Wan text-to-video's (:mod:`common.builtin.specs.wan`).
 
 Three real layouts, each in tiny form (and Wan2.1 I2V once more with a compute-bound transformer,
 ``small-wan-i2v``):
@@ -16,9 +17,10 @@ Three real layouts, each in tiny form (and Wan2.1 I2V once more with a compute-b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from common.families.wan.tiny_specs import TinyWanSpec, _later_field
+from common.builtin.spec import later_field
+from common.builtin.specs import wan
+from common.builtin.specs.wan import TinyWanSpec
 
 # The VAE layouts: Wan2.1's (z_dim 16, 8x spatial) and Wan2.2's (z_dim 48, residual blocks, a 2x2 pixel
 # patchify in front of its 8x: 16x spatial).
@@ -37,8 +39,13 @@ class TinyWanI2VSpec(TinyWanSpec):
     """One tiny Wan image-to-video configuration plus the request it is meant to serve.
 
     The transformer, text encoder, VAE widths, scheduler, experts and request fields are
-    :class:`~common.families.wan.tiny_specs.TinyWanSpec`'s; these add the image conditioning.
+    :class:`~common.builtin.specs.wan.TinyWanSpec`'s; these add the image conditioning.
     """
+
+    # Wan2.2 TI2V is a WanPipeline directory (diffusers runs its image-to-video with WanImageToVideoPipeline).
+    @property
+    def pipeline(self) -> str:
+        return "WanPipeline" if self.expand_timesteps else "WanImageToVideoPipeline"
 
     # Wan2.1 I2V's image encoder: CLIPVisionModel (gelu, as open-clip ViT-H/14) whose penultimate hidden
     # states the transformer cross-attends to, and CLIPImageProcessor resizing and center-cropping the
@@ -52,7 +59,7 @@ class TinyWanI2VSpec(TinyWanSpec):
     vision_patch_size: int = 8
     # Wan2.1 FLF2V: the image embedder takes the first and the last frame's CLIP tokens together, with a
     # learned position embedding over both (pos_embed_seq_len); needs image_encoder.
-    first_last_frame: bool = _later_field(False)
+    first_last_frame: bool = later_field(False)
     # Wan2.2 TI2V: WanPipeline with expand_timesteps (the first frame's latents are given, with timestep 0)
     # and the Wan2.2 VAE; the transformer then takes and predicts the VAE's latent channels only.
     expand_timesteps: bool = False
@@ -115,12 +122,6 @@ class TinyWanI2VSpec(TinyWanSpec):
         if self.vision_image_size % self.vision_patch_size:
             raise ValueError("vision_image_size must be a multiple of vision_patch_size")
 
-    def build(self, out_dir: str | Path) -> Path:
-        """Write this model's diffusers directory (common.families.tiny_cache calls it)."""
-        from common.families.wan_i2v.tiny_model import build_tiny_wan_i2v
-
-        return build_tiny_wan_i2v(self, out_dir)
-
 
 SPECS: dict[str, TinyWanI2VSpec] = {
     spec.name: spec
@@ -153,3 +154,69 @@ SPECS: dict[str, TinyWanI2VSpec] = {
                        num_inference_steps=10, guidance_scale=5.0),
     )
 }
+
+# The Wan2.2 VAE's latent normalisation (Wan2.2-TI2V-5B-Diffusers' vae/config.json).
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)
+
+
+def transformer_config(spec: TinyWanI2VSpec) -> dict:
+    """``WanTransformer3DModel`` arguments for ``spec``: Wan's, with the image-to-video channels and, with an
+    image encoder, its states projected into the cross-attention's added key/value (``added_kv_proj_dim``, the
+    inner width, as Wan2.1 I2V)."""
+    inner_dim = spec.num_attention_heads * spec.attention_head_dim
+    return wan.transformer_config(spec) | dict(
+        in_channels=spec.transformer_in_channels,
+        out_channels=spec.vae_z_dim,
+        image_dim=spec.vision_hidden_size if spec.image_encoder else None,
+        added_kv_proj_dim=inner_dim if spec.image_encoder else None,
+    ) | ({"pos_embed_seq_len": 2 * spec.image_tokens} if spec.first_last_frame else {})
+
+
+def vae_config(spec: TinyWanI2VSpec) -> dict:
+    """``AutoencoderKLWan`` arguments for ``spec``: Wan2.1's or Wan2.2's (48 latent channels, residual blocks, a
+    2x2 patchify of the 3 colour channels in front: 12 in and out, 16x spatial, and its latent statistics),
+    with the spec's widths."""
+    config = wan.vae_config(spec)
+    if spec.vae_decoder_base_dim is not None:
+        config["decoder_base_dim"] = spec.vae_decoder_base_dim
+    patch = VAE_PATCH_SIZE[spec.vae_layout]
+    if patch is None:
+        return config
+    return config | dict(
+        z_dim=spec.vae_z_dim,
+        is_residual=True,
+        in_channels=3 * patch * patch,
+        out_channels=3 * patch * patch,
+        patch_size=patch,
+        scale_factor_temporal=VAE_TEMPORAL_STRIDE,
+        scale_factor_spatial=VAE_CONV_STRIDE * patch,
+        latents_mean=list(WAN22_LATENTS_MEAN),
+        latents_std=list(WAN22_LATENTS_STD),
+    )
+
+
+def components(spec: TinyWanI2VSpec) -> dict:
+    """The pipeline's components of ``spec``: Wan text-to-video's with this transformer and VAE, Wan2.2 TI2V's
+    ``expand_timesteps``, and Wan2.1 I2V's CLIP vision encoder and image processor."""
+    from common.builtin.image_encoders import clip_image_processor, clip_vision_encoder
+
+    out = wan.components(spec, transformer_config(spec), vae_config(spec)) | dict(
+        expand_timesteps=spec.expand_timesteps)
+    if spec.image_encoder:
+        out["image_encoder"] = clip_vision_encoder(
+            spec, "image_encoder", hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size, num_layers=spec.vision_layers,
+            num_heads=spec.vision_heads, image_size=spec.vision_image_size, patch_size=spec.vision_patch_size)
+        out["image_processor"] = clip_image_processor(spec.vision_image_size)
+    return out

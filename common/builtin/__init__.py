@@ -1,22 +1,27 @@
-"""The built-in random-weight models of every family, by name (``--model tiny-sd3``), and their cache."""
+"""The built-in random-weight models of every family, by name (``--model tiny-sd3``), and their cache.
+
+One builder (:mod:`.build`) makes every family's from its spec module (:mod:`.specs`) and the shared
+component factories; :mod:`.cache` keeps one directory per spec; ``python -m common.builtin NAME...`` writes
+them. The runtime, placement, launch.py, disagg/ and the router resolve ``--model`` names here; the families
+never import it.
+"""
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
 
-from common.diffusion.cache_signals import cache_problem
-from common.families.flux.tiny_specs import SPECS as FLUX_SPECS
-from common.families.qwen_image.tiny_specs import SPECS as QWEN_IMAGE_SPECS
-from common.families.sd3.tiny_specs import SPECS as SD3_SPECS
-from common.families.smooth_time import smooth_variants
-from common.families.tiny_cache import ensure
-from common.families.wan.tiny_specs import SPECS as WAN_SPECS
-from common.families.wan_i2v.tiny_specs import SPECS as WAN_I2V_SPECS
+from common.builtin.cache import ensure
+from common.builtin.smooth_time import smooth_variants
+from common.builtin.specs.flux import SPECS as FLUX_SPECS
+from common.builtin.specs.qwen_image import SPECS as QWEN_IMAGE_SPECS
+from common.builtin.specs.sd3 import SPECS as SD3_SPECS
+from common.builtin.specs.wan import SPECS as WAN_SPECS
+from common.builtin.specs.wan_i2v import SPECS as WAN_I2V_SPECS
 
 BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS}
 # ``<name>-smooth``: the model with a timestep embedding that changes smoothly between steps, as a trained
-# one's (common/families/smooth_time.py), for step caching.
+# one's (common/builtin/smooth_time.py), for step caching.
 SMOOTH_BASES = ("tiny", "small", "tiny-moe", "tiny-sd3", "small-sd3", "tiny-flux", "small-flux", "tiny-qwen-image",
                 "small-qwen-image", "tiny-wan-i2v", "small-wan-i2v")
 # Wan text-to-video's are smoother still: TeaCache4Wan2.1's published polynomial (fitted on the trained 1.3B)
@@ -52,17 +57,3 @@ def resolve(name: str) -> Path:
     raise ModelNotFound(f"--model {name}: not a built-in model, and {path} {why}"
                         + (f"; did you mean {' or '.join(close)}?" if close else "")
                         + f" (built-in models: {', '.join(BUILTINS)})")
-
-
-def layout_problem(info, workers, cache=None) -> str | None:
-    """Why the model's (``info``: its ModelInfo) transformer cannot run the topology's denoise layouts
-    (``workers``: the engine's WorkerSpecs), or serve the default step caching ``cache`` (--cache) on them;
-    None: it can."""
-    family = info.family
-    if not family.transformer.context_parallel:
-        for spec in workers:
-            if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
-                return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, "
-                        "so its denoise workers cannot use ulysses or ring (cfg works)")
-    problem = None if cache is None else cache_problem(cache.method, family, workers, info)
-    return problem and f"--cache: {problem}"

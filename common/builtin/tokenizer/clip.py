@@ -1,9 +1,9 @@
-"""The tiny SD3 models' CLIP tokenizers: byte-level BPE laid out like CLIP's, with merges learned here,
-deterministically, from the small English corpus of :mod:`common.families.wan.tiny_tokenizer`.
+"""The built-ins' CLIP tokenizers: byte-level BPE laid out like CLIP's, with merges learned here,
+deterministically, from the corpus of :mod:`common.builtin.tokenizer.corpus`.
 
 SD3 ships two CLIP tokenizers with the same vocabulary and merges that differ only in their pad token:
-``tokenizer`` (CLIP-L) pads with ``<|endoftext|>``, ``tokenizer_2`` (CLIP-G) with ``!``. Its T5
-tokenizer (``tokenizer_3``) is the Wan one, :func:`common.families.wan.tiny_tokenizer.build_tokenizer`.
+``tokenizer`` (CLIP-L) pads with ``<|endoftext|>``, ``tokenizer_2`` (CLIP-G) with ``!``; FLUX's CLIP-L is
+the first.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from common.families.wan.tiny_tokenizer import corpus
+from common.builtin.tokenizer.corpus import corpus
 
 if TYPE_CHECKING:
     from transformers import CLIPTokenizer
@@ -122,8 +122,8 @@ def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return _with_specials(vocab), merges
 
 
-def build_clip_tokenizer(pad_token: str) -> CLIPTokenizer:
-    """A tiny CLIP tokenizer; ``pad_token`` is :data:`CLIP_L_PAD_TOKEN` or :data:`CLIP_G_PAD_TOKEN`."""
+def clip_tokenizer(pad_token: str) -> CLIPTokenizer:
+    """A CLIP tokenizer; ``pad_token`` is :data:`CLIP_L_PAD_TOKEN` or :data:`CLIP_G_PAD_TOKEN`."""
     vocab, merges = clip_vocab_and_merges()
     tokenizer = _make(vocab, merges, pad_token)
     if len(tokenizer) != len(vocab):

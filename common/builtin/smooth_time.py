@@ -32,7 +32,8 @@ MAX_PERIOD = 10000  # diffusers' get_timestep_embedding default; Timesteps does 
 STEP = 20.0  # timestep units between two steps of a 50-step schedule over 0..1000
 # A feature whose phase turns by at most KEEP_RAD per step keeps its weight, one that turns by DROP_RAD or more
 # loses it. Measured (bench/time_embedding.py): the embedding then moves by a median 2-5% per step in every
-# family, against 79-98% for the random base (docs/operations.md); builtin.py sets Wan text-to-video's tighter.
+# family, against 79-98% for the random base (docs/operations.md); common/builtin/__init__.py sets Wan
+# text-to-video's tighter.
 KEEP_RAD = 0.05
 DROP_RAD = 0.2
 EXPERTS = ("transformer", "transformer_2")

@@ -1,5 +1,5 @@
-"""The tiny models' tokenizer: a T5-style unigram tokenizer trained here, deterministically, on a small
-English corpus generated in code (see :mod:`common.families.wan.tiny_model`)."""
+"""The T5 / UMT5 tokenizer of the built-ins (Wan's UMT5, SD3's and FLUX's T5): a T5-style unigram tokenizer
+estimated here, deterministically, on the corpus of :mod:`common.builtin.tokenizer.corpus`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import math
 import string
 from collections import Counter
 from typing import TYPE_CHECKING
+
+from common.builtin.tokenizer.corpus import corpus
 
 if TYPE_CHECKING:
     from transformers import T5Tokenizer
@@ -18,38 +20,6 @@ _MAX_PIECE_LEN = 8
 ALPHABET = sorted(set("\u2581" + string.ascii_letters + string.digits + string.punctuation))
 # A vocabulary must be larger than this: the special tokens and the alphabet come first.
 FIXED_TOKENS = len(SPECIAL_TOKENS) + len(ALPHABET)
-
-
-def corpus() -> list[str]:
-    """A few hundred short English scene descriptions, generated in code."""
-    subjects = ["fox", "cat", "dog", "horse", "bird", "robot", "dragon", "child", "woman", "man",
-                "car", "train", "ship", "tree", "river", "city", "astronaut", "panda", "whale", "owl"]
-    adjectives = ["small", "large", "old", "young", "bright", "dark", "red", "blue", "golden",
-                  "silver", "happy", "lonely", "curious", "sleepy", "giant", "tiny"]
-    actions = ["runs", "walks", "flies", "swims", "sleeps", "dances", "glows", "waits", "jumps",
-               "sings", "drifts", "climbs", "turns slowly", "looks around", "moves forward"]
-    places = ["in the forest", "on the beach", "under the stars", "in the rain", "through the snow",
-              "across the desert", "near a lake", "in a busy street", "on a mountain",
-              "inside a kitchen", "over the ocean", "in a quiet garden"]
-    times = ["at dawn", "at night", "at sunset", "in the morning", "during a storm", "in winter",
-             "in summer", ""]
-    styles = ["", "cinematic lighting", "slow motion", "aerial view", "close up shot",
-              "watercolor style", "high detail", "soft focus"]
-    sentences = []
-    # Strided indices give varied combinations without the full product.
-    for i in range(480):
-        words = [
-            "A" if i % 3 == 0 else "The" if i % 3 == 1 else "a",
-            adjectives[(i * 7) % len(adjectives)],
-            subjects[i % len(subjects)],
-            actions[(i * 5) % len(actions)],
-            places[(i * 11) % len(places)],
-            times[(i * 3) % len(times)],
-        ]
-        sentence = " ".join(w for w in words if w)
-        style = styles[(i * 13) % len(styles)]
-        sentences.append(f"{sentence}, {style}." if style else f"{sentence}.")
-    return sentences
 
 
 def unigram_vocab(lines: list[str], vocab_size: int) -> list[tuple[str, float]]:
@@ -82,8 +52,8 @@ def unigram_vocab(lines: list[str], vocab_size: int) -> list[tuple[str, float]]:
     return [(tok, 0.0) for tok in SPECIAL_TOKENS] + scored
 
 
-def build_tokenizer(vocab_size: int) -> T5Tokenizer:
-    """The tokenizer of a tiny model with ``vocab_size`` tokens."""
+def t5_tokenizer(vocab_size: int) -> T5Tokenizer:
+    """A T5 tokenizer of ``vocab_size`` tokens."""
     from transformers import T5Tokenizer
 
     # In transformers 5 T5Tokenizer is the tokenizers-backed class (there is
