@@ -76,7 +76,7 @@ def _signals(policy: Policy, name: str, cached: dict[int, tuple[DenoiseTask, lis
 
 def _cached_plan(policy: Policy, name: str, task: DenoiseTask, pieces: list[ModelInput],
                  signals: list[torch.Tensor] | None) -> StepPlan:
-    forced = task.sde is not None and task.sde_type_now() != "ode"  # a rollout's SDE step is never cached
+    forced = task.sde is not None and not task.step_variant_now().deterministic  # a rollout's SDE step is never cached
     masks = task.cache.decide(task.step, name, forced, signals)
     inputs, which = [], []
     for b, (x, mask) in enumerate(zip(pieces, masks)):

@@ -31,6 +31,7 @@ from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
 from common.diffusion.step_cache import RequestCache
+from common.diffusion.step_variants import Ode, StepVariant, step_variant
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -60,6 +61,7 @@ class DenoiseTask:
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
+    variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -77,6 +79,8 @@ class DenoiseTask:
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
         task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
+        if sde is not None:  # a noise level its variant refuses fails the request here, before any step
+            task.variant = step_variant(sde.sde_type, sde.noise_level)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -103,10 +107,10 @@ class DenoiseTask:
                           self.lora, family.latents.token_grid(self.info, p.height, p.width),
                           family.guidance.embedded(self.info, p.guidance_scale), self.image)
 
-    def sde_type_now(self) -> str:
-        """This step's SDE type: the request's inside its window of SDE steps, ``ode`` outside it."""
+    def step_variant_now(self) -> StepVariant:
+        """This step's variant: the request's inside its window of SDE steps, the Euler step outside it."""
         windowed = self.sde.sde_step_indices is not None and self.step not in self.sde.sde_step_indices
-        return "ode" if windowed else self.sde.sde_type
+        return Ode(self.variant.noise_level) if windowed else self.variant
 
     def step_key(self) -> tuple | None:
         """What an SDE step depends on besides the tensors: tasks with equal keys take this step in one
@@ -114,7 +118,7 @@ class DenoiseTask:
         if self.sde is None:
             return None
         s = self.scheduler.sigmas
-        return (self.sde_type_now(), self.sde.noise_level, float(s[self.step]), float(s[self.step + 1]),
+        return (self.step_variant_now(), float(s[self.step]), float(s[self.step + 1]),
                 float(sigma_max(s)), self.log_prob_mask() is not None)
 
     def log_prob_mask(self) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ import torch
 
 from common.diffusion.parts.text import Conditioning, cond_to
 from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
+from common.diffusion.step_variants import step_variant
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 from common.runtime.component_memory import settle_held
@@ -156,7 +157,7 @@ class TrainerPolicy:
             x = trajectory.latents[i : i + 1].to(self.device)
             v = self.velocity(x, trajectory.timesteps[i], cond, uncond, guidance_scale, guidance_scale_2,
                               true_cfg_scale=true_cfg_scale, height=height, width=width, image=image)
-            step = step_at(trajectory.sigmas, i, v, x, sde_type=sde_type, noise_level=noise_level,
+            step = step_at(trajectory.sigmas, i, v, x, step_variant(sde_type, noise_level),
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device),
                            log_prob_mask=self.family.condition.log_prob_mask(self.info, x, condition))
             out.append(step.log_prob[0])

@@ -186,6 +186,7 @@ def test_ti2v_frame_0_is_left_out_of_the_log_prob(engines):
     """The engine's TI2V log-prob is the Gaussian log-density averaged over frames 1.. only: recomputed here
     from the trajectory with the same sde_step on the frames alone, and different from the all-frame average."""
     from common.diffusion.policy import step_at
+    from common.diffusion.step_variants import Sde
 
     eng = engines["ti2v"]
     p = _rollout(_params(eng))
@@ -199,9 +200,9 @@ def test_ti2v_frame_0_is_left_out_of_the_log_prob(engines):
     with torch.no_grad():
         v = trainer.velocity(traj[i : i + 1], ex["trajectory.timesteps"][i], cond, uncond, p.guidance_scale,
                              image=image)
-    later = step_at(sigmas, i, v[:, :, 1:], traj[i : i + 1, :, 1:], sde_type="sde", noise_level=0.7,
+    later = step_at(sigmas, i, v[:, :, 1:], traj[i : i + 1, :, 1:], Sde(noise_level=0.7),
                     prev_sample=traj[i + 1 : i + 2, :, 1:]).log_prob[0]
-    every = step_at(sigmas, i, v, traj[i : i + 1], sde_type="sde", noise_level=0.7,
+    every = step_at(sigmas, i, v, traj[i : i + 1], Sde(noise_level=0.7),
                     prev_sample=traj[i + 1 : i + 2]).log_prob[0]
     engine = ex[LOG_PROBS.name][0, i]
     assert abs(engine - later) <= RECOMPUTE_TOL and abs(engine - every) > 1e-4, (engine, later, every)

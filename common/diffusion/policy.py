@@ -25,11 +25,12 @@ from typing import get_args
 import torch
 
 from common.diffusion.parts.text import Conditioning, text_kwargs
-from common.protocol.messages import ExpertName, SdeType
+from common.protocol.messages import ExpertName
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.rows import Rows, forward_rows
 from common.diffusion.sde import Generators, SdeStep, sde_step
+from common.diffusion.step_variants import StepVariant
 from common.diffusion import shared_text
 from common.diffusion.shared_text import SharedText
 from common.diffusion.weight_storage import settle
@@ -268,11 +269,10 @@ def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas[1] if sigmas.numel() > 1 else sigmas[0]
 
 
-def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, *, sde_type: SdeType,
-            noise_level: float, generator: Generators = None,
-            prev_sample: torch.Tensor | None = None, log_prob_mask: torch.Tensor | None = None) -> SdeStep:
-    """Rollout step ``i`` of a flow-match schedule: the engine draws ``x_{i+1}`` (``generator``: one, or one
-    per sample), a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
-    return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=sde_type,
-                    noise_level=noise_level, generator=generator, prev_sample=prev_sample,
-                    log_prob_mask=log_prob_mask)
+def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, variant: StepVariant, *,
+            generator: Generators = None, prev_sample: torch.Tensor | None = None,
+            log_prob_mask: torch.Tensor | None = None) -> SdeStep:
+    """Rollout step ``i`` of a flow-match schedule with ``variant``: the engine draws ``x_{i+1}`` (``generator``:
+    one, or one per sample), a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
+    return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=variant,
+                    generator=generator, prev_sample=prev_sample, log_prob_mask=log_prob_mask)

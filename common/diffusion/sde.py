@@ -17,23 +17,15 @@ Both sides must get the same numbers, so:
 - noise is drawn from a CPU generator, so a request's noise sequence depends on
   its seed only, not on the device it runs on.
 
-Notation (design notes, "The rollout step"): ``s = sigma``,
-``s_next = sigma_next``, ``dt = s_next - s`` (<= 0), ``v = model_output``,
-``x = sample``.
-
-- ``"sde"``: ``std = noise_level * sqrt(s / (1 - (sigma_max if s == 1 else s)))``,
-  ``mean = x (1 + std^2 dt / (2 s)) + v (1 + std^2 (1 - s) / (2 s)) dt``,
-  ``sd = std sqrt(-dt)``, ``x_next = mean + sd eps``, and the Gaussian
-  log-density of ``x_next`` averaged over every non-batch element.
-- ``"cps"``: ``std = s_next sin(noise_level pi / 2)``, ``x0 = x - s v``,
-  ``x1 = x + (1 - s) v``, ``mean = x0 (1 - s_next) + x1 sqrt(s_next^2 - std^2)``,
-  ``x_next = mean + std eps``, ``log_prob = -(x_next - mean)^2`` averaged the
-  same way (constants dropped).
-- ``"ode"``: ``x_next = x + dt v``; no log-probability.
+The step's formula is a variant's (:mod:`common.diffusion.step_variants`: ``"sde"``,
+``"cps"``, ``"ode"``, by the wire's ``sde_type``): its coefficients ``(a, b, sd)`` give
+``mean = a x + b v`` and ``x_next = mean + sd eps`` (``x = sample``, ``v = model_output``), and
+its log-probability is computed from ``x_next``'s squared deviation from ``mean``, averaged over
+every non-batch element.
 
 A step whose noise scale is 0 for every sample is deterministic: noise level 0,
-``cps`` with ``s_next == 0``, ``sde`` with ``dt == 0`` or ``s == 0``. In all those
-cases both formulas reduce to the Euler step, so that is what is returned
+``cps`` with ``s_next == 0``, ``sde`` with ``dt == 0`` or ``s == 0``, ``ode`` always. In all those
+cases the formulas reduce to the Euler step, so that is what is returned
 (``prev_sample == mean == x + dt v``, ``log_prob`` None, no noise drawn). A
 batch in which some samples are deterministic and others are not is rejected
 with a ``ValueError``: callers split such a batch (or use ``"ode"`` for the
@@ -42,21 +34,19 @@ deterministic ones) instead of getting a partly undefined ``log_prob``.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
-from common.protocol.messages import SDE_TYPES
+from common.diffusion.step_variants import StepVariant, step_variant
+from common.protocol.messages import SDE_TYPES  # noqa: F401  (the wire's names, re-exported)
 
 SigmaLike = Union[float, torch.Tensor]
 """A Python number, a 0-d tensor, or a 1-d tensor with one value per sample ([B] or [1])."""
 Generators = Union[torch.Generator, list, tuple, None]
 """One CPU generator for the whole batch, or one per sample (a list of B), or None (torch's global one)."""
-
-_LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
 
 
 @dataclass(frozen=True)
@@ -92,33 +82,12 @@ def _per_sample(name: str, value: SigmaLike, batch: int) -> torch.Tensor:
     return t.expand(batch).contiguous() if t.numel() == 1 else t
 
 
-def _coefficients(sde_type: str, s: torch.Tensor, s_next: torch.Tensor, s_max: torch.Tensor,
-                  noise_level: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample ``(a, b, sd)`` with ``mean = a x + b v`` and ``x_next = mean + sd eps`` (CPU, float32, [B])."""
-    dt = s_next - s
-    if sde_type == "sde":
-        at_one = s == 1
-        if bool((at_one & (s_max == 1)).any()):
-            raise ValueError("sde step at sigma == 1 needs sigma_max < 1 (the formula divides by 1 - sigma_max)")
-        std = noise_level * torch.sqrt(s / (1 - torch.where(at_one, s_max, s)))
-        # s == 0 only happens with dt == 0 and std == 0: the term is 0 there.
-        k = std.square() / (2 * torch.where(s > 0, s, torch.ones_like(s)))
-        a = 1 + k * dt
-        b = (1 + k * (1 - s)) * dt
-        sd = std * torch.sqrt(-dt)
-    elif sde_type == "cps":
-        std = s_next * math.sin(noise_level * math.pi / 2)
-        c = torch.sqrt(torch.clamp(s_next.square() - std.square(), min=0))
-        # x0 (1 - s_next) + x1 c with x0 = x - s v, x1 = x + (1 - s) v
-        a = 1 - s_next + c
-        b = (1 - s) * c - s * (1 - s_next)
-        sd = std
-    else:  # ode
-        a = torch.ones_like(s)
-        b = dt
-        sd = torch.zeros_like(s)
+def _coefficients(variant: StepVariant, s: torch.Tensor, s_next: torch.Tensor,
+                  s_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The variant's per-sample ``(a, b, sd)`` (CPU, float32, [B]), checked finite, ``sd`` without -0.0."""
+    a, b, sd = variant.coefficients(s, s_next, s_max)
     if not bool(torch.isfinite(torch.stack((a, b, sd))).all()):
-        raise ValueError(f"{sde_type} step is undefined at sigma={s.tolist()}, sigma_next={s_next.tolist()}, "
+        raise ValueError(f"{variant.name} step is undefined at sigma={s.tolist()}, sigma_next={s_next.tolist()}, "
                          f"sigma_max={s_max.tolist()}")
     sd = torch.where(sd > 0, sd, torch.zeros_like(sd))  # turn -0.0 into 0.0
     return a, b, sd
@@ -133,20 +102,6 @@ def _check_like(name: str, t: torch.Tensor | None, sample: torch.Tensor) -> None
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the sample's shape {tuple(sample.shape)}")
     if not t.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-
-
-def checked_noise_level(sde_type: str, noise_level: float) -> float:
-    """``noise_level`` as a float, after checking it and ``sde_type``."""
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"unknown sde_type {sde_type!r}; expected one of {SDE_TYPES}")
-    if not isinstance(noise_level, numbers.Real) or isinstance(noise_level, bool) or not math.isfinite(noise_level):
-        raise ValueError(f"noise_level must be a finite number, got {noise_level!r}")
-    noise_level = float(noise_level)
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
-    if sde_type == "cps" and noise_level > 1:
-        raise ValueError(f"cps noise_level must be in [0, 1], got {noise_level}")
-    return noise_level
 
 
 def _check_tensors(model_output: torch.Tensor, sample: torch.Tensor, noise: torch.Tensor | None,
@@ -213,22 +168,17 @@ def _add_noise(mean: torch.Tensor, sd: torch.Tensor, noise: torch.Tensor | None,
     return torch.addcmul(mean, noise.to(device=mean.device, dtype=torch.float32), sd)
 
 
-def _log_prob(sde_type: str, x_next: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] log-density of ``x_next`` averaged over the non-batch elements (those where ``mask`` is 1, when
-    given); ``sd`` is [B] on ``mean``'s device.
+def _mean_square(x_next: torch.Tensor, mean: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] squared deviation of ``x_next`` from ``mean`` averaged over the non-batch elements (those where
+    ``mask`` is 1, when given).
 
     ``x_next`` is a constant here: gradients flow through ``mean`` only.
     """
     sq = (x_next.detach() - mean).square()
     if mask is None:
-        sq = sq.flatten(1).mean(1)
-    else:
-        keep = mask.to(device=sq.device, dtype=torch.float32).expand_as(sq)
-        sq = (sq * keep).flatten(1).sum(1) / keep.flatten(1).sum(1)
-    if sde_type == "sde":
-        return -sq / (2 * sd.square()) - torch.log(sd) - _LOG_SQRT_2PI
-    return -sq  # cps: constants dropped
+        return sq.flatten(1).mean(1)
+    keep = mask.to(device=sq.device, dtype=torch.float32).expand_as(sq)
+    return (sq * keep).flatten(1).sum(1) / keep.flatten(1).sum(1)
 
 
 def sde_step(
@@ -238,8 +188,8 @@ def sde_step(
     sigma_next: SigmaLike,
     sigma_max: SigmaLike,
     *,
-    sde_type: str = "sde",
-    noise_level: float = 0.7,
+    sde_type: str | StepVariant = "sde",
+    noise_level: float | None = None,
     noise: torch.Tensor | None = None,
     generator: Generators = None,
     prev_sample: torch.Tensor | None = None,
@@ -253,8 +203,9 @@ def sde_step(
         sigma, sigma_next: this step's sigmas, ``0 <= sigma_next <= sigma <= 1``; a number, a 0-d
             tensor, or a [B] tensor (one value per sample, for batches at different steps).
         sigma_max: ``sigmas[1]`` of the schedule; used by ``"sde"`` where ``sigma == 1``.
-        sde_type: one of :data:`SDE_TYPES`.
-        noise_level: ``>= 0`` (and ``<= 1`` for ``"cps"``).
+        sde_type: a variant's name (one of :data:`SDE_TYPES`) or a :class:`StepVariant` object (which
+            carries its noise level).
+        noise_level: with a name, ``>= 0`` (and ``<= 1`` for ``"cps"``); default 0.7.
         noise: standard-normal ``eps`` to use instead of drawing it (shape of ``sample``).
         generator: CPU generator to draw ``eps`` from (default: torch's global CPU generator).
             Exactly one ``torch.randn(sample.shape, dtype=float32, device="cpu")`` is drawn per
@@ -275,17 +226,17 @@ def sde_step(
             shape mismatches, both ``noise`` and ``prev_sample`` given, a non-CPU generator, or a
             batch mixing deterministic and stochastic samples.
     """
-    noise_level = checked_noise_level(sde_type, noise_level)
+    variant = step_variant(sde_type, noise_level)
     _check_tensors(model_output, sample, noise, generator, prev_sample)
     s, s_next, s_max = _sigmas(sigma, sigma_next, sigma_max, sample.shape[0])
-    a, b, sd = _coefficients(sde_type, s, s_next, s_max, noise_level)
+    a, b, sd = _coefficients(variant, s, s_next, s_max)
     device, view = sample.device, (sample.shape[0],) + (1,) * (sample.ndim - 1)
     x, v, sd_dev = sample.float(), model_output.float(), sd.to(device)
     if _is_deterministic(sd):
         return _euler_step(x, v, (s_next - s).to(device).view(view), sd_dev.view(view), prev_sample)
     mean = torch.addcmul(x * a.to(device).view(view), v, b.to(device).view(view))
     x_next = prev_sample.float() if prev_sample is not None else _add_noise(mean, sd_dev.view(view), noise, generator)
-    log_prob = _log_prob(sde_type, x_next, mean, sd_dev, log_prob_mask)
+    log_prob = variant.log_prob(_mean_square(x_next, mean, log_prob_mask), sd_dev)
     return SdeStep(prev_sample=x_next, log_prob=log_prob, mean=mean, noise_scale=sd_dev.view(view))
 
 
@@ -297,17 +248,17 @@ def log_prob_of(
     sigma_next: SigmaLike,
     sigma_max: SigmaLike,
     *,
-    sde_type: str,
-    noise_level: float,
+    sde_type: str | StepVariant,
+    noise_level: float | None = None,
 ) -> torch.Tensor:
     """[B] log-probability of the observed ``prev_sample`` (differentiable w.r.t. ``model_output``).
 
     Same as ``sde_step(..., prev_sample=prev_sample).log_prob``; raises ``ValueError`` when the step is
     deterministic (it has no log-probability).
     """
-    step = sde_step(model_output, sample, sigma, sigma_next, sigma_max, sde_type=sde_type,
-                    noise_level=noise_level, prev_sample=prev_sample)
+    variant = step_variant(sde_type, noise_level)
+    step = sde_step(model_output, sample, sigma, sigma_next, sigma_max, sde_type=variant, prev_sample=prev_sample)
     if step.log_prob is None:
-        raise ValueError(f"{sde_type} step from sigma={sigma} to sigma_next={sigma_next} with noise_level="
-                         f"{noise_level} is deterministic and has no log-probability")
+        raise ValueError(f"{variant.name} step from sigma={sigma} to sigma_next={sigma_next} with noise_level="
+                         f"{variant.noise_level} is deterministic and has no log-probability")
     return step.log_prob

@@ -8,7 +8,7 @@ import math
 
 from common.config.engine import Limits
 from common.diffusion.binding import Binding
-from common.diffusion.sde import checked_noise_level
+from common.diffusion.step_variants import step_variant
 from common.diffusion import step_cache
 from common.protocol.messages import CacheParams, GenerationParams, RolloutParams
 from router.api.schemas import MAX_SEED, MEDIA_OUTPUTS, FieldError, GenerateBody, RolloutBody
@@ -166,7 +166,7 @@ def _check_timeout_and_mu(body: GenerateBody, limits: Limits) -> None:
 
 def _rollout_params(body: RolloutBody, steps: int) -> RolloutParams:
     try:  # the SDE step's own rule (e.g. cps takes [0, 1]), so that no such request reaches a worker
-        checked_noise_level(body.sde_type, body.noise_level)
+        step_variant(body.sde_type, body.noise_level)
     except ValueError as e:
         raise FieldError("noise_level", str(e)) from None
     idx = body.sde_step_indices
