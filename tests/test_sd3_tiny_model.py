@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.families.sd3.tiny_model import build_tiny_sd3
-from common.families.sd3.tiny_specs import SPECS, TinySD3Spec
-from common.families.sd3.tiny_tokenizer import (
+from common.builtin.build import build as build_tiny_sd3
+from common.builtin.specs.sd3 import SPECS, TinySD3Spec
+from common.builtin.tokenizer.clip import (
     BOS_TOKEN,
     CLIP_G_PAD_TOKEN,
     CLIP_L_PAD_TOKEN,
     EOS_TOKEN,
-    build_clip_tokenizer,
+    clip_tokenizer as build_clip_tokenizer,
 )
 
 PROMPTS = ("A small red fox runs in the forest at dawn, cinematic lighting.",
