@@ -49,6 +49,7 @@ from common.diffusion.weights import resolve_weight_roots
 from common.transport.shm import DEFAULT_SPARE_BYTES, DEFAULT_THRESHOLD, engine_prefix, remove_engine_segments
 from common.config.topology import TRANSPORTS, parse_topology, port_picker, router_endpoint
 from router.api.app import create_app
+from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
 from router.openai.job_store import JobStore, open_or_exit as open_job_store
@@ -326,16 +327,14 @@ def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, so
     """Start the workers and serve HTTP until a signal (or a failed start) stops the server."""
     dispatcher = Dispatcher(config)
     dispatcher.workers_restart = not args.no_restart
-    app = create_app(config, dispatcher, api_key=api_key, admin_key=admin_key, store=store)
+    app = create_app(Engine(config, dispatcher, store=store), api_key=api_key, admin_key=admin_key)
     supervisor = Supervisor(config, config_path, restart=not args.no_restart, on_exit=dispatcher.notify_exit,
                             spawn=ray_workers.spawn if ray_workers else None)
     if ray_workers is not None:
         ray_workers.on_moved = dispatcher.notify_moved  # a worker replaced on another node: tell the others
-    server = EngineServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                       timeout_graceful_shutdown=args.grace_period),
-        on_shutdown_signal=dispatcher.admission.start_draining,
-    )
+    server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                         timeout_graceful_shutdown=args.grace_period),
+                          on_shutdown_signal=dispatcher.admission.start_draining)
     # uvicorn re-raises the signal that stopped it once it has shut down; with
     # these handlers in place that lands here instead of killing the process
     # before the workers are stopped below.

@@ -23,6 +23,7 @@ from common.protocol.http_tensors import body_to_tensor
 from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, GenerationParams, Route
 from common.runtime.stage import QueuedBatchStage
 from router.api.auth import ApiKeyMiddleware
+from router.api.cancel_api import abort_request
 from router.link.cancel import Cancellations
 from router.client import EngineClient
 from router.core.errors import EngineError
@@ -251,7 +252,7 @@ def _abort_app(cancels: Cancellations) -> FastAPI:
     app = FastAPI()
 
     async def abort(request: Request):
-        return await cancels.endpoint(request, 1 << 16)
+        return await abort_request(cancels, request, 1 << 16)
 
     async def work(request: Request):
         async def forever():

@@ -4,6 +4,7 @@ they may, wire tensor names spelled once (in the message contracts), product fil
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,26 @@ def test_only_the_families_name_a_family(path):
     """Outside common/families/ (and common/builtin/, which makes each family's built-in models) nothing
     branches on a family: the stages call a binding's parts. A family's name in code (an identifier or a string) says the code does."""
     assert not _family_names(path), f"{path.relative_to(ROOT)} names a family: {_family_names(path)}"
+
+
+def test_the_router_core_speaks_no_http():
+    """The router's core, its link to the workers and its control fan-outs import neither FastAPI nor Starlette,
+    not even indirectly: the HTTP fronts (router/api/, router/openai/) call the core, never the other way."""
+    code = ("import sys, router.core.engine; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))")
+    out = subprocess.check_output([sys.executable, "-c", code], cwd=ROOT, text=True)
+    assert out.strip() == "[]", f"router.core.engine imports {out.strip()}"
+    for folder in ("core", "link", "control"):
+        for path in sorted((ROOT / "router" / folder).glob("*.py")):
+            http = {n for n in _all_imports(path) if n.split(".")[0] in ("fastapi", "starlette")}
+            assert not http, f"{path.relative_to(ROOT)} imports {sorted(http)}"
+
+
+def _all_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names

@@ -18,6 +18,7 @@ from common.config.topology import parse_topology
 from common.families import read_model
 from common.builtin import ensure_builtin
 from router.api.app import create_app
+from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.core.request_params import size_multiple
 
@@ -34,7 +35,7 @@ def served(request, tmp_path_factory):
                           router_endpoint=f"ipc://{tmp}/router.sock", runtime_dir=str(tmp),
                           limits=Limits(**{**{f: getattr(LIMITS, f) for f in LIMITS.__struct_fields__},
                                            "data_dir": str(tmp / "jobs")}))
-    app = create_app(config, Dispatcher(config))
+    app = create_app(Engine(config, Dispatcher(config)))
     return read_model(model), app.openapi()
 
 

@@ -16,7 +16,7 @@ from common.config.engine import EngineConfig
 from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
-from router.openai.routes import served_model_id
+from router.core.engine import served_model_id
 from router.core.request_params import size_multiple
 
 NULL_ONLY = {"type": "null"}  # a field this model refuses whatever its value: only null (or left out)

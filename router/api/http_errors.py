@@ -22,7 +22,6 @@ from starlette.middleware import Middleware
 
 from router.api.bodies import BodyTooLarge
 from router.core.errors import EngineError
-from router.api.schemas import FieldError
 from router.api.values import raw_text_problem
 
 log = logging.getLogger("disagg.router")
@@ -61,7 +60,9 @@ def _first_error(errors: list[dict], skip: tuple[str, ...] = ()) -> tuple[str, s
 
 
 async def engine_error(request: Request, e: EngineError) -> JSONResponse:
-    return error_response(e.status, e.type, e.message, e.stage, e.request_id or None, headers=e.headers)
+    """The router's one exception (a :class:`FieldError` too: 400 naming its field)."""
+    return error_response(e.status, e.type, e.message, e.stage, e.request_id or None, field=e.field,
+                          headers=e.headers)
 
 
 async def body_too_large(request: Request, e: BodyTooLarge) -> JSONResponse:
@@ -76,10 +77,6 @@ async def invalid_body(request: Request, e: ValidationError) -> JSONResponse:
 async def invalid_parameter(request: Request, e: RequestValidationError) -> JSONResponse:
     field, message = _first_error(list(e.errors()), skip=("query", "path", "header", "cookie", "body"))
     return error_response(400, "invalid_request", message, field=field)
-
-
-async def invalid_field(request: Request, e: FieldError) -> JSONResponse:
-    return error_response(400, "invalid_request", str(e), field=e.field)
 
 
 def _http_message(request: Request, e: StarletteHTTPException) -> str:
@@ -161,5 +158,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BodyTooLarge, body_too_large)
     app.add_exception_handler(ValidationError, invalid_body)
     app.add_exception_handler(RequestValidationError, invalid_parameter)
-    app.add_exception_handler(FieldError, invalid_field)
     app.add_exception_handler(StarletteHTTPException, http_error)

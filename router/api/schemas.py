@@ -13,19 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, SdeType
+from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
 # What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.
 HttpOutputType = Literal["frames", "latent", "mp4", "png"]
 MEDIA_OUTPUTS = ("mp4", "png")
-
-
-class FieldError(ValueError):
-    """A request field is invalid; ``field`` names it in the HTTP error."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class CacheBody(BaseModel):

@@ -1,6 +1,6 @@
-"""The sleep endpoints over :class:`router.control.sleep.SleepControl`: SGLang's ``/release_memory_occupation`` and
-``/resume_memory_occupation`` (JSON bodies), vLLM's ``/sleep``, ``/wake_up`` and ``/is_sleeping`` (query
-parameters only)."""
+"""The sleep endpoints over the engine (router/control/sleep.py does the work): SGLang's
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (JSON bodies), vLLM's ``/sleep``, ``/wake_up``
+and ``/is_sleeping`` (query parameters only)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ from fastapi.responses import JSONResponse
 from router.api.bodies import decode_body, read_limited
 from router.api import answers
 from router.api.openapi import errors, ok, request_body
-from router.api.schemas import FieldError, ReleaseMemoryBody, ResumeMemoryBody
-from router.control.sleep import SleepControl, components_of
+from router.api.schemas import ReleaseMemoryBody, ResumeMemoryBody
+from router.core.engine import Engine
+from router.core.errors import FieldError
 
 LEVELS = {"1": 1, "2": 2}
 MODES = ("wait", "abort")
 
 
 class SleepRoutes:
-    def __init__(self, control: SleepControl, body_limit: int):
-        self.control, self.body_limit = control, body_limit
+    def __init__(self, engine: Engine):
+        self.engine, self.body_limit = engine, engine.config.limits.max_body_bytes
 
     async def _body(self, request: Request, schema):
         """An empty body means every default (SGLang's client may send none)."""
@@ -28,11 +29,11 @@ class SleepRoutes:
 
     async def release(self, request: Request) -> JSONResponse:
         body = await self._body(request, ReleaseMemoryBody)
-        return JSONResponse(await self.control.release(components_of(body.tags), body.level, body.mode))
+        return JSONResponse(await self.engine.release_memory(body.tags, body.level, body.mode))
 
     async def resume(self, request: Request) -> JSONResponse:
         body = await self._body(request, ResumeMemoryBody)
-        return JSONResponse(await self.control.resume(components_of(body.tags), body.reload))
+        return JSONResponse(await self.engine.resume_memory(body.tags, body.reload))
 
     async def _query(self, request: Request, allowed: tuple[str, ...]) -> None:
         """vLLM's spellings: query parameters only, each known."""
@@ -51,16 +52,16 @@ class SleepRoutes:
         mode = q.get("mode", "wait")
         if mode not in MODES:
             raise FieldError("mode", f"must be wait or abort, got {mode!r}")
-        return JSONResponse(await self.control.release(components_of(None), level, mode))
+        return JSONResponse(await self.engine.release_memory(None, level, mode))
 
     async def wake_up(self, request: Request) -> JSONResponse:
         await self._query(request, ("tags",))
         tags = request.query_params.getlist("tags")
-        return JSONResponse(await self.control.resume(components_of(tags or None)))
+        return JSONResponse(await self.engine.resume_memory(tags or None))
 
     async def is_sleeping(self, request: Request) -> JSONResponse:
         await self._query(request, ())
-        return JSONResponse(self.control.status())
+        return JSONResponse(self.engine.sleep_state())
 
 
 QUERY = {

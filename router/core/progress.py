@@ -1,47 +1,23 @@
-"""Where one request is: ``GET /progress/{request_id}``, and the ``X-Request-Id`` header that names a request.
+"""Where one request is: the requests in flight by the id their client knows, and how far each has come.
 
-A client that names its request (``/generate``, ``/rollout/generate``, ``/v1/images/generations``) can poll
-its progress while it waits for the answer (``disagg generate`` draws its progress bar from it). The video
-jobs' ``progress`` (router/openai/routes.py) is read by the same function, so the two never disagree.
+A client that names its request (``/generate``, ``/rollout/generate``, ``/v1/images/generations``: its
+``X-Request-Id``, router/api/request_ids.py) can poll its progress while it waits for the answer (``disagg
+generate`` draws its progress bar from it). The video jobs' ``progress`` is read by the same function, so the two
+never disagree.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
 from common.protocol.messages import ROLES
-from router.link.attempts import attempt_id
 from router.core.errors import EngineError
+from router.link.attempts import attempt_id
 from router.link.join import Pending, PendingTable
-from router.api.schemas import FieldError
 
-REQUEST_ID_HEADER = "X-Request-Id"
-REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 ENCODE_DONE, DENOISE_SPAN = 5, 85  # progress: 5 once encoded, up to 90 over the denoising steps
 DENOISE, DECODE = ROLES.index("denoise"), ROLES.index("decode")
-REQUEST_ID_PARAMETER = {"name": REQUEST_ID_HEADER, "in": "header", "required": False,
-                        "description": "the request's id (1-64 of A-Z a-z 0-9 _ . -), for GET /progress/{id}; "
-                                       "default: a random one",
-                        "schema": {"type": "string", "pattern": f"^{REQUEST_ID.pattern}$"}}
-REQUEST_ID_PATH = {"parameters": [{"name": "request_id", "in": "path", "required": True,
-                                   "description": "the id the request was sent with (X-Request-Id)",
-                                   "schema": {"type": "string"}}]}
-
-
-def request_id_of(request: Request) -> str:
-    """The client's ``X-Request-Id``, else a random id; a malformed one is a 400 naming the header."""
-    value = request.headers.get(REQUEST_ID_HEADER)
-    if value is None:
-        return uuid.uuid4().hex
-    if not REQUEST_ID.fullmatch(value):
-        raise FieldError(REQUEST_ID_HEADER, f"must be 1-64 characters of A-Z a-z 0-9 _ . -, got {value[:80]!r}")
-    return value
 
 
 def state_of(p: Pending) -> dict:
@@ -96,12 +72,3 @@ class InFlight:
     def percent(self, request_id: str) -> int | None:
         state = self.state(request_id)
         return None if state is None else state["progress"]
-
-    async def endpoint(self, request: Request) -> JSONResponse:
-        """``GET /progress/{request_id}``; 404 once answered (or never sent)."""
-        request_id = request.path_params["request_id"]
-        state = self.state(request_id)
-        if state is None:
-            raise EngineError(404, "not_found", f"no request {request_id!r} is in flight (unknown, or answered "
-                              "already)", "router", "")
-        return JSONResponse({"id": request_id, "object": "request.progress", **state})

@@ -11,26 +11,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from common.protocol.messages import OUTPUT
-from common.families.builtin import BUILTINS
-from router.api import media
-from router.link.cancel import JOB_DELETED
+from router.api import answers, media
 from router.api.bodies import check_declared_length, parse_body, read_form
-from router.core.errors import EngineError
-from router.openai.job_store import JobRow, JobStore
-from router.openai.jobs import IMAGE, VIDEO, JobTable, Runner, Started, wait_for_room
-from router.openai.schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
-from router.api import answers
+from router.api.cancel_api import gone_of
 from router.api.openapi import BINARY, IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, ok, request_body
-from router.core.progress import REQUEST_ID_PARAMETER, request_id_of
-from router.api.schemas import FieldError, GenerateBody
+from router.api.request_ids import REQUEST_ID_PARAMETER, request_id_of
+from router.api.schemas import GenerateBody
+from router.core.engine import Engine
+from router.core.errors import FieldError
+from router.openai.job_store import JobRow
+from router.openai.jobs import IMAGE, VIDEO, Runner, Started
+from router.openai.schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
 INPUT_REFERENCE = {"image": "input_reference"}
@@ -39,20 +36,12 @@ POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
 VIDEO_FORM_FILES = {"input_reference": {**BINARY, "description": "image-to-video models: the first frame"}}
 
 
-def served_model_id(path: Path) -> str:
-    """The model's name: a built-in's (``tiny``), else its directory's."""
-    spec = path.name.rsplit("-", 1)[0]
-    return spec if spec in BUILTINS and path.name != spec else path.name
-
-
 class OpenAIRoutes:
-    def __init__(self, routes, store: JobStore):
-        self.routes, self.info, self.config = routes, routes.info, routes.config
-        self.dispatcher = routes.dispatcher
-        self.model_id = served_model_id(Path(self.info.path))
-        limits = self.config.limits
-        # A job's progress is its request's, as GET /progress/{id} says (router/core/progress.py).
-        self.jobs = JobTable(store, limits.max_jobs, limits.job_ttl_s, routes.in_flight.percent)
+    """The OpenAI endpoints: each parses its request into the engine's terms, calls the engine and answers."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.info, self.config = engine, engine.info, engine.config
+        self.model_id, self.jobs = engine.model_id, engine.jobs
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -63,7 +52,7 @@ class OpenAIRoutes:
         renames = {"width": "size", "height": "size", **INPUT_REFERENCE,
                    **({"num_frames": "seconds"} if from_seconds else {})}
         try:
-            return self.routes.params_for(gen)
+            return self.engine.params_for(gen)
         except FieldError as e:
             if e.field in renames:
                 raise FieldError(renames[e.field], str(e)) from None
@@ -82,14 +71,7 @@ class OpenAIRoutes:
 
     # --- GET /v1/models ---------------------------------------------------------------
     async def models(self) -> JSONResponse:
-        # Engine extensions (the web page starts from them): the request fields' serving defaults, whether it
-        # makes videos (/v1/videos) or images, whether it takes an input image, and its videos' frame rate.
-        info = self.info
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
-             "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
-             "defaults": info.defaults, "video": info.family.video,
-             "image_input": info.family.condition.image_input(info) or "none", "fps": info.fps}]})
+        return JSONResponse(self.engine.models())
 
     # --- POST /v1/images/generations --------------------------------------------------
     async def images(self, request: Request) -> JSONResponse:
@@ -98,9 +80,7 @@ class OpenAIRoutes:
         self._check_model(body.model)
         width, height = parse_size(body.size, self.info.defaults)
         params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
-        with self.routes.in_flight.claim(rid):
-            self.dispatcher.admit(params.n)
-            outcome = await self.routes.cancels.run(rid, self.routes.submit(params, rid, body.timeout_s), request)
+        outcome = await self.engine.run(params, rid, body.timeout_s, gone=gone_of(request))
         pngs = await asyncio.to_thread(
             lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
         await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
@@ -112,7 +92,7 @@ class OpenAIRoutes:
         """The body as fields: multipart form (the official client) or JSON. ``input_reference`` (image to
         video) becomes the engine's ``image``: a file part's bytes as base64, or JSON's
         ``{"image_url": "data:..."}``."""
-        limit = self.routes.sample_body_limit()
+        limit = self.engine.sample_body_limit()
         if "multipart/form-data" not in request.headers.get("content-type", ""):
             fields = await parse_body(request, limit)
             ref = fields.pop("input_reference", None) if isinstance(fields, dict) else None
@@ -153,15 +133,11 @@ class OpenAIRoutes:
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
         gen = self._generate_body(body, width, height, frames, 1, "frames")
         params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
-        images = await self.routes.images_of(gen, names=INPUT_REFERENCE)
+        images = await self.engine.images_of(gen, names=INPUT_REFERENCE)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
         async def run(started: Started) -> bytes:
-            await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
-            request_id = uuid.uuid4().hex
-            started(request_id)
-            outcome = await self.routes.cancels.run(request_id, self.routes.submit(params, request_id, timeout_s,
-                                                                                   images))
+            outcome = await self.engine.run_job(params, timeout_s, images, started)
             return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
 
         return f"{width}x{height}", seconds_of(frames, self.info.fps), run
@@ -204,8 +180,7 @@ class OpenAIRoutes:
 
     async def delete_video(self, request: Request) -> JSONResponse:
         video_id = request.path_params["video_id"]
-        if await self.jobs.delete(video_id):  # it had not ended: its request was cancelled
-            self.routes.metrics.cancelled.labels(JOB_DELETED).inc()
+        await self.engine.delete_job(video_id)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
     async def video_content(self, request: Request) -> Response:
