@@ -16,17 +16,20 @@ from pydantic import BaseModel
 
 from common.config.engine import Limits, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
-from common.protocol.control import ChecksumReply, UpdateWeights, WeightsReply, kind_of
+from common.protocol.control import (ChecksumReply, LoadLora, LoraReply, UnloadLoraReply, UpdateWeights,
+                                     UpdateWeightsFromTensors, WeightsReply, kind_of)
 from common.protocol.messages import PROTOCOL_VERSION, ErrorReply, Heartbeat, Progress, Result, Route
 from router.link.admission import Admission
-from router.control.fanout import WeightControl, control_failure, fan_out
+from router.control.fanout import control_failure, fan_out
+from router.control.lora import LoraControl
+from router.control.weights import WeightControl
 from router.core.errors import EngineError
 from router.api.http_errors import install_error_handlers
 from router.link.join import Pending, PendingTable
 from router.api.openapi import inline_refs
 from router.link.registry import WorkerRegistry
 from router.core.request_params import to_params
-from router.api.schemas import FieldError, GenerateBody, RolloutBody
+from router.api.schemas import FieldError, GenerateBody, LoadLoraBody, RolloutBody
 
 from conftest import ROOT
 
@@ -409,6 +412,56 @@ def test_weight_control_counts_versions_only_when_every_worker_loaded():
         summary = await weights.checksum("transformer")
         assert (summary["consistent"], summary["sha256"], summary["weight_version"]) == (True, "aa", 1)
         assert [w["index"] for w in summary["workers"]] == [0, 1]
+
+    asyncio.run(body())
+
+
+def _lora(index: int, name: str, version: int) -> LoraReply:
+    return LoraReply(v=PROTOCOL_VERSION, request_id=f"r{index}", role="denoise", index=index, lora_name=name,
+                     lora_version=version, rank=4, scale=1.0, target_modules=["to_q"], experts=["transformer"],
+                     sha256="cc")
+
+
+def test_weights_and_adapters_share_one_all_or_nothing_pattern():
+    """Weights and adapters (router/control/versioned.py): a change that a worker failed moves no version and
+    names the failure; a restarted worker gets every update and adapter again at its version, and lacks what
+    came from the trainer's memory; each change and removal is reported supplied."""
+    async def body():
+        calls, answers, supplied = [], [], []
+
+        async def control(role, kind, **fields):
+            calls.append((kind, fields))
+            return answers.pop(0)
+
+        weights, loras = WeightControl(control), LoraControl(control)
+        weights.versioned.on_supplied = loras.versioned.on_supplied = supplied.append
+        answers += [[_reply(0), _reply(1)], [_reply(0), _reply(1)]]
+        await weights.update("transformer", "/w/1")
+        await weights.update_from_memory(UpdateWeightsFromTensors, "transformer_2")
+        answers += [[_lora(0, "a", 1), _lora(1, "a", 1)], [_lora(0, "a", 2), _lora(1, "a", 2)]]
+        await loras.load_path(LoadLoraBody(lora_name="a", lora_path="/w/a"))
+        await loras.load_path(LoadLoraBody(lora_name="a", lora_path="/w/a2"))
+        answers.append([_lora(0, "b", 1), EngineError(500, "RuntimeError", "boom", "denoise", "x")])
+        with pytest.raises(EngineError) as failed:
+            await loras.load_path(LoadLoraBody(lora_name="b", lora_path="/w/b"))
+        assert failed.value.type == "inconsistent_workers" and "boom" in failed.value.message
+        assert sorted(loras.table) == ["a"] and loras.table["a"]["lora_version"] == 2 and weights.version == 2
+        assert supplied == ["transformer", "transformer_2", "lora:a", "lora:a"]
+
+        calls.clear()
+        worker = WorkerSpec(role="denoise", index=1, endpoint="ipc:///x")
+        answers.append([_reply(1)])
+        assert await weights.replay(worker) == {"transformer_2"}  # pushed from memory: it cannot be replayed
+        answers.append([_lora(1, "a", 2)])
+        assert await loras.replay(worker) == set()
+        assert calls == [(UpdateWeights, {"only": worker, "version": 2, "module": "transformer", "path": "/w/1"}),
+                         (LoadLora, {"only": worker, "version": 2, "lora_name": "a", "path": "/w/a2",
+                                     "load_into_transformer_2": False})]
+        answers.append([UnloadLoraReply(v=PROTOCOL_VERSION, request_id="r0", role="denoise", index=0,
+                                        lora_name="a")])
+        await loras.unload("a")
+        assert loras.table == {} and supplied[-1] == "lora:a"
+        assert await loras.replay(worker) == set() and len(calls) == 3  # the unload; nothing left to replay
 
     asyncio.run(body())
 

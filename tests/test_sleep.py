@@ -266,7 +266,7 @@ def test_sleep_control_keeps_what_each_release_did_and_refuses_a_resume_without_
     import asyncio
 
     from common.protocol.control import ResumeMemory
-    from router.control.fanout import WeightControl
+    from router.control.weights import WeightControl
     from router.core.errors import EngineError
     from router.control.sleep import SleepControl, components_of
 

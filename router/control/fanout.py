@@ -1,20 +1,18 @@
 """Control requests: fan one out to every instance of a role and combine the replies.
 
 Weight updates and checksums must reach every denoise worker: a reply set is
-only a success when all of them succeeded. No sockets here: the dispatcher
-passes the function that sends one control request to one worker.
+only a success when all of them succeeded (router/control/versioned.py). No sockets
+here: the dispatcher passes the function that sends one control request to one worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
 from common.config.engine import WorkerSpec
-from common.protocol.control import (Checksum, ChecksumReply, ControlReply, ControlRequest, FromMemory,
-                                     UpdateWeights, WeightsReply, kind_of)
+from common.protocol.control import ControlReply, ControlRequest, kind_of
 from common.protocol.messages import PROTOCOL_VERSION
 from router.core.errors import EngineError
 from router.link.join import Pending, PendingTable
@@ -69,100 +67,3 @@ def control_failure(replies: list[Reply], stage: str) -> EngineError | None:
     detail = "; ".join(f"{e.stage}: {e.message}" for e in errors)
     return EngineError(500, "inconsistent_workers", f"{len(errors)}/{len(replies)} workers failed: {detail}",
                        stage, "")
-
-
-def _only(values: set):
-    """The one value every worker reported, else ``None``."""
-    return next(iter(values)) if len(values) == 1 else None
-
-
-class WeightControl:
-    """Weight updates and checksums across every denoise worker; one update at a time."""
-
-    role = "denoise"
-
-    def __init__(self, control: ControlCall):
-        self._control = control
-        self.version = 0  # the last version every worker loaded
-        self._lock = asyncio.Lock()
-        # module -> the path of its last update, for a restarted worker; FROM_MEMORY: it cannot be replayed
-        self._loaded: dict[str, str] = {}
-        self.on_supplied: Callable[[str], None] | None = None  # every worker holds this module's latest weights
-
-    async def _all(self, kind: type[ControlRequest], timeout_s: float | None = None, **fields) -> list[ControlReply]:
-        if timeout_s is not None:
-            fields["timeout_s"] = timeout_s
-        replies = await self._control(self.role, kind, **fields)
-        failure = control_failure(replies, self.role)
-        if failure is not None:
-            raise failure
-        return replies
-
-    async def update(self, module: str, path: str, checksum: bool = True) -> dict:
-        return await self._update(UpdateWeights, module, path, path=path, checksum=checksum)
-
-    async def update_from_memory(self, kind: type[FromMemory], module: str, timeout_s: float | None = None,
-                                 **fields) -> dict:
-        """An update whose tensors come from the trainer's memory (shared memory or a broadcast)."""
-        return await self._update(kind, module, FROM_MEMORY, timeout_s=timeout_s, **fields)
-
-    async def _update(self, kind: type[UpdateWeights | FromMemory], module: str, source: str,
-                      timeout_s: float | None = None, **fields) -> dict:
-        async with self._lock:
-            version = self.version + 1
-            t0 = time.perf_counter()
-            replies: list[WeightsReply] = await self._all(kind, module=module, version=version, timeout_s=timeout_s,
-                                                          **fields)
-            self.version = version
-            self._loaded[module] = source
-            if self.on_supplied is not None:
-                self.on_supplied(module)
-        return {
-            "weight_version": version,
-            "module": module,
-            "sha256": _only({r.sha256 for r in replies}),
-            "seconds": time.perf_counter() - t0,
-            "workers": [{"index": r.index, **r.body()} for r in replies],
-        }
-
-    async def reset(self, modules: list[str], run: Callable[[int], Awaitable[list]]) -> list:
-        """``modules`` back to the model directory's weights by ``run(version)`` (a resume from disk): a new
-        weight version, and nothing to replay for them on a restarted worker, which loads the same."""
-        async with self._lock:
-            version = self.version + 1
-            replies = await run(version)
-            self.version = version
-            for module in modules:
-                self._loaded.pop(module, None)
-                if self.on_supplied is not None:
-                    self.on_supplied(module)
-            return replies
-
-    async def replay(self, worker: WorkerSpec) -> set[str]:
-        """A restarted worker loaded the model directory's weights: give it the updates since, at this version.
-        Returns the modules whose latest update came from the trainer's memory, which it cannot be given."""
-        async with self._lock:
-            missing = set()
-            for module, path in sorted(self._loaded.items()):
-                if path == FROM_MEMORY:
-                    missing.add(module)
-                    continue
-                replies = await self._control(self.role, UpdateWeights, only=worker, module=module, path=path,
-                                              version=self.version)
-                failure = control_failure(replies, self.role)
-                if failure is not None:
-                    raise failure
-            return missing
-
-    async def checksum(self, module: str) -> dict:
-        replies: list[ChecksumReply] = await self._all(Checksum, module=module)
-        sums = {r.sha256 for r in replies}
-        versions = {r.weight_version for r in replies}
-        consistent = len(sums) == 1 and len(versions) == 1
-        return {
-            "module": module,
-            "sha256": _only(sums) if consistent else None,
-            "weight_version": _only(versions) if consistent else None,
-            "consistent": consistent,
-            "workers": [{"index": r.index, **r.body()} for r in replies],
-        }

@@ -12,17 +12,17 @@ pushes it again. No sockets here.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 
 import torch
 
 from common.protocol.http_tensors import body_to_tensor
 from common.protocol.control import ControlRequest, FromMemory, LoadLora, LoraTensor, UnloadLora
 from common.protocol.messages import LORA_BLOB
-from router.control.fanout import FROM_MEMORY, ControlCall, control_failure
-from router.api.schemas import FieldError, LoadLoraBody, LoadLoraTensorsBody
+from router.api.schemas import LoadLoraBody, LoadLoraTensorsBody
+from router.control.fanout import FROM_MEMORY, ControlCall
+from router.control.versioned import Replay, VersionedFanout
+from router.core.errors import FieldError
 
 
 def missing_adapter(name: str) -> str:
@@ -34,12 +34,9 @@ class LoraControl:
     role = "denoise"
 
     def __init__(self, control: ControlCall):
-        self._control = control
         self.table: dict[str, dict] = {}  # name -> what the workers reported for it
-        # name -> (tensors, fields) it was loaded with; FROM_MEMORY: from the trainer's memory, not replayable
-        self._sources: dict[str, tuple[dict | None, dict] | str] = {}
-        self.on_supplied: Callable[[str], None] | None = None  # every worker holds this adapter's latest version
-        self._lock = asyncio.Lock()  # one change at a time, so versions and the table stay in step
+        # by name: what it was loaded with (a path, or the tensors posted); FROM_MEMORY: not replayable
+        self.versioned = VersionedFanout(control, lacking=missing_adapter)
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name not in self.table:
@@ -70,46 +67,26 @@ class LoraControl:
 
     async def _load(self, name: str, tensors: dict[str, torch.Tensor] | None,
                     kind: type[ControlRequest] = LoadLora, source: str | None = None, **fields) -> dict:
-        async with self._lock:
+        held = self.versioned
+        async with held.lock:
             version = self.table.get(name, {}).get("lora_version", 0) + 1
             t0 = time.perf_counter()
-            replies = await self._control(self.role, kind, tensors=tensors, lora_name=name, version=version, **fields)
-            failure = control_failure(replies, self.role)
-            if failure is not None:
-                raise failure
+            replay = source or Replay(LoadLora, {"lora_name": name, **fields}, tensors)
+            replies = await held.change(name, replay, kind, tensors=tensors, lora_name=name, version=version,
+                                        **fields)
             self.table[name] = replies[0].body()
-            self._sources[name] = source or (tensors, fields)
-            self._supplied(name)
         return {**self.table[name], "seconds": time.perf_counter() - t0,
                 "workers": [{"index": r.index, "sha256": r.sha256} for r in replies]}
 
     async def unload(self, name: str) -> dict:
-        async with self._lock:
+        async with self.versioned.lock:
             self.check_name(name)
-            failure = control_failure(await self._control(self.role, UnloadLora, lora_name=name), self.role)
-            if failure is not None:
-                raise failure
-            del self.table[name], self._sources[name]
-            self._supplied(name)
+            await self.versioned.send(UnloadLora, lora_name=name)
+            del self.table[name]
+            self.versioned.forget(name)
         return {"lora_name": name, "unloaded": True}
-
-    def _supplied(self, name: str) -> None:
-        if self.on_supplied is not None:
-            self.on_supplied(missing_adapter(name))
 
     async def replay(self, worker) -> set[str]:
         """Load every listed adapter, at its listed version, into a worker that restarted without them.
         Returns what it lacks: the adapters from the trainer's memory (``missing_adapter`` names)."""
-        async with self._lock:
-            missing = set()
-            for name in sorted(self.table):
-                if self._sources[name] == FROM_MEMORY:
-                    missing.add(missing_adapter(name))
-                    continue
-                tensors, fields = self._sources[name]
-                replies = await self._control(self.role, LoadLora, tensors=tensors, only=worker, lora_name=name,
-                                              version=self.table[name]["lora_version"], **fields)
-                failure = control_failure(replies, self.role)
-                if failure is not None:
-                    raise failure
-            return missing
+        return await self.versioned.replay(worker, lambda name: self.table[name]["lora_version"])

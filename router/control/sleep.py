@@ -18,7 +18,8 @@ import time
 
 from common.protocol.control import ControlRequest, ReleaseMemory, ReleaseReply, ResumeMemory, ResumeReply
 from common.protocol.messages import MEMORY_TAGS, TAG_ROLES
-from router.control.fanout import WeightControl, control_failure
+from router.control.fanout import control_failure
+from router.control.weights import WeightControl
 from router.core.errors import EngineError
 from router.api.schemas import FieldError
 

@@ -19,7 +19,8 @@ from common.diffusion.weight_buckets import LayoutError, check_layout
 from common.transport.cuda_ipc import takes_cuda_ipc
 from common.transport.shm import engine_prefix
 from common.transport.weight_segments import weight_prefix
-from router.control.fanout import WeightControl, control_failure
+from router.control.fanout import control_failure
+from router.control.weights import WeightControl
 from router.core.errors import EngineError
 from router.control.lora import LoraControl
 from router.api.schemas import (FieldError, InitWeightsGroupBody, UpdateWeightsFromDistributedBody,

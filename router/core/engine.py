@@ -30,7 +30,7 @@ from router.api.schemas import (
     GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorsBody, checked_module, checked_weight_path,
 )
-from router.control.fanout import WeightControl
+from router.control.weights import WeightControl
 from router.control.lora import LoraControl
 from router.control.sleep import SleepControl, components_of
 from router.control.weight_sync import MemorySync
@@ -86,7 +86,7 @@ class Engine:
         self.jobs = JobTable(store or JobStore(limits.data_dir), limits.max_jobs, limits.job_ttl_s,
                              self.in_flight.percent)
         dispatcher.cancelled = self.cancels.cancelled
-        self.weights.on_supplied = self.loras.on_supplied = self._supplied
+        self.weights.versioned.on_supplied = self.loras.versioned.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
         registry = dispatcher.registry
         self.metrics.watch(EngineState(
