@@ -1,6 +1,6 @@
 """Factories of the text encoders several families share, each seeded by :func:`common.builtin.build.seeded`
 under its component name: T5 / UMT5 (Wan's umt5-xxl, SD3's and FLUX's t5-v1_1-xxl), CLIP text (CLIP-L,
-CLIP-G) and Qwen2.5-VL (Qwen-Image's)."""
+CLIP-G), Qwen2.5-VL (Qwen-Image's) and Gemma2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from common.builtin.build import seeded
 
 if TYPE_CHECKING:
-    from transformers import CLIPTextModel, CLIPTokenizer, PreTrainedModel, Qwen2Tokenizer
+    from transformers import CLIPTextModel, CLIPTokenizer, GemmaTokenizer, PreTrainedModel, Qwen2Tokenizer
 
 
 def t5_config(vocab_size: int, d_model: int, d_kv: int, d_ff: int, num_layers: int, num_heads: int) -> dict:
@@ -140,3 +140,20 @@ def qwen2_5_vl(spec, component: str, **config) -> PreTrainedModel:
 
     config = Qwen2_5_VLConfig(**qwen2_5_vl_config(**config))
     return seeded(spec, component, lambda: Qwen2_5_VLForConditionalGeneration(config))
+
+
+GEMMA_MAX_POSITION_EMBEDDINGS = 8192
+
+
+def gemma2(spec, component: str, tokenizer: GemmaTokenizer, hidden_size: int, intermediate_size: int,
+           num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> PreTrainedModel:
+    """``Gemma2Model`` (the decoder's hidden states, no LM head) with ``tokenizer``'s vocabulary and ids."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                          max_position_embeddings=GEMMA_MAX_POSITION_EMBEDDINGS,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                          bos_token_id=tokenizer.bos_token_id)
+    return seeded(spec, component, lambda: Gemma2Model(config))
