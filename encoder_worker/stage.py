@@ -12,6 +12,7 @@ import time
 import torch
 
 from common.config.engine import torch_dtype_for
+from common.diffusion import text_roles
 from common.diffusion.policy import uses_guidance
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
@@ -42,16 +43,17 @@ class EncoderStage(QueuedBatchStage):
         """Every distinct prompt and negative prompt of the queued requests, in one encoder call per token
         budget (``max_sequence_length``) for those not in the cache."""
         t0 = time.perf_counter()
-        texts: set[tuple[str, int]] = set()
+        texts: set[tuple[str, int, bool]] = set()
         for msg, _ in items:
             p = msg.params
-            texts.add((p.prompt, p.max_sequence_length))
+            texts.add(self._key(p.prompt, p.max_sequence_length, False))
             if uses_guidance(self.family.guidance.scale(p)):
-                texts.add((p.negative_prompt, p.max_sequence_length))
+                texts.add(self._key(p.negative_prompt, p.max_sequence_length, True))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
-        for budget in sorted({length for (_, length), e in embeds.items() if e is None}):
+        for budget in sorted({length for (_, length, _), e in embeds.items() if e is None}):
             missing = [t for t, e in embeds.items() if e is None and t[1] == budget]
-            for key, wire in zip(missing, self.text_encoder.wire_tensors([t for t, _ in missing], budget)):
+            wires = text_roles.encode(self.text_encoder, [(t, negative) for t, _, negative in missing], budget)
+            for key, wire in zip(missing, wires):
                 # Their own storage, not views that pin the whole batch.
                 embeds[key] = {name: t.clone() for name, t in wire.items()}
                 self.cache.put(key, embeds[key])
@@ -67,6 +69,10 @@ class EncoderStage(QueuedBatchStage):
             out.append(self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
                                      time.perf_counter() - t1))
         return out
+
+    def _key(self, text: str, budget: int, negative: bool) -> tuple[str, int, bool]:
+        """A text's cache key: its role counts only where the encoder encodes a negative prompt apart."""
+        return text, budget, negative and text_roles.negative_apart(self.text_encoder)
 
     def _image_tensors(self, msg: EncodeRequest, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A request's image tensors for the denoise worker (none without an image), cached by the pixels and
@@ -88,14 +94,13 @@ class EncoderStage(QueuedBatchStage):
             self.cache.put(key, hit)
         return hit
 
-    @staticmethod
-    def _forward(msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool, image: dict,
+    def _forward(self, msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool, image: dict,
                  image_s: float) -> Forward:
         p = msg.params
-        tensors = dict(embeds[(p.prompt, p.max_sequence_length)])
+        tensors = dict(embeds[self._key(p.prompt, p.max_sequence_length, False)])
         tensors.update(image)
         if guided:
-            negative = embeds[(p.negative_prompt, p.max_sequence_length)]
+            negative = embeds[self._key(p.negative_prompt, p.max_sequence_length, True)]
             tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
                              timings={**msg.timings, "encode_s": elapsed,

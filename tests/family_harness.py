@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.diffusion import schedulers
+from common.diffusion import schedulers, text_roles
 from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import Policy, uses_guidance
@@ -78,8 +78,9 @@ class InProcess:
         """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
         with ``image``), then the denoise worker's task."""
         guided = uses_guidance(self.family.guidance.scale(p))
-        texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
-        wires = [{k: t.clone() for k, t in w.items()} for w in self.encoder.wire_tensors(texts, p.max_sequence_length)]
+        texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
+        wires = [{k: t.clone() for k, t in w.items()} for w in text_roles.encode(self.encoder, texts,
+                                                                                  p.max_sequence_length)]
         pixels = self.image_wire(p, image, last_image)
         beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
@@ -146,8 +147,8 @@ class InStage:
         from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
 
         guided = uses_guidance(self.eng.family.guidance.scale(p))
-        texts = [p.prompt, p.negative_prompt] if guided else [p.prompt]
-        wires = self.eng.encoder.wire_tensors(texts, p.max_sequence_length)
+        texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
+        wires = text_roles.encode(self.eng.encoder, texts, p.max_sequence_length)
         tensors = {k: t.clone() for k, t in wires[0].items()}
         if guided:
             tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})

@@ -4,7 +4,8 @@ A prompt travels as wire tensors (:attr:`TextPart.fields`); the denoise worker t
 :data:`Conditioning` (:meth:`TextPart.conditioning`), and the rows of a forward stack their distinct texts
 (:meth:`TextPart.stack`). :class:`TextPart` maps wire fields to the transformer's keywords; :class:`PaddedText`
 zero-pads one sequence to the request's length; :class:`MaskedText` pads texts of different lengths in one
-forward and gives the transformer a mask over the padding.
+forward and gives the transformer a mask over the padding; :class:`PaddedMaskedText` pads each text to the
+request's length and always gives the mask.
 """
 
 from __future__ import annotations
@@ -120,3 +121,24 @@ class MaskedText(TextPart):
         for i, e in enumerate(embeds):
             mask[i, : e.shape[1]] = 1
         return {HIDDEN: padded, self.mask: mask}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedMaskedText(MaskedText):
+    """One trimmed sequence [L, D] on the wire, zero-padded to the request's ``max_sequence_length`` with a mask
+    (1: a real token) the transformer always takes, as a pipeline that pads every prompt to its budget and
+    passes the attention mask; texts of other budgets share a forward padded (and masked) to the longest."""
+
+    keywords: tuple[str, ...] = (HIDDEN,)
+
+    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> Conditioning:
+        embeds = wire[self.fields[0].name]
+        mask = embeds.new_zeros((1, max_sequence_length))
+        mask[0, : embeds.shape[0]] = 1
+        return TextCond({HIDDEN: pad_embeddings(embeds, max_sequence_length), self.mask: mask})
+
+    def stack(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(t[HIDDEN].shape[1] for t in texts)
+        pad = torch.nn.functional.pad
+        return {HIDDEN: torch.cat([pad(t[HIDDEN], (0, 0, 0, longest - t[HIDDEN].shape[1])) for t in texts]),
+                self.mask: torch.cat([pad(t[self.mask], (0, longest - t[self.mask].shape[1])) for t in texts])}

@@ -1,0 +1,54 @@
+"""Shared pieces of the family layer, in process, on the tiny built-in models:
+
+1. ``text_roles.encode``: one encoder call for a prompt and a negative prompt, unless the encoder encodes a
+   negative prompt apart (``negative_apart``), then one call per role, each text's tensors in order.
+2. ``PaddedMaskedText``: a text padded to the request's budget with a mask over the padding; texts of other
+   budgets stacked padded and masked to the longest, each row its own text followed by masked zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.diffusion import text_roles
+from common.diffusion.parts.text import HIDDEN, PaddedMaskedText
+from common.protocol.messages import PROMPT_EMBEDS
+
+
+class _RoleEncoder:
+    """Records its calls; a text's tensor says its role (what an instruction before prompts only does)."""
+
+    def __init__(self, apart: bool):
+        self.negative_apart, self.calls = apart, []
+
+    def wire_tensors(self, prompts, max_sequence_length, negative=False):
+        self.calls.append((list(prompts), negative))
+        return [{PROMPT_EMBEDS.name: torch.full((len(p), 2), -1.0 if negative else 1.0)} for p in prompts]
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_text_roles_one_call_unless_the_negative_is_encoded_apart(apart):
+    enc = _RoleEncoder(apart)
+    texts = [("a fox", False), ("blurry", True), ("a cat", False)]
+    wires = text_roles.encode(enc, texts, 8)
+    assert [w[PROMPT_EMBEDS.name].shape[0] for w in wires] == [5, 6, 5]  # in order
+    if apart:
+        assert enc.calls == [(["a fox", "a cat"], False), (["blurry"], True)]
+        assert [float(w[PROMPT_EMBEDS.name][0, 0]) for w in wires] == [1.0, -1.0, 1.0]
+    else:
+        assert enc.calls == [(["a fox", "blurry", "a cat"], False)]
+    assert text_roles.negative_apart(enc) is apart
+
+
+def test_padded_masked_text_pads_to_the_budget_and_stacks_to_the_longest():
+    part = PaddedMaskedText(fields=(PROMPT_EMBEDS,), load_encoder=None, example=None, mask="encoder_attention_mask")
+    a = part.conditioning({PROMPT_EMBEDS.name: torch.randn(3, 4)}, 6).tensors
+    b = part.conditioning({PROMPT_EMBEDS.name: torch.randn(5, 4)}, 9).tensors
+    assert a[HIDDEN].shape == (1, 6, 4) and a["encoder_attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]]
+    assert torch.equal(a[HIDDEN][0, 3:], torch.zeros(3, 4))
+    stacked = part.stack([a, b])
+    assert stacked[HIDDEN].shape == (2, 9, 4)
+    assert torch.equal(stacked[HIDDEN][0, :6], a[HIDDEN][0]) and torch.equal(stacked[HIDDEN][1], b[HIDDEN][0])
+    assert stacked["encoder_attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 0], [1] * 5 + [0] * 4]
+    assert part.key([a, b]) == ()  # texts of any budget share a forward
