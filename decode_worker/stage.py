@@ -22,9 +22,10 @@ class DecodeStage(QueuedBatchStage):
         self.decoder = info.family.decoder.load(info, self.dtype, self.device, tiling)
         self.memory = self.component_memory("vae", {"decoder": self.decoder})
 
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        # Packed latents (what the pipeline stepped on) as the VAE takes them.
-        return self.decoder.decode(self.info.family.latents.unpack(latents, self.info, height, width), height, width)
+    def decode(self, latents: torch.Tensor, height: int, width: int, made: tuple[int, int]) -> torch.Tensor:
+        # Packed latents (what the pipeline stepped on, at the size ``made`` they were made at) as the VAE
+        # takes them; frames at the requested size.
+        return self.decoder.decode(self.info.family.latents.unpack(latents, self.info, *made), height, width)
 
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
         """The samples of every queued request whose latents have the same shape and size are decoded together
@@ -33,7 +34,8 @@ class DecodeStage(QueuedBatchStage):
         groups: dict[tuple, list[int]] = {}
         out: list[Forward | BaseException] = [None] * len(items)
         for i, (msg, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
-            size = (msg.params.height, msg.params.width)
+            p = msg.params
+            size = (p.height, p.width, self.info.family.latents.size(self.info, p.height, p.width, p.fields))
             groups.setdefault((tuple(tensors[LATENTS.name].shape[1:]), size), []).append(i)
         for (_, size), idx in groups.items():
             t0 = time.perf_counter()

@@ -183,7 +183,8 @@ class DenoiseStage(Stage):
         before = None
         if self.device.type == "cpu" and not self.config.compile:  # compiled graphs guard on the thread count
             p = tasks[0].params  # the tasks of one forward have one size
-            tokens = self.family.latents.image_seq_len(self.info, p.height, p.width, p.num_frames)
+            size = self.family.latents.size(self.info, p.height, p.width, p.fields)
+            tokens = self.family.latents.image_seq_len(self.info, *size, p.num_frames)
 
             def before(inputs):
                 expert = self.policy.experts[self.policy.expert_for(inputs[0].timestep)]

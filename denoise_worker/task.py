@@ -37,7 +37,8 @@ from common.diffusion.step_variants import Ode, StepVariant, step_variant
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
     family = info.family
-    shape = family.latents.noise_shape(info, params.height, params.width, params.num_frames)
+    height, width = family.latents.size(info, params.height, params.width, params.fields)
+    shape = family.latents.noise_shape(info, height, width, params.num_frames)
     noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
     return family.latents.pack(noise, info, params.height, params.width)
 
@@ -71,7 +72,8 @@ class DenoiseTask:
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
                image: torch.Tensor | None = None):
         sde = sde_settings(params)
-        seq_len = info.family.latents.image_seq_len(info, params.height, params.width, params.num_frames)
+        height, width = info.family.latents.size(info, params.height, params.width, params.fields)
+        seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
         scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
                                      image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
         if sde is not None:

@@ -112,7 +112,8 @@ class InProcess:
         return task
 
     def frames(self, latents: torch.Tensor, p: GenerationParams) -> torch.Tensor:
-        return self.decoder.decode(self.family.latents.unpack(latents, self.info, p.height, p.width), p.height, p.width)
+        made = self.family.latents.size(self.info, p.height, p.width, p.fields)
+        return self.decoder.decode(self.family.latents.unpack(latents, self.info, *made), p.height, p.width)
 
 
 def compare_tasks(a: DenoiseTask, b: DenoiseTask) -> float:

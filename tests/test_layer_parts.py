@@ -4,16 +4,26 @@
    negative prompt apart (``negative_apart``), then one call per role, each text's tensors in order.
 2. ``PaddedMaskedText``: a text padded to the request's budget with a mask over the padding; texts of other
    budgets stacked padded and masked to the longest, each row its own text followed by masked zeros.
+3. ``LatentsPart.size``: a latents part that snaps sizes makes the request's noise at the snapped size, the
+   params conversion takes a requested size that is no multiple (the rule holds for the snapped one) and keeps
+   the requested size, which the decoder gives back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from common.builtin import ensure_builtin
+from common.config.engine import Limits
 from common.diffusion import text_roles
+from common.diffusion.params import FieldError, to_params
 from common.diffusion.parts.text import HIDDEN, PaddedMaskedText
+from common.families import read_model
 from common.protocol.messages import PROMPT_EMBEDS
+from denoise_worker.task import initial_noise
 
 
 class _RoleEncoder:
@@ -52,3 +62,32 @@ def test_padded_masked_text_pads_to_the_budget_and_stacks_to_the_longest():
     assert torch.equal(stacked[HIDDEN][0, :6], a[HIDDEN][0]) and torch.equal(stacked[HIDDEN][1], b[HIDDEN][0])
     assert stacked["encoder_attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 0], [1] * 5 + [0] * 4]
     assert part.key([a, b]) == ()  # texts of any budget share a forward
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Snapped:
+    """A latents part that makes every request at the next multiple of 64."""
+
+    inner: object
+
+    def size(self, info, height, width, fields):
+        return -(-height // 64) * 64, -(-width // 64) * 64
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_latents_part_that_snaps_sizes_makes_noise_at_the_snapped_size():
+    info = read_model(ensure_builtin("tiny-sd3"))
+    snapped = dataclasses.replace(info, family=dataclasses.replace(info.family, latents=_Snapped(
+        inner=info.family.latents)))
+    with pytest.raises(FieldError) as e:
+        to_params({"prompt": "a fox", "height": 72, "width": 64}, info, Limits())
+    assert e.value.field == "height"
+    p = to_params({"prompt": "a fox", "height": 72, "width": 100}, snapped, Limits())
+    assert (p.height, p.width) == (72, 100)  # the requested size travels; the decoder gives it back
+    noise = initial_noise(snapped, p, [torch.Generator("cpu").manual_seed(0)])
+    assert noise.shape == info.latent_shape(128, 128)
+    with pytest.raises(FieldError) as e:
+        to_params({"prompt": "a fox", "height": 72, "width": 100_000}, snapped, Limits())
+    assert e.value.field == "width"

@@ -115,9 +115,15 @@ def _check_schedule(name: str, values: list[float], lo: float, hi: float, max_le
         raise FieldError(name, f"values must be finite and within [{lo}, {hi}]")
 
 
-def _check_video(v: dict, info: ModelInfo, limits) -> None:
-    check_size("height", v["height"], info, limits.max_height)
-    check_size("width", v["width"], info, limits.max_width)
+def _check_video(v: dict, info: ModelInfo, limits, fields: dict) -> None:
+    # The multiple rule holds for the size the latents are made at (LatentsPart.size: a pipeline that snaps
+    # sizes takes any requested one), the bounds for both.
+    made = info.family.latents.size(info, v["height"], v["width"], fields)
+    for name, asked, at, maximum in (("height", v["height"], made[0], limits.max_height),
+                                     ("width", v["width"], made[1], limits.max_width)):
+        check_size(name, at, info, maximum)
+        if asked != at and not 1 <= asked <= maximum:
+            raise FieldError(name, f"must be within 1..{maximum}, got {asked}")
     if not info.family.video:
         return  # one frame: check_family_fields allows num_frames 1 only
     f = v["num_frames"]
@@ -242,7 +248,8 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
     for name in ("prompt", "negative_prompt"):
         if len(request.get(name) or "") > limits.max_prompt_chars:
             raise FieldError(name, f"longer than {limits.max_prompt_chars} characters")
-    _check_video(v, info, limits)
+    fields = family_values(request, info)
+    _check_video(v, info, limits, fields)
     _check_sampling(v, request, limits)
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)
@@ -259,7 +266,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         seed=request.get("seed", 0),
         n=request.get("n", 1),
         output_type=request.get("output_type") or "frames",
-        fields=family_values(request, info),
+        fields=fields,
         sigmas=request.get("sigmas"),
         timesteps=request.get("timesteps"),
         mu=request.get("mu"),

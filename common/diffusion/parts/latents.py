@@ -51,6 +51,12 @@ class LatentsPart:
     geometry: GeometryReader
     video: bool = False  # a frame axis: [C, F', H', W']
 
+    def size(self, info: "ModelInfo", height: int, width: int, fields: dict) -> tuple[int, int]:
+        """The (height, width) a request's latents are made at, which every other method here takes, for its
+        requested size and family fields (``GenerationParams.fields``): the requested size, unless the
+        pipeline snaps sizes (e.g. to resolution bins); its decoder then gives the requested size back."""
+        return height, width
+
     def shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """One sample's latents as the pipeline steps on them (leading 1)."""
         h, w = height // info.vae_scale_spatial, width // info.vae_scale_spatial
