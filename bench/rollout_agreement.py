@@ -48,11 +48,12 @@ def bench_model(name: str, requests: int, repeats: int) -> dict:
         for sde_type, level, window in CASES:
             for i in range(requests):
                 prompt = f"prompt {i} for {sde_type}"
-                s = c.rollout(prompt, seed=i, sde_type=sde_type, noise_level=level, sde_step_indices=window,
-                              return_trajectory=True, **base)["samples"][0]
+                req = dict(seed=i, sde_type=sde_type, noise_level=level, sde_step_indices=window,
+                           return_trajectory=True, **base)
+                s = c.rollout(prompt, **req)["samples"][0]
                 with torch.no_grad():
-                    again = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], prompt, "",
-                                             base["guidance_scale"], sde_type=sde_type, noise_level=level)
+                    again = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"],
+                                             policy.params(prompt, **req))
                 worst = max(worst, (again - s["log_probs"]).abs().max().item())
                 count += again.numel()
         for _ in range(repeats):  # interleaved so that machine noise hits all three alike

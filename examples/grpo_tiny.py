@@ -153,8 +153,6 @@ def main() -> None:
         family_settings(args, policy)
         rollout_kw = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, sde_step_indices=args.window,
                           return_trajectory=True, noise_level=args.noise_level)
-        # The classifier-free scale of the rollouts' fields (FLUX: guidance_scale is embedded, so none).
-        embeds = {p: policy.embeddings(p, "", policy.cfg_scale(args.guidance)) for p in PROMPTS}
         base_sum = state_dict_checksum(policy.transformer)
         assert client.weights_checksum()["sha256"] == base_sum, "start from the same weights"
         if args.lora:
@@ -169,6 +167,9 @@ def main() -> None:
                   f"'{args.lora_name}' version {res['lora_version']} on the engine")
         else:
             optim = torch.optim.Adam(policy.transformer.parameters(), lr=args.lr)
+        # Each prompt's params as the engine makes them from the rollouts' fields, its text embedded once.
+        params = {p: policy.params(p, **rollout_kw) for p in PROMPTS}
+        embeds = {p: policy.embeddings(params[p]) for p in PROMPTS}
 
         print(f"{'iter':>4} {'reward':>8} {'r_std':>7} {'loss':>9} {'ratio':>6} {'clip%':>5} "
               f"{'sync_s':>6} {'ver':>3} {'sum_ok':>6} {'|engine-trainer|':>16}")
@@ -190,8 +191,8 @@ def main() -> None:
                 optim.zero_grad()
                 losses, ratios, clipped = [], [], 0
                 for prompt, s, adv, _ in batch:
-                    new_lp = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], prompt, "",
-                                              args.guidance, noise_level=args.noise_level, embeddings=embeds[prompt])
+                    new_lp = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], params[prompt],
+                                              embeddings=embeds[prompt])
                     ratio = torch.exp(new_lp - s["log_probs"])
                     clipped_obj = torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv
                     loss = -torch.minimum(ratio * adv, clipped_obj).mean() / len(batch)
@@ -227,8 +228,8 @@ def main() -> None:
             if args.lora:
                 ok = ok and probe["lora_name"] == args.lora_name and probe["lora_version"] == version
             with torch.no_grad():
-                mine = policy.log_probs(Trajectory.from_sample(probe), probe["log_prob_steps"], PROMPTS[0], "",
-                                        args.guidance, noise_level=args.noise_level, embeddings=embeds[PROMPTS[0]])
+                mine = policy.log_probs(Trajectory.from_sample(probe), probe["log_prob_steps"], params[PROMPTS[0]],
+                                        embeddings=embeds[PROMPTS[0]])
             gap = (mine - probe["log_probs"]).abs().max().item()
             rewards = torch.tensor([b[3] for b in batch])
             r = torch.cat(ratios)

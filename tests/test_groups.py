@@ -105,8 +105,7 @@ def test_group_log_probs_equal_the_trainers_recompute(client, tiny_dir):
     policy = TrainerPolicy(tiny_dir)
     for s in samples:
         with torch.no_grad():
-            again = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], body["prompt"],
-                                     body["negative_prompt"], body["guidance_scale"])
+            again = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], policy.params(**body))
         assert again.shape == s["log_probs"].shape == (body["num_inference_steps"],)
         assert (again - s["log_probs"]).abs().max().item() <= TOL
 

@@ -389,8 +389,7 @@ def test_rollout_with_adapter_replace_and_unload(tiny_dir, client, made):
         # The trainer recomputes the same log-probs with peft's LoRA layers on its own copy, and other ones
         # without them.
         policy = _trainer_with_adapter(tiny_dir, made["r1"], "r", 0.9)
-        args = (Trajectory.from_sample(s), s["log_prob_steps"], ROLLOUT["prompt"], ROLLOUT["negative_prompt"],
-                ROLLOUT["guidance_scale"])
+        args = (Trajectory.from_sample(s), s["log_prob_steps"], policy.params(**ROLLOUT))
         with torch.no_grad():
             again = policy.log_probs(*args)
             policy.transformer.disable_adapters()

@@ -124,9 +124,7 @@ def test_batched_requests_a_group_and_the_trainers_recompute(client, model_dir):
         tr = Trajectory.from_sample(s)
         assert tr.latents.shape == (REQ["num_inference_steps"] + 1, 16, 64)
         with torch.no_grad():
-            again = trainer.log_probs(tr, s["log_prob_steps"], REQ["prompt"], REQ["negative_prompt"],
-                                      read_model(model_dir).defaults["guidance_scale"],
-                                      true_cfg_scale=REQ["true_cfg_scale"])
+            again = trainer.log_probs(tr, s["log_prob_steps"], trainer.params(**REQ, mu=0.8))
         assert _diff(again, s["log_probs"]) <= 1e-5
 
 
@@ -222,9 +220,8 @@ def test_adapters_from_disk_and_memory_concurrently(client, model, model_dir, pi
         s = client.rollout(**{**REQ, "seed": 9}, lora_name="B", return_trajectory=True)["samples"][0]
         assert s["lora_name"] == "B" and s["lora_version"] == mem["lora_version"]
         with torch.no_grad():
-            again = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], REQ["prompt"],
-                                      REQ["negative_prompt"], read_model(model_dir).defaults["guidance_scale"],
-                                      true_cfg_scale=REQ["true_cfg_scale"])
+            again = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"],
+                                      trainer.params(**{**REQ, "seed": 9}, lora_name="B"))
         diffs["recompute"] = _diff(again, s["log_probs"])
         record_property("max_diff", diffs)
         print(f"\n[{model} LoRA] batches {[m['batch'] for m in mixed]} {diffs}")

@@ -265,10 +265,7 @@ def test_rollout_log_probs_equal_trainer_recompute(case, dirs, record_property):
     if which not in _TRAINERS:
         _TRAINERS[which] = TrainerPolicy(dirs(which))
     with torch.no_grad():
-        again = _TRAINERS[which].log_probs(
-            traj, steps, p.prompt, p.negative_prompt, p.guidance_scale, sde_type=r.sde_type,
-            noise_level=r.noise_level, max_sequence_length=p.max_sequence_length, true_cfg_scale=p.true_cfg_scale,
-            height=p.height, width=p.width)
+        again = _TRAINERS[which].log_probs(traj, steps, p)
     d = max_diff(again, log_probs[0])
     record_property("max_diff", d)
     print(f"\n[{case}] log-probs {d:.3g}")

@@ -53,11 +53,7 @@ BASE = dict(prompt="a red kite over the sea", negative_prompt="blurry", seed=3, 
 def _recompute_max_diff(policy, req, sample):
     traj = Trajectory.from_sample(sample)
     with torch.no_grad():
-        again = policy.log_probs(
-            traj, sample["log_prob_steps"], req["prompt"], req.get("negative_prompt", ""),
-            req.get("guidance_scale", 5.0), sde_type=req.get("sde_type", "sde"),
-            noise_level=req.get("noise_level", 0.7 if req.get("sde_type", "sde") == "sde" else 0.8),
-        )
+        again = policy.log_probs(traj, sample["log_prob_steps"], policy.params(**req))
     assert again.shape == sample["log_probs"].shape
     return (again - sample["log_probs"]).abs().max().item()
 
@@ -86,12 +82,13 @@ def test_trajectory_facts(client, policy, tiny_dir):
     assert torch.equal(traj.latents[0], noise[0])
     assert torch.allclose(traj.timesteps.double(), traj.sigmas[:-1].double() * 1000, atol=1e-3)
     assert torch.equal(s["output"], traj.latents[-1])
-    cond, uncond = policy.embeddings(req["prompt"], req["negative_prompt"], req["guidance_scale"])
+    p = policy.params(**req)
+    cond, uncond = policy.embeddings(p)
     z = []
     with torch.no_grad():
         for i in range(T - 1):  # the last step lands on sigma 0 where the noise is tiny; skip it
             x = traj.latents[i : i + 1]
-            v = policy.velocity(x, traj.timesteps[i], cond, uncond, req["guidance_scale"])
+            v = policy.velocity(x, traj.timesteps[i], cond, uncond, p)
             st = sde_step(v, x, traj.sigmas[i], traj.sigmas[i + 1], traj.sigmas[1], noise_level=0.7,
                           prev_sample=traj.latents[i + 1 : i + 2])
             z.append(((traj.latents[i + 1 : i + 2] - st.mean) / st.noise_scale).flatten())
@@ -105,11 +102,12 @@ def test_sde_window_and_ode_steps(client, policy):
     assert s["log_prob_steps"].tolist() == [1, 3] and s["log_probs"].shape == (2,)
     assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
     traj = Trajectory.from_sample(s)
-    cond, uncond = policy.embeddings(req["prompt"], req["negative_prompt"], req["guidance_scale"])
+    p = policy.params(**req)
+    cond, uncond = policy.embeddings(p)
     with torch.no_grad():
         for i in (0, 2, 4, 5):  # outside the window: deterministic Euler steps
             x = traj.latents[i : i + 1]
-            v = policy.velocity(x, traj.timesteps[i], cond, uncond, req["guidance_scale"]).float()
+            v = policy.velocity(x, traj.timesteps[i], cond, uncond, p).float()
             euler = x + (traj.sigmas[i + 1] - traj.sigmas[i]) * v
             assert (euler - traj.latents[i + 1 : i + 2]).abs().max().item() <= 1e-5
     ode = client.rollout(**{**req, "sde_type": "ode", "sde_step_indices": None})["samples"][0]
@@ -285,8 +283,7 @@ def test_two_expert_rollout_recompute_and_separate_sync(moe, weights_dir):
     s = c.rollout(**req)["samples"][0]
     traj = Trajectory.from_sample(s)
     with torch.no_grad():
-        again = policy.log_probs(traj, s["log_prob_steps"], req["prompt"], req["negative_prompt"],
-                                 req["guidance_scale"], req["guidance_scale_2"])
+        again = policy.log_probs(traj, s["log_prob_steps"], policy.params(**req))
     assert (again - s["log_probs"]).abs().max().item() <= RECOMPUTE_TOL
     t1, t2 = c.weights_checksum("transformer")["sha256"], c.weights_checksum("transformer_2")["sha256"]
     assert t1 == state_dict_checksum(policy.experts["transformer"]) and t1 != t2

@@ -215,8 +215,7 @@ def test_rollout_log_probs_equal_trainer_recompute(case, eng_x, trainer_x, recor
     noise = torch.randn((1, 16, p.height // 8, p.width // 8), generator=torch.Generator("cpu").manual_seed(p.seed))
     assert torch.equal(traj.latents[0], noise[0]) and torch.equal(traj.latents[-1], task.latents[0])
     with torch.no_grad():
-        again = trainer_x.log_probs(traj, steps, p.prompt, p.negative_prompt, p.guidance_scale, sde_type=r.sde_type,
-                                    noise_level=r.noise_level, max_sequence_length=p.max_sequence_length)
+        again = trainer_x.log_probs(traj, steps, p)
     d = max_diff(again, log_probs[0])
     record_property("max_diff", d)
     print(f"\n[{case}] log-probs {d:.3g} (values {log_probs[0].tolist()})")

@@ -116,9 +116,7 @@ def test_rollout_log_probs_equal_the_trainers_recompute(client, sd3_dir, rollout
     assert tr.timesteps.shape == (steps,) and 0 <= tr.timesteps.min() and tr.timesteps.max() <= 1000
     trainer = TrainerPolicy(sd3_dir)
     with torch.no_grad():
-        again = trainer.log_probs(tr, s["log_prob_steps"], REQ["prompt"], REQ["negative_prompt"],
-                                  REQ["guidance_scale"], sde_type=rollout["sde_type"],
-                                  noise_level=rollout["noise_level"])
+        again = trainer.log_probs(tr, s["log_prob_steps"], trainer.params(**REQ, **rollout))
     assert _diff(again, s["log_probs"]) <= 1e-5
 
 

@@ -386,12 +386,12 @@ def test_trainer_recomputes_a_rollout_made_with_its_saved_adapter(stages, traine
             assert steps == list(range(p.num_inference_steps))
             set_lora_scale(policy, scale)
             with torch.no_grad():
-                mine = policy.log_probs(traj, steps, p.prompt, p.negative_prompt, p.guidance_scale)
+                mine = policy.log_probs(traj, steps, p)
                 # the guided velocity itself at every step: peft's layers against the engine's hooks
-                cond, uncond = policy.embeddings(p.prompt, p.negative_prompt, p.guidance_scale)
+                cond, uncond = policy.embeddings(p)
                 for i in steps:
                     x = traj.latents[i : i + 1]
-                    v_trainer = policy.velocity(x, traj.timesteps[i], cond, uncond, p.guidance_scale)
+                    v_trainer = policy.velocity(x, traj.timesteps[i], cond, uncond, p)
                     v_engine = stages.policy.velocity(ModelInput(x, traj.timesteps[i], task.cond, task.uncond,
                                                                  p.guidance_scale, lora=(adapter, scale)))
                     assert _within("(c) trainer vs engine, guided velocity", _max_diff(v_trainer, v_engine),
@@ -401,8 +401,7 @@ def test_trainer_recomputes_a_rollout_made_with_its_saved_adapter(stages, traine
                 scale
         set_lora_scale(policy, 0.0)  # the trainer's base model computes another policy
         with torch.no_grad():
-            assert _max_diff(policy.log_probs(traj, steps, p.prompt, p.negative_prompt, p.guidance_scale),
-                             engine) > 1e-3
+            assert _max_diff(policy.log_probs(traj, steps, p), engine) > 1e-3
     finally:
         set_lora_scale(policy, 1.0)
 
@@ -490,8 +489,7 @@ def test_engine_serves_sd3_adapters_from_disk_and_memory_concurrently(sd3_dir, c
                        output_type="latent")["samples"][0]
     assert s["lora_name"] == "B" and s["lora_version"] == mem["lora_version"]
     with torch.no_grad():
-        mine = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], p.prompt, p.negative_prompt,
-                                p.guidance_scale)
+        mine = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], p)
     assert _within("(4) trainer recompute vs engine rollout, log-probs", _max_diff(mine, s["log_probs"]),
                    RECOMPUTE_TOL)
     for name in ("A", "B"):

@@ -260,12 +260,9 @@ def _trainer_log_probs(eng: InProcess, model: str, task, image) -> torch.Tensor:
         _TRAINERS[model] = TrainerPolicy(eng.info.path)
     trainer, p, ex = _TRAINERS[model], task.params, task.extras()
     traj = Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
-    inputs = None if image is None else trainer.image(image, height=p.height, width=p.width, num_frames=p.num_frames)
+    inputs = None if image is None else trainer.image(p, image)
     with torch.no_grad():
-        return trainer.log_probs(traj, ex[LOG_PROB_STEPS.name], p.prompt, p.negative_prompt, p.guidance_scale,
-                                 sde_type=p.rollout.sde_type, noise_level=p.rollout.noise_level,
-                                 max_sequence_length=p.max_sequence_length, true_cfg_scale=p.true_cfg_scale,
-                                 height=p.height, width=p.width, image=inputs)
+        return trainer.log_probs(traj, ex[LOG_PROB_STEPS.name], p, image=inputs)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -59,7 +59,7 @@ def test_only_lora_parameters_train(lora_policy):
     assert {id(p) for p in lora_parameters(lora_policy)} == {id(model.get_parameter(n)) for n in lora}
     optim = torch.optim.Adam(lora_parameters(lora_policy), lr=1e-2)
     traj = _fake_trajectory()
-    lp = lora_policy.log_probs(traj, [1, 2], "a fox", "blurry", guidance_scale=4.0)
+    lp = lora_policy.log_probs(traj, [1, 2], lora_policy.params("a fox", "blurry", guidance_scale=4.0))
     assert lp.requires_grad
     (-lp.mean()).backward()
     for n, p in model.named_parameters():
@@ -189,8 +189,7 @@ def pushed(tiny_dir, client):
 
 def _gap(policy, sample, req=REQ):
     with torch.no_grad():
-        mine = policy.log_probs(Trajectory.from_sample(sample), sample["log_prob_steps"], req["prompt"],
-                                req["negative_prompt"], req["guidance_scale"])
+        mine = policy.log_probs(Trajectory.from_sample(sample), sample["log_prob_steps"], policy.params(**req))
     return (mine - sample["log_probs"]).abs().max().item()
 
 
@@ -261,8 +260,7 @@ def test_second_expert_adapter_from_memory_and_disk(engine_factory, lora_root):
             s = c.rollout(**req, lora_name=name)["samples"][0]
             assert not torch.equal(s["trajectory"]["latents"], base["trajectory"]["latents"])
             with torch.no_grad():
-                mine = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], req["prompt"],
-                                        req["negative_prompt"], req["guidance_scale"], req["guidance_scale_2"])
+                mine = policy.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], policy.params(**req))
             assert (mine - s["log_probs"]).abs().max().item() <= RECOMPUTE_TOL, name
     steps = Trajectory.from_sample(s).timesteps
     assert {policy.policy.expert_for(t) for t in steps} == {"transformer", "transformer_2"}

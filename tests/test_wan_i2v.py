@@ -95,8 +95,8 @@ def _reference(eng: InProcess, p, output_type: str, image=None, last_image=None)
                   num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
                   guidance_scale=p.guidance_scale, generator=torch.Generator("cpu").manual_seed(p.seed),
                   output_type=output_type, max_sequence_length=p.max_sequence_length)
-    if p.guidance_scale_2 is not None:
-        kwargs["guidance_scale_2"] = p.guidance_scale_2
+    if p.fields.get("guidance_scale_2") is not None:
+        kwargs["guidance_scale_2"] = p.fields["guidance_scale_2"]
     if image is None:
         out = _pipe(eng, text_to_video=True)(**kwargs).frames
     else:
@@ -171,7 +171,7 @@ def test_rollout_log_probs_equal_trainer_recompute(case, engines, record_propert
     traj = ex[TRAJECTORY_LATENTS.name][0]
     assert traj.shape[1:] == task.latents.shape[1:] and traj.shape[1] == eng.info.latent_channels  # noise only
     trainer = TrainerPolicy(eng.info.path)
-    image = trainer.image(IMAGE, height=p.height, width=p.width, num_frames=p.num_frames)
+    image = trainer.image(p, IMAGE)
     with torch.no_grad():
         mine = trainer.log_probs(Trajectory(traj, ex["trajectory.timesteps"], ex["trajectory.sigmas"]),
                                  ex[LOG_PROB_STEPS.name], p.prompt, p.negative_prompt, p.guidance_scale,
@@ -194,12 +194,11 @@ def test_ti2v_frame_0_is_left_out_of_the_log_prob(engines):
     ex = task.extras()
     traj, sigmas = ex[TRAJECTORY_LATENTS.name][0], ex["trajectory.sigmas"]
     trainer = TrainerPolicy(eng.info.path)
-    image = trainer.image(IMAGE, height=p.height, width=p.width, num_frames=p.num_frames)
-    cond, uncond = trainer.embeddings(p.prompt, p.negative_prompt, p.guidance_scale, image=image)
+    image = trainer.image(p, IMAGE)
+    cond, uncond = trainer.embeddings(p, image)
     i = 1
     with torch.no_grad():
-        v = trainer.velocity(traj[i : i + 1], ex["trajectory.timesteps"][i], cond, uncond, p.guidance_scale,
-                             image=image)
+        v = trainer.velocity(traj[i : i + 1], ex["trajectory.timesteps"][i], cond, uncond, p, image)
     later = step_at(sigmas, i, v[:, :, 1:], traj[i : i + 1, :, 1:], Sde(noise_level=0.7),
                     prev_sample=traj[i + 1 : i + 2, :, 1:]).log_prob[0]
     every = step_at(sigmas, i, v, traj[i : i + 1], Sde(noise_level=0.7),
@@ -436,7 +435,7 @@ def test_first_last_frame_model_equals_diffusers_and_the_trainer(tmp_path, recor
     _advance_together(eng, batched)
     ex = batched[0].extras()
     trainer = TrainerPolicy(eng.info.path)
-    image = trainer.image(IMAGE, last_image=LAST, height=p.height, width=p.width, num_frames=p.num_frames)
+    image = trainer.image(r, IMAGE, last_image=LAST)
     with torch.no_grad():
         mine = trainer.log_probs(Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex["trajectory.timesteps"],
                                             ex["trajectory.sigmas"]), ex[LOG_PROB_STEPS.name], p.prompt,

@@ -88,12 +88,12 @@ def test_frames_and_latents_equal_diffusers(client, pipe, over):
 def test_a_rollout_a_group_and_concurrent_images(client, model_dir):
     s = client.rollout(**REQ, image=IMAGE, n=2, return_trajectory=True)["samples"]
     trainer = TrainerPolicy(model_dir)
-    image = trainer.image(IMAGE)
+    p = trainer.params(**REQ)
+    image = trainer.image(p, IMAGE)
     for sample in s:
         assert sample["trajectory"]["latents"].shape[1] == 16  # the noise latents, not the 36 input channels
         with torch.no_grad():
-            mine = trainer.log_probs(Trajectory.from_sample(sample), sample["log_prob_steps"], REQ["prompt"],
-                                     REQ["negative_prompt"], 5.0, image=image)
+            mine = trainer.log_probs(Trajectory.from_sample(sample), sample["log_prob_steps"], p, image=image)
         assert _diff(mine, sample["log_probs"]) <= RECOMPUTE_TOL
     alone = client.rollout(**{**REQ, "seed": REQ["seed"] + 1}, image=IMAGE)["samples"][0]
     assert _diff(alone["output"], s[1]["output"]) <= BATCH_TOL  # the group's second sample is seed + 1 alone
@@ -183,8 +183,8 @@ def test_weights_pushed_from_the_trainer_and_its_recompute(client, model_dir):
     s = client.rollout(**REQ, image=IMAGE, return_trajectory=True)["samples"][0]
     assert _diff(s["output"], base) > 1e-3
     with torch.no_grad():
-        mine = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], REQ["prompt"],
-                                 REQ["negative_prompt"], 5.0, image=trainer.image(IMAGE))
+        p = trainer.params(**REQ)
+        mine = trainer.log_probs(Trajectory.from_sample(s), s["log_prob_steps"], p, image=trainer.image(p, IMAGE))
     assert _diff(mine, s["log_probs"]) <= RECOMPUTE_TOL
     client.update_weights_from_tensors(TrainerPolicy(model_dir).transformer.state_dict())
     assert torch.equal(client.generate(**REQ, image=IMAGE, output_type="latent")["samples"][0]["output"], base)
@@ -212,8 +212,8 @@ def test_ti2v_engine_text_and_image_to_video_equal_diffusers(engine_factory):
     assert _diff(t2v, refs[0]) <= TOL and _diff(i2v, refs[1]) <= TOL
     trainer = TrainerPolicy(model_dir)
     with torch.no_grad():
-        mine = trainer.log_probs(Trajectory.from_sample(roll), roll["log_prob_steps"], REQ["prompt"], "blurry", 5.0,
-                                 image=trainer.image(IMAGE, height=64, width=64))
+        p = trainer.params(**REQ, height=64, width=64)
+        mine = trainer.log_probs(Trajectory.from_sample(roll), roll["log_prob_steps"], p, image=trainer.image(p, IMAGE))
     assert _diff(mine, roll["log_probs"]) <= RECOMPUTE_TOL
 
 

@@ -28,6 +28,7 @@ from common.diffusion.parts.text import Conditioning, text_kwargs
 from common.protocol.messages import ExpertName
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.model_info import ModelInfo
+from common.diffusion.request_fields import GUIDANCE_SCALE_2, field_value
 from common.diffusion.rows import Rows, forward_rows
 from common.diffusion.sde import Generators, SdeStep, sde_step
 from common.diffusion.step_variants import StepVariant
@@ -61,6 +62,19 @@ class ModelInput:
     # One branch of a request's guidance run on its own (step caching): ``cond`` is its negative prompt, and
     # with CFG parallel its rows go with the unconditional ones.
     unconditional: bool = False
+
+    @classmethod
+    def of(cls, info: ModelInfo, params, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+           uncond: Conditioning | None, lora: tuple[LoraAdapter, float] | None = None,
+           image: torch.Tensor | None = None) -> "ModelInput":
+        """A request's input as its params (``GenerationParams``) ask, read through the family's parts: the
+        denoise worker's and a trainer's alike."""
+        family = info.family
+        return cls(latents, timestep, cond, uncond, family.guidance.scale(params),
+                   field_value(params, GUIDANCE_SCALE_2.name), lora,
+                   family.latents.token_grid(info, *family.latents.size(info, params.height, params.width,
+                                                                        params.fields)),
+                   family.guidance.embedded(info, params.guidance_scale), image)
 
     @property
     def n(self) -> int:
