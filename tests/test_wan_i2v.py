@@ -174,8 +174,7 @@ def test_rollout_log_probs_equal_trainer_recompute(case, engines, record_propert
     image = trainer.image(p, IMAGE)
     with torch.no_grad():
         mine = trainer.log_probs(Trajectory(traj, ex["trajectory.timesteps"], ex["trajectory.sigmas"]),
-                                 ex[LOG_PROB_STEPS.name], p.prompt, p.negative_prompt, p.guidance_scale,
-                                 sde_type=p.rollout.sde_type, noise_level=p.rollout.noise_level, image=image)
+                                 ex[LOG_PROB_STEPS.name], p, image=image)
     d = max_diff(mine, ex[LOG_PROBS.name][0])
     record_property("max_abs_diff", d)
     print(f"\n[{case}] recompute {d:.3g}")
@@ -438,8 +437,7 @@ def test_first_last_frame_model_equals_diffusers_and_the_trainer(tmp_path, recor
     image = trainer.image(r, IMAGE, last_image=LAST)
     with torch.no_grad():
         mine = trainer.log_probs(Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex["trajectory.timesteps"],
-                                            ex["trajectory.sigmas"]), ex[LOG_PROB_STEPS.name], p.prompt,
-                                 p.negative_prompt, p.guidance_scale, image=image)
+                                            ex["trajectory.sigmas"]), ex[LOG_PROB_STEPS.name], r, image=image)
     alone = eng.run(msgspec.structs.replace(r, seed=8), image=OTHER, last_image=IMAGE)
     record_property("max_abs_diff", d)
     assert d <= TOL
