@@ -104,10 +104,8 @@ class DenoiseTask:
         return self.scheduler.timesteps[self.step]
 
     def model_input(self) -> ModelInput:
-        p, family = self.params, self.info.family
-        return ModelInput(self.latents, self.timestep, self.cond, self.uncond, family.guidance.scale(p), p.guidance_scale_2,
-                          self.lora, family.latents.token_grid(self.info, p.height, p.width),
-                          family.guidance.embedded(self.info, p.guidance_scale), self.image)
+        return ModelInput.of(self.info, self.params, self.latents, self.timestep, self.cond, self.uncond, self.lora,
+                             self.image)
 
     def step_variant_now(self) -> StepVariant:
         """This step's variant: the request's inside its window of SDE steps, the Euler step outside it."""
