@@ -36,6 +36,7 @@ CASES = {
     "sd3": ("tiny-sd3", 8, {"a": 2, "b": 1, "c": 2}),
     "flux": ("tiny-flux", 48, {"a": 2, "b": 1, "c": 2}),
     "qwen-image": ("tiny-qwen-image", 3, {"a": 3, "b": 3, "c": 3}),
+    "sana": ("tiny-sana", 24, {"a": 3, "b": 3, "c": 3}),
 }
 
 

@@ -177,6 +177,7 @@ OTHER_MODELS = {  # model: (layout, request overrides)
     "tiny-moe": ("cfg2-ulysses2", {"guidance_scale_2": 2.5}),  # two experts, each with its own guidance
     "tiny-alt": ("cfg2", {}),  # 3 heads: CFG parallel only (Ulysses 2 is refused, see test_context_parallel)
     "small": ("cfg2-ulysses2", {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 3}),
+    "tiny-sana": ("cfg2", {"height": 96, "width": 160}),  # no context-parallel plan in diffusers: CFG parallel
 }
 
 

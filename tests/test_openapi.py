@@ -22,7 +22,7 @@ from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.core.request_params import size_multiple
 
-MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v"]
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v"]
 LIMITS = Limits(max_height=96, max_width=160, max_num_frames=13, max_steps=7, max_n=3, max_prompt_chars=99,
                 request_timeout_s=42.0, max_lora_rank=12)
 

@@ -155,7 +155,7 @@ def _unsettled(components) -> dict[str, list[str]]:
             if (bad := unsettled(m))}
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v",
+@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v",
                                    "tiny-wan-i2v-a14b"])
 def test_every_family_is_bit_identical_after_a_release_and_a_resume_or_a_push(model):
     """Level 1; level 2 and a push of the trainer's load of the same checkpoint (the transformer, the encoder's

@@ -1,10 +1,12 @@
 """SANA (``SanaPipeline``).
 
-- encoder: Gemma2 behind the pipeline's complex human instruction (prompts only; :mod:`.text`); a prompt travels
-  as its real rows ``prompt_embeds`` [L, D] and is padded back to ``max_sequence_length`` with the attention
-  mask the transformer takes (``encoder_attention_mask``), so texts of different lengths share a forward;
-- denoise: ``SanaTransformer2DModel`` on latents [C, H / 32, W / 32] at the request's size snapped to the
-  aspect-ratio bins of the transformer's ``sample_size`` (resolution binning), timestep x ``timestep_scale``;
+- encoder: Gemma2 behind the pipeline's complex human instruction (prompts only, so a negative prompt is
+  encoded apart; :mod:`.text`); a prompt travels as its real rows ``prompt_embeds`` [L, D] and is padded back
+  to ``max_sequence_length`` with the attention mask the transformer takes (``encoder_attention_mask``), so
+  texts of different budgets share a forward;
+- denoise: ``SanaTransformer2DModel`` on latents [C, H / 32, W / 32] made at the request's size snapped to the
+  aspect-ratio bins of the transformer's ``sample_size`` (resolution binning, unless the request turns it off;
+  then sizes are multiples of 32), timestep x ``timestep_scale``, a learned-sigma half dropped;
   classifier-free guidance as one forward of [uncond, cond];
 - schedule: the directory's ``DPMSolverMultistepScheduler`` (flow prediction, ``flow_shift``); rollouts: the
   engine's flow-match Euler with the same shift;
@@ -13,16 +15,22 @@
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from common.diffusion.binding import HIDDEN, Binding, Geometry, TextCond
-from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.binding import Binding
+from common.diffusion.parts.guidance import Guidance
+from common.diffusion.parts.latents import Geometry, LatentsPart, vae_config
+from common.diffusion.parts.text import HIDDEN, PaddedMaskedText, TextCond
+from common.diffusion.parts.transformer import TransformerPart
+from common.diffusion.request_fields import RequestField, max_sequence_length
+from common.families.sana.vae import SanaDecoder
 from common.protocol.messages import PROMPT_EMBEDS
 
 MASK = "encoder_attention_mask"
+BINNING = "use_resolution_binning"
 
 
 def aspect_ratio_bins(sample_size: int) -> dict:
@@ -46,56 +54,44 @@ def binned_size(info, height: int, width: int) -> tuple[int, int]:
     return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=bins)
 
 
-class SanaBinding(Binding):
-    family = "sana"
-    pipeline = "SanaPipeline"
-    video = False
-    size_multiple = 32  # SanaPipeline.check_inputs (binning off; on, any size is snapped to a bin)
-    # SanaPipeline.__call__'s own defaults.
-    defaults = {"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 20, "guidance_scale": 4.5,
-                "max_sequence_length": 300}
-    fields = frozenset({"max_sequence_length"})
-    # The pipeline sets no bound; Gemma2's context holds the instruction and this many tokens with room to spare.
-    max_sequence_length_limit = 1024
-    text_fields = (PROMPT_EMBEDS,)
-    masks_text_padding = True  # encoder_attention_mask (see stack_texts)
-    guidance_in_one_forward = True  # the pipeline's [uncond, cond] batch
+def geometry(path, transformer_config: dict) -> Geometry:
+    p = int(transformer_config.get("patch_size", 1))
+    return Geometry(latent_channels=int(transformer_config.get("in_channels", 32)),
+                    vae_scale_spatial=2 ** (len(vae_config(path)["encoder_block_out_channels"]) - 1),
+                    patch_size=(p, p))
 
-    def geometry(self, path: Path, transformer_config: dict) -> Geometry:
-        vcfg = json.loads((path / "vae" / "config.json").read_text())
-        p = int(transformer_config.get("patch_size", 1))
-        return Geometry(latent_channels=int(transformer_config.get("in_channels", 32)),
-                        vae_scale_spatial=2 ** (len(vcfg["encoder_block_out_channels"]) - 1), patch_size=(p, p))
 
-    def latent_shape(self, info, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
-        h, w = binned_size(info, height, width)
-        return (1, info.latent_channels, h // info.vae_scale_spatial, w // info.vae_scale_spatial)
+@dataclass(frozen=True, kw_only=True)
+class BinnedLatents(LatentsPart):
+    """Image latents made at the resolution bin of the requested size unless the request turns binning off."""
 
-    def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> TextCond:
-        embeds = wire[PROMPT_EMBEDS.name]
-        padded = embeds.new_zeros((1, max_sequence_length, embeds.shape[-1]))
-        padded[0, : embeds.shape[0]] = embeds
-        mask = embeds.new_zeros((1, max_sequence_length))
-        mask[0, : embeds.shape[0]] = 1
-        return TextCond({HIDDEN: padded, MASK: mask})
+    def size(self, info, height: int, width: int, fields: dict) -> tuple[int, int]:
+        return binned_size(info, height, width) if fields.get(BINNING, True) else (height, width)
 
-    def stack_texts(self, texts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Texts of another ``max_sequence_length`` padded (and masked) to the longest."""
-        longest = max(t[HIDDEN].shape[1] for t in texts)
-        pad = torch.nn.functional.pad
-        return {HIDDEN: torch.cat([pad(t[HIDDEN], (0, 0, 0, longest - t[HIDDEN].shape[1])) for t in texts]),
-                MASK: torch.cat([pad(t[MASK], (0, longest - t[MASK].shape[1])) for t in texts])}
 
-    def load_expert(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
-        from diffusers import SanaTransformer2DModel
+def load_text_encoder(info, dtype: torch.dtype, device):
+    from common.families.sana.text import SanaTextEncoder
 
+    return SanaTextEncoder.load(info.path, dtype, device)
+
+
+def example_text(info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    width = model.config.caption_channels
+    return TextCond({HIDDEN: torch.randn(1, max_sequence_length, width, generator=generator, device=device,
+                                         dtype=dtype),
+                     MASK: torch.ones(1, max_sequence_length, device=device, dtype=dtype)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SanaTransformer(TransformerPart):
+    model_class: str = "SanaTransformer2DModel"
+    # Texts are padded to their request's budget: under --compile the text length is dynamic, else each
+    # budget compiles its own graphs.
+    compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
+
+    def load(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
         _register_block()
-        return SanaTransformer2DModel.from_pretrained(path, dtype=dtype)
-
-    def load_text_encoder(self, info, dtype: torch.dtype, device):
-        from common.families.sana.text import SanaTextEncoder
-
-        return SanaTextEncoder.load(info.path, dtype, device)
+        return super().load(path, dtype)
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         out = model(hidden_states, encoder_hidden_states=text[HIDDEN], encoder_attention_mask=text[MASK],
@@ -104,20 +100,39 @@ class SanaBinding(Binding):
             out = out.chunk(2, dim=1)[0]
         return out
 
+    # No published TeaCache polynomial for this signal: teacache needs the directory's step_cache.json.
     def modulated_input(self, model, timestep, text, guidance) -> torch.Tensor:
         t = timestep * model.config.timestep_scale
         return model.time_embed(t, batch_size=t.shape[0], hidden_dtype=text[HIDDEN].dtype)[0]
 
-    def example_text(self, info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
-        width = model.config.caption_channels
-        return TextCond({HIDDEN: torch.randn(1, max_sequence_length, width, generator=generator, device=device,
-                                             dtype=dtype),
-                         MASK: torch.ones(1, max_sequence_length, device=device, dtype=dtype)})
 
-    def load_decoder(self, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
-        from common.families.sana.vae import SanaDecoder
+def _refuse_clean_caption(value, request: dict):
+    """The pipeline's caption cleaning (bs4 and ftfy) is not run by this engine: false (the pipeline's
+    default) is what every request gets, true is refused rather than ignored."""
+    if value:
+        raise ValueError("clean_caption (the pipeline's caption cleaning) is not run by this engine; send the "
+                         "prompt as it should be encoded, with clean_caption false or left out")
+    return None
 
-        return SanaDecoder.load(info, dtype, device, tiling)
+
+USE_RESOLUTION_BINNING = RequestField(
+    BINNING, bool, "snap the size to the aspect-ratio bins of the transformer's sample_size and resize the image "
+    "back (the pipeline's default); false: the requested size, a multiple of 32", default=True)
+CLEAN_CAPTION = RequestField("clean_caption", bool, "the pipeline's caption cleaning: not run by this engine, "
+                             "only false is taken", resolve=_refuse_clean_caption)
+
+SANA = Binding(
+    family="sana", pipeline="SanaPipeline",
+    text=PaddedMaskedText(fields=(PROMPT_EMBEDS,), load_encoder=load_text_encoder, example=example_text, mask=MASK),
+    latents=BinnedLatents(geometry=geometry), transformer=SanaTransformer(), decoder=SanaDecoder,
+    guidance=Guidance(in_one_forward=True),  # the pipeline's [uncond, cond] batch
+    size_multiple=32,  # SanaPipeline.check_inputs, on the size the latents are made at
+    # SanaPipeline.__call__'s own defaults (height and width: the transformer's sample size x 32).
+    defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 20, "guidance_scale": 4.5,
+              "max_sequence_length": 300},
+    default_size=lambda tcfg, geometry: int(tcfg.get("sample_size", 32)) * geometry.vae_scale_spatial,
+    # The pipeline sets no bound; Gemma2's context holds the instruction and this many tokens with room to spare.
+    request_fields=(max_sequence_length(1024), USE_RESOLUTION_BINNING, CLEAN_CAPTION))
 
 
 def _register_block() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from common.diffusion.parts.decoder import image_frames
 from common.diffusion.vae_tiling import VaeTiling
 
 
@@ -22,7 +23,8 @@ class SanaDecoder:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents [n, C, H', W'] (at the binned size) -> float32 frames [n, 1, height, width, 3] in [0, 1]."""
+        """Latents [n, C, H', W'] (at the size they were made at) -> float32 frames [n, 1, height, width, 3] in
+        [0, 1], the requested size."""
         from diffusers.image_processor import PixArtImageProcessor
 
         latents = latents.to(self.device, self.vae.dtype)
@@ -30,4 +32,4 @@ class SanaDecoder:
         image = self.vae.decode(latents / self.vae.config.scaling_factor, return_dict=False)[0]
         # The identity when the latents are the requested size (binning off, or a size that is its own bin).
         image = PixArtImageProcessor.resize_and_crop_tensor(image, width, height)
-        return (image / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 1).unsqueeze(1).contiguous()
+        return image_frames(image)
