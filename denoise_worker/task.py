@@ -40,7 +40,7 @@ def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[to
     height, width = family.latents.size(info, params.height, params.width, params.fields)
     shape = family.latents.noise_shape(info, height, width, params.num_frames)
     noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-    return family.latents.pack(noise, info, params.height, params.width)
+    return family.latents.pack(noise, info, height, width)
 
 
 def sde_settings(params: GenerationParams) -> RolloutParams | None:
