@@ -64,7 +64,9 @@ class InProcess:
                       guidance_scale=float(d["guidance_scale"]), seed=0, max_sequence_length=d["max_sequence_length"])
         if self.family.cfg_field == "true_cfg_scale":
             fields["true_cfg_scale"] = float(d.get("true_cfg_scale", 1.0))
-        return GenerationParams(**{**fields, **over})
+        own = {**fields, **over}  # the family's own fields travel in GenerationParams.fields
+        return GenerationParams(**{k: v for k, v in own.items() if k in GenerationParams.__struct_fields__},
+                                fields={k: v for k, v in own.items() if k not in GenerationParams.__struct_fields__})
 
     def image_wire(self, p: GenerationParams, image, last_image=None) -> dict[str, torch.Tensor]:
         """The encoder worker's image tensors for a request with ``image`` (PIL images as the router's pixels

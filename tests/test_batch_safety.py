@@ -60,7 +60,7 @@ def stages(tmp_path_factory):
 def _params(st: InStage, **over):
     p = st.eng.params(output_type="latent", **over)
     if st.eng.family.cfg_field == "true_cfg_scale":  # FLUX's default runs no unconditional pass: give it one
-        p = msgspec.structs.replace(p, true_cfg_scale=2.0, negative_prompt="blurry")
+        p = msgspec.structs.replace(p, fields={**p.fields, "true_cfg_scale": 2.0}, negative_prompt="blurry")
     return p
 
 

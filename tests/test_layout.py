@@ -17,9 +17,9 @@ LAYERS = {
     "transport": {"protocol", "config", "transport"},
     "diffusion": {"protocol", "diffusion"},
     "families": {"protocol", "diffusion", "families"},
-    "runtime": {"protocol", "config", "transport", "diffusion", "families", "runtime"},
     # The built-in random-weight models: their specs, components and cache; resolved by name above it.
     "builtin": {"protocol", "diffusion", "families", "builtin"},
+    "runtime": {"protocol", "config", "transport", "diffusion", "families", "runtime"},
     "placement": {"protocol", "config", "transport", "diffusion", "families", "builtin", "runtime",
                   "placement"},  # launch.py --ray
 }
@@ -98,6 +98,29 @@ def test_wire_tensor_names_are_spelled_once():
                     f"{path.relative_to(ROOT)}:{node.lineno}: spell {node.value!r} through its TensorField"
 
 
+def test_the_router_core_speaks_no_http():
+    """The router's core, its link to the workers and its control fan-outs import neither FastAPI nor Starlette,
+    not even indirectly: the HTTP fronts (router/api/, router/openai/) call the core, never the other way."""
+    code = ("import sys, router.core.engine; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))")
+    out = subprocess.check_output([sys.executable, "-c", code], cwd=ROOT, text=True)
+    assert out.strip() == "[]", f"router.core.engine imports {out.strip()}"
+    for folder in ("core", "link", "control"):
+        for path in sorted((ROOT / "router" / folder).glob("*.py")):
+            http = {n for n in _all_imports(path) if n.split(".")[0] in ("fastapi", "starlette")}
+            assert not http, f"{path.relative_to(ROOT)} imports {sorted(http)}"
+
+
+def _all_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
 # Families the engine serves, as they appear in identifiers and strings (split at case changes and separators).
 FAMILY_WORDS = re.compile(r"(?<![a-z])(wan|qwen|flux|sd3|sana)(?![a-z])")
 DOC_KEYWORDS = {"help", "description", "doc", "epilog", "title"}  # keyword arguments that document
@@ -147,24 +170,22 @@ def test_only_the_families_name_a_family(path):
     assert not _family_names(path), f"{path.relative_to(ROOT)} names a family: {_family_names(path)}"
 
 
-def test_the_router_core_speaks_no_http():
-    """The router's core, its link to the workers and its control fan-outs import neither FastAPI nor Starlette,
-    not even indirectly: the HTTP fronts (router/api/, router/openai/) call the core, never the other way."""
-    code = ("import sys, router.core.engine; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))")
-    out = subprocess.check_output([sys.executable, "-c", code], cwd=ROOT, text=True)
-    assert out.strip() == "[]", f"router.core.engine imports {out.strip()}"
-    for folder in ("core", "link", "control"):
-        for path in sorted((ROOT / "router" / folder).glob("*.py")):
-            http = {n for n in _all_imports(path) if n.split(".")[0] in ("fastapi", "starlette")}
-            assert not http, f"{path.relative_to(ROOT)} imports {sorted(http)}"
+def _family_fields() -> set[str]:
+    """The request fields some family declares beyond GenerationParams' own."""
+    from common.families import BINDINGS
+    from common.protocol.messages import GenerationParams
+
+    return {f.name for b in BINDINGS.values() for f in b.request_fields} - set(GenerationParams.__struct_fields__)
 
 
-def _all_imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+def test_the_router_names_no_familys_field():
+    """The router and the trainer's side (rl/) take a family's own request fields from its binding
+    (common/diffusion/request_fields.py): none of their modules spells one in code (a string, a name, an
+    attribute, a keyword)."""
+    own = _family_fields()
+    assert own  # e.g. a second expert's guidance scale
+    for path in sorted(p for top in ("router", "rl") for p in (ROOT / top).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            spelled = {ast.Constant: lambda n: n.value, ast.Name: lambda n: n.id, ast.Attribute: lambda n: n.attr,
+                       ast.keyword: lambda n: n.arg, ast.arg: lambda n: n.arg}.get(type(node), lambda n: None)(node)
+            assert spelled not in own, f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: {spelled!r}"

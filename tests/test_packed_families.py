@@ -46,7 +46,7 @@ from common.protocol.messages import (
 from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
-from router.core.request_params import check_family_fields, check_model_fields, to_params
+from router.core.request_params import to_params
 from router.api.schemas import FieldError, GenerateBody
 from test_sd3 import _graphs, _no_grad
 
@@ -141,9 +141,9 @@ def diffusers_output(model_dir: Path, p: GenerationParams, output_type: str) -> 
     if p.mu is not None:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             {**template.config, "base_shift": p.mu, "max_shift": p.mu})
-    guided = p.true_cfg_scale is not None and p.true_cfg_scale > 1
+    guided = p.fields.get("true_cfg_scale", 1.0) > 1
     kwargs = dict(prompt=p.prompt, negative_prompt=p.negative_prompt if guided else None,
-                  true_cfg_scale=p.true_cfg_scale, height=p.height, width=p.width,
+                  true_cfg_scale=p.fields.get("true_cfg_scale"), height=p.height, width=p.width,
                   num_inference_steps=p.num_inference_steps, max_sequence_length=p.max_sequence_length,
                   generator=torch.Generator("cpu").manual_seed(p.seed), output_type=output_type, sigmas=p.sigmas)
     if read_model(model_dir).transformer_config.get("guidance_embeds"):
@@ -327,10 +327,7 @@ def test_two_sizes_side_by_side_and_a_group_equal_their_runs_alone(which, dirs, 
 # --- 4. the router's rules -----------------------------------------------------------------------------------
 
 def _params(info, **body):
-    b = GenerateBody(prompt="a fox", **body)
-    check_family_fields(b, info.family)
-    check_model_fields(b, info)
-    return to_params(b, info.defaults, Limits(), info.num_train_timesteps, info.family)
+    return to_params(GenerateBody(prompt="a fox", **body), info, Limits())
 
 
 def test_router_rules_for_the_packed_families(dirs):
@@ -342,9 +339,9 @@ def test_router_rules_for_the_packed_families(dirs):
         _params(sd3, mu=0.5)
     assert e.value.field == "mu"
     # true CFG: with a negative prompt only; the default scale without one is 1 (no CFG), as the pipelines.
-    assert _params(qwen).true_cfg_scale == 1.0
-    assert _params(qwen, negative_prompt=" ").true_cfg_scale == 4.0  # QwenImagePipeline's default
-    assert _params(flux, negative_prompt="x", true_cfg_scale=3.0).true_cfg_scale == 3.0
+    assert _params(qwen).fields["true_cfg_scale"] == 1.0
+    assert _params(qwen, negative_prompt=" ").fields["true_cfg_scale"] == 4.0  # QwenImagePipeline's default
+    assert _params(flux, negative_prompt="x", true_cfg_scale=3.0).fields["true_cfg_scale"] == 3.0
     with pytest.raises(FieldError) as e:
         _params(flux, true_cfg_scale=3.0)
     assert e.value.field == "true_cfg_scale"

@@ -29,6 +29,7 @@ from router.link.join import Pending, PendingTable
 from router.api.openapi import inline_refs
 from router.link.registry import WorkerRegistry
 from router.core.request_params import to_params
+from common.families import read_model
 from router.api.schemas import FieldError, GenerateBody, LoadLoraBody, RolloutBody
 
 from conftest import ROOT
@@ -471,45 +472,53 @@ def test_weights_and_adapters_share_one_all_or_nothing_pattern():
 DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 4, "guidance_scale": 5.0}
 
 
-def test_to_params_fills_the_model_defaults():
-    p = to_params(GenerateBody(prompt="a fox", height=64), DEFAULTS, Limits())
+@pytest.fixture(scope="module")
+def info(tiny_dir):
+    """The tiny model's facts with these defaults."""
+    import dataclasses
+
+    return dataclasses.replace(read_model(tiny_dir), defaults=DEFAULTS)
+
+
+def test_to_params_fills_the_model_defaults(info):
+    p = to_params(GenerateBody(prompt="a fox", height=64), info, Limits())
     assert (p.height, p.width, p.num_frames, p.num_inference_steps, p.guidance_scale) == (64, 48, 5, 4, 5.0)
     assert p.rollout is None
 
 
-def test_noise_level_follows_the_sde_steps_own_rule():
-    assert to_params(RolloutBody(prompt="a fox", sde_type="sde", noise_level=1.5), DEFAULTS, Limits()).rollout
-    assert to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.0), DEFAULTS, Limits()).rollout
+def test_noise_level_follows_the_sde_steps_own_rule(info):
+    assert to_params(RolloutBody(prompt="a fox", sde_type="sde", noise_level=1.5), info, Limits()).rollout
+    assert to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.0), info, Limits()).rollout
     with pytest.raises(FieldError, match=r"cps noise_level must be in \[0, 1\]") as e:
-        to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.5), DEFAULTS, Limits())
+        to_params(RolloutBody(prompt="a fox", sde_type="cps", noise_level=1.5), info, Limits())
     assert e.value.field == "noise_level"
 
 
-def test_a_custom_schedule_sets_the_step_count_the_rollout_indices_are_checked_against():
+def test_a_custom_schedule_sets_the_step_count_the_rollout_indices_are_checked_against(info):
     body = RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[1, 0])
-    p = to_params(body, DEFAULTS, Limits())
+    p = to_params(body, info, Limits())
     assert p.num_inference_steps == 2 and p.rollout.sde_step_indices == [0, 1]
     with pytest.raises(FieldError) as e:
-        to_params(RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[2]), DEFAULTS, Limits())
+        to_params(RolloutBody(prompt="a fox", sigmas=[1.0, 0.5], sde_step_indices=[2]), info, Limits())
     assert e.value.field == "sde_step_indices"
     with pytest.raises(FieldError) as e:
-        to_params(GenerateBody(prompt="a fox", timesteps=[900.0, 500.0]), DEFAULTS, Limits(), n_train=800)
+        to_params(GenerateBody(prompt="a fox", timesteps=[900.0, 500.0]), __import__('dataclasses').replace(info, num_train_timesteps=800), Limits())
     assert e.value.field == "timesteps"
 
 
-def test_checks_report_the_first_bad_field_in_a_fixed_order():
+def test_checks_report_the_first_bad_field_in_a_fixed_order(info):
     body = GenerateBody(prompt="x" * 10, height=40, num_frames=6, n=99)
     with pytest.raises(FieldError) as e:
-        to_params(body, DEFAULTS, Limits(max_prompt_chars=5))
+        to_params(body, info, Limits(max_prompt_chars=5))
     assert e.value.field == "prompt"
     with pytest.raises(FieldError) as e:
-        to_params(body, DEFAULTS, Limits())
+        to_params(body, info, Limits())
     assert e.value.field == "height"
     with pytest.raises(FieldError) as e:
-        to_params(GenerateBody(prompt="a", num_frames=6, n=99), DEFAULTS, Limits())
+        to_params(GenerateBody(prompt="a", num_frames=6, n=99), info, Limits())
     assert e.value.field == "num_frames"
     with pytest.raises(FieldError) as e:
-        to_params(GenerateBody(prompt="a", n=99), DEFAULTS, Limits())
+        to_params(GenerateBody(prompt="a", n=99), info, Limits())
     assert e.value.field == "n"
 
 

@@ -346,8 +346,7 @@ def test_compiled_forwards_equal_eager(compiled_y, record_property):
 # --- 5. the router's field rules for an image family ---------------------------------------------------------
 
 def _params(info: ModelInfo, **body) -> GenerationParams:
-    return to_params(GenerateBody(prompt="a fox", **body), info.defaults, Limits(), info.num_train_timesteps,
-                     info.family)
+    return to_params(GenerateBody(prompt="a fox", **body), info, Limits())
 
 
 @pytest.mark.parametrize("body, field", [

@@ -38,7 +38,7 @@ from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATEN
 from conftest import reference_pipeline
 from family_harness import InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
-from router.core.request_params import check_image_fields, check_model_fields, to_params
+from router.core.request_params import to_params
 from router.api.schemas import FieldError, GenerateBody
 
 TOL = 1e-4
@@ -256,10 +256,7 @@ def test_a_group_equals_each_seed_alone(key, engines):
 
 
 def _check(info, **body):
-    b = GenerateBody(prompt="a fox", **body)
-    check_model_fields(b, info)
-    check_image_fields(b, info)
-    return to_params(b, info.defaults, Limits(), info.num_train_timesteps, info.family)
+    return to_params(GenerateBody(prompt="a fox", **body), info, Limits())
 
 
 def _refused(info, field: str, **body) -> str:

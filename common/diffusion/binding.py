@@ -29,6 +29,7 @@ from common.diffusion.parts.guidance import Guidance
 from common.diffusion.parts.latents import Geometry, LatentsPart
 from common.diffusion.parts.text import TextPart
 from common.diffusion.parts.transformer import TransformerPart
+from common.diffusion.request_fields import RequestField
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,9 +48,8 @@ class Binding:
     defaults: dict = field(default_factory=dict)
     # (transformer config, geometry) -> the pipeline's default height and width, where its config decides.
     default_size: Callable[[dict, Geometry], int] | None = None
-    max_sequence_length_limit: int = 512
-    # Optional request fields this family takes (beyond prompt, sizes, steps, guidance, seed, n, ...).
-    fields: frozenset[str] = frozenset()
+    # The request fields this family takes beyond those every family has (common/diffusion/request_fields.py).
+    request_fields: tuple[RequestField, ...] = ()
 
     @property
     def video(self) -> bool:

@@ -168,6 +168,9 @@ class RolloutParams(_Strict):
     return_log_probs: bool = True
 
 
+FieldValue = Union[bool, int, float, str]
+
+
 class GenerationParams(_Strict):
     """Everything a request asks for, after the router validated it."""
 
@@ -181,10 +184,9 @@ class GenerationParams(_Strict):
     seed: int  # sample i of the request draws from seed + i
     n: Annotated[int, msgspec.Meta(ge=1)] = 1  # samples, one unit of work through every stage
     output_type: OutputType = "frames"
-    guidance_scale_2: float | None = None
-    # FLUX / Qwen-Image: the classifier-free scale (1 without a negative prompt); guidance_scale is then the
-    # transformer's embedded guidance. None: the family's guidance_scale is its classifier-free scale.
-    true_cfg_scale: float | None = None
+    # The family's own fields (its binding's request_fields, e.g. a second expert's guidance scale), filled
+    # with their defaults by the router: read with common.diffusion.request_fields.field_value.
+    fields: dict[str, FieldValue] = {}
     sigmas: list[float] | None = None
     timesteps: list[float] | None = None
     mu: float | None = None

@@ -3,7 +3,8 @@
 What does not depend on the engine is in the body models themselves (router/api/schemas.py); what its flags
 (``--max-n``, ``--max-steps``, sizes, ``--request-timeout``, ``--max-lora-rank``) and its model directory (the
 size multiple, the fields the family takes, images, dynamic shifting) decide is said here, by body model
-(its schema's ``title``) and property. The router's checks (router/core/request_params.py) stay the authority;
+(its schema's ``title``) and property; the family's own fields are ``added`` (the bodies take no other
+field). The checks (common/diffusion/params.py) stay the authority;
 these facts say the same thing to clients and fuzzers.
 """
 
@@ -17,7 +18,8 @@ from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
 from router.core.engine import served_model_id
-from router.core.request_params import size_multiple
+from common.diffusion.params import OWN_SLOTS, size_multiple
+from router.api.openapi import constrain
 
 NULL_ONLY = {"type": "null"}  # a field this model refuses whatever its value: only null (or left out)
 MAX_ENUM = 256  # the most values an enum may list; past it the schema says less (a pattern, bounds)
@@ -55,12 +57,11 @@ def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
                                 "maximum": limits.max_steps},
         "n": {"maximum": limits.max_n},
         "timeout_s": {"maximum": limits.request_timeout_s},
-        "max_sequence_length": {"enum": [fixed]} if fixed else {"maximum": family.max_sequence_length_limit},
         "cache": {"properties": {"method": {"enum": methods}}} if methods else NULL_ONLY,
     }
-    for name in ("max_sequence_length", "true_cfg_scale", "guidance_scale_2"):
-        if name not in family.fields or (name == "guidance_scale_2" and info.boundary_ratio is None):
-            facts[name] = NULL_ONLY
+    length = next((f for f in family.request_fields if f.name == "max_sequence_length"), None)
+    facts["max_sequence_length"] = NULL_ONLY if length is None else {"enum": [fixed]} if fixed \
+        else {"maximum": length.maximum}
     if family.cfg_field != "guidance_scale" and family.guidance.embedded(info, 1.0) is None:
         facts["guidance_scale"] = NULL_ONLY
     if not info.dynamic_shifting:
@@ -71,6 +72,17 @@ def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
         facts["last_image"] = NULL_ONLY
     facts["num_frames"] = {"enum": _frames(config, info)}
     return facts
+
+
+def family_properties(info: ModelInfo) -> dict[str, dict]:
+    """The served family's own fields (its binding's ``request_fields`` beyond GenerationParams' own slots) as
+    schema properties; one this model directory refuses (e.g. a second expert's guidance on one expert): null."""
+    out = {}
+    for field in info.family.request_fields:
+        if field.name not in OWN_SLOTS:
+            refused = field.model_check is not None and field.model_check(info) is not None
+            out[field.name] = constrain(field.json_schema(), NULL_ONLY) if refused else field.json_schema()
+    return out
 
 
 def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
@@ -88,10 +100,12 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     }
     openai = {**common, "size": _sizes(multiple, config), "model": {"enum": [served_model_id(Path(info.path))]}}
     rank = {"properties": {"rank": {"maximum": limits.max_lora_rank}}}
-    facts = {"GenerateBody": {"properties": native},
-             "RolloutBody": {"properties": {**native, "sde_step_indices": steps}},
-             "ImagesBody": {"properties": openai},
-             "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])}},
+    added = family_properties(info)
+    facts = {"GenerateBody": {"properties": native, "added": added},
+             "RolloutBody": {"properties": {**native, "sde_step_indices": steps}, "added": added},
+             "ImagesBody": {"properties": openai, "added": added},
+             "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])},
+                           "added": added},
              "LoadLoraTensorsBody": rank, "LoraFromMemoryBody": rank}
     if info.family.condition.image_input(info) == "required":
         for title in ("GenerateBody", "RolloutBody", "VideoBody"):

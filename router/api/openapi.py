@@ -178,6 +178,9 @@ def _merge_facts(node, facts: dict[str, dict]):
     fact = facts.get(node.get("title")) if "properties" in node else None
     if fact:
         node = constrain(node, {"properties": fact.get("properties", {})})
+        if "added" in fact:  # the served family's own fields: the body takes these and no other extra one
+            node["properties"] = {**node["properties"], **fact["added"]}
+            node["additionalProperties"] = False
         if "required" in fact:
             node["required"] = fact["required"]
     return node

@@ -21,6 +21,8 @@ HttpOutputType = Literal["frames", "latent", "mp4", "png"]
 MEDIA_OUTPUTS = ("mp4", "png")
 
 
+
+
 class CacheBody(BaseModel):
     """A request's step caching (docs/api.md#step-caching)."""
 
@@ -31,23 +33,21 @@ class CacheBody(BaseModel):
 
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+    """The fields every family takes; the served family's own (its binding's ``request_fields``) come as extra
+    fields, checked with the rest by common/diffusion/params.py (an unknown one: 400 naming it)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False,
                               json_schema_extra={"examples": [{"prompt": "a red fox running through snow", "seed": 0}]})
 
     prompt: str
-    negative_prompt: str | None = Field(default=None, description="left out: the empty prompt; FLUX and Qwen-Image "
-                                        "run true CFG (true_cfg_scale) only with one, as their pipelines")
+    negative_prompt: str | None = Field(default=None, description="left out: the empty prompt (a family whose "
+                                        "classifier-free guidance needs one runs it only with one, as its pipeline)")
     # Sizes, steps and guidance left out take the model's serving defaults.
     height: int | None = None
     width: int | None = None
     num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (image families: 1)")
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0,
-                                           description="two-expert models: guidance of the low-noise expert")
-    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0, description="FLUX and Qwen-Image: "
-                                         "classifier-free guidance with negative_prompt (their guidance_scale is the "
-                                         "embedded guidance)")
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     n: int = Field(default=1, ge=1, description="samples, with seeds seed, seed+1, ...")
     sigmas: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = Field(

@@ -37,7 +37,7 @@ from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
 from router.core.metrics import EngineState, Metrics
 from router.core.progress import InFlight
-from router.core.request_params import check_family_fields, check_image_fields, check_model_fields, to_params
+from router.core.request_params import to_params
 from router.link.cancel import JOB_DELETED, Cancellations
 from router.link.dispatcher import Dispatcher
 from router.link.join import Outcome
@@ -148,14 +148,8 @@ class Engine:
     # --- generating -----------------------------------------------------------------------------------
     def params_for(self, body: GenerateBody) -> GenerationParams:
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
-        check_family_fields(body, self.info.family)
-        check_model_fields(body, self.info)
-        check_image_fields(body, self.info)
-        if body.guidance_scale_2 is not None and self.info.boundary_ratio is None:
-            raise FieldError("guidance_scale_2", "only two-expert models (with boundary_ratio) take it")
+        params = to_params(body, self.info, self.config.limits, self.config.cache)
         self.loras.check_name(body.lora_name)
-        params = to_params(body, self.info.defaults, self.config.limits, self.info.num_train_timesteps,
-                           self.info.family, self.config.cache)
         if params.cache is not None:
             problem = cache_problem(params.cache.method, self.info.family, self.config.workers, self.info)
             if problem:

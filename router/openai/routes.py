@@ -27,7 +27,7 @@ from router.core.engine import Engine
 from router.core.errors import FieldError
 from router.openai.job_store import JobRow
 from router.openai.jobs import IMAGE, VIDEO, Runner, Started
-from router.openai.schemas import ImagesBody, VideoBody, frames_for, parse_size, seconds_of
+from router.openai.schemas import EngineFields, ImagesBody, VideoBody, family_fields, frames_for, parse_size, seconds_of
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
 INPUT_REFERENCE = {"image": "input_reference"}
@@ -55,13 +55,12 @@ class OpenAIRoutes:
             return self.engine.params_for(gen)
         except FieldError as e:
             if e.field in renames:
-                raise FieldError(renames[e.field], str(e)) from None
+                raise FieldError(renames[e.field], f"{e.field} {str(e).removeprefix(e.field + ': ')}") from None
             raise
 
     def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
-        extra = {k: getattr(body, k) for k in ("negative_prompt", "num_inference_steps", "guidance_scale",
-                                                "guidance_scale_2", "true_cfg_scale", "seed", "lora_name",
-                                                "lora_scale", "timeout_s", "max_sequence_length")}
+        extra = {k: getattr(body, k) for k in EngineFields.model_fields if k != "cache"}
+        extra.update(family_fields(body))  # the served family's own, passed through as they came
         if getattr(body, "image", None) is not None:
             extra["image"] = body.image
         if "cache" in body.model_fields_set:  # left out: the engine's --cache; null: off

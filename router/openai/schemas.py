@@ -8,24 +8,27 @@ JSON: its values may be strings ("4"), so that model is lax.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.protocol.messages import LORA_NAME_PATTERN
-from router.api.schemas import MAX_SEED, CacheBody, FieldError
+from common.diffusion.params import COMMON
+from router.api.schemas import MAX_SEED, CacheBody, FieldError, GenerateBody
 
 
 class EngineFields(BaseModel):
     """What the engine takes beyond OpenAI's fields (extra body fields of the official client); each means
-    what the served family's diffusers pipeline means by it."""
+    what the served family's diffusers pipeline means by it. The family's own fields come as extra fields,
+    checked as /generate's (:func:`family_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
-    true_cfg_scale: float | None = None
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN)
     lora_scale: float = Field(default=1.0, ge=-100.0, le=100.0)
@@ -35,7 +38,7 @@ class EngineFields(BaseModel):
 
 
 class ImagesBody(EngineFields):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
         {"prompt": "a lighthouse at dusk", "size": "832x480", "n": 1, "response_format": "b64_json"}]})
 
     prompt: str
@@ -48,7 +51,7 @@ class ImagesBody(EngineFields):
 
 
 class VideoBody(EngineFields):
-    model_config = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False, json_schema_extra={"examples": [
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, json_schema_extra={"examples": [
         {"prompt": "a red fox running through snow", "seconds": "1", "size": "832x480"}]})
 
     prompt: str
@@ -61,6 +64,24 @@ class VideoBody(EngineFields):
     image: str | None = Field(default=None, description="image-to-video models: input_reference's image")
 
 
+def family_fields(body: EngineFields) -> dict:
+    """The body's extra fields (the served family's own, checked by the conversion). A video job's may come as
+    form text (lax, as its model): a value that reads as a JSON number or boolean is taken as one."""
+    extra = dict(body.model_extra or {})
+    for name in extra:  # a native field that OpenAI's bodies say otherwise (size, n, ...) or do not take
+        if name in GenerateBody.model_fields or name in COMMON:
+            raise FieldError(name, f"is not a field of this endpoint's body ({type(body).__name__})")
+    if body.model_config.get("strict") is False:
+        for name, value in extra.items():
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError:
+                    continue
+                extra[name] = parsed if isinstance(parsed, (bool, int, float)) else value
+    return extra
+
+
 def parse_size(size: str | None, defaults: dict) -> tuple[int, int]:
     """``"WxH"`` -> (width, height); None: the model's default size."""
     if size is None:
@@ -69,10 +90,7 @@ def parse_size(size: str | None, defaults: dict) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise FieldError("size", f"must be WIDTHxHEIGHT, e.g. 832x480, got {size!r}")
     width, height = int(parts[0]), int(parts[1])
-    for name, v in (("width", width), ("height", height)):
-        if v < 16 or v % 16:
-            raise FieldError("size", f"{name} must be a positive multiple of 16, got {v}")
-    return width, height
+    return width, height  # their multiples and bounds: the model's rule (common/diffusion/params.py)
 
 
 def frames_for(seconds: str | None, num_frames: int | None, fps: int, default_frames: int) -> int:

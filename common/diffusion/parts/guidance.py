@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.diffusion.request_fields import field_value
+
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
 
@@ -29,7 +31,7 @@ class Guidance:
 
     def scale(self, params) -> float:
         """The request's classifier-free guidance scale (guidance runs above 1)."""
-        value = getattr(params, self.field)
+        value = field_value(params, self.field)
         return 1.0 if value is None else float(value)
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

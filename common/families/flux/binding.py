@@ -23,6 +23,7 @@ from common.diffusion.parts.guidance import TrueGuidance
 from common.diffusion.parts.latents import Geometry, PackedLatents, autoencoder_kl_scale
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
 from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
+from common.diffusion.request_fields import TRUE_CFG_SCALE, max_sequence_length
 from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
 
 POOLED = "pooled_projections"
@@ -91,4 +92,4 @@ FLUX = Binding(
     defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 28, "guidance_scale": 3.5,
               "true_cfg_scale": 1.0, "max_sequence_length": 512},
     default_size=lambda tcfg, geometry: 128 * geometry.vae_scale_spatial,  # FluxPipeline.default_sample_size
-    fields=frozenset({"max_sequence_length", "true_cfg_scale"}))
+    request_fields=(max_sequence_length(), TRUE_CFG_SCALE))

@@ -24,6 +24,7 @@ from common.diffusion.parts.guidance import TrueGuidance
 from common.diffusion.parts.latents import Geometry, PackedLatents, vae_config
 from common.diffusion.parts.text import HIDDEN, MaskedText, TextCond
 from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
+from common.diffusion.request_fields import TRUE_CFG_SCALE, max_sequence_length
 from common.families.qwen_image.vae import QwenImageDecoder
 from common.protocol.messages import PROMPT_EMBEDS
 
@@ -92,8 +93,7 @@ QWEN_IMAGE = Binding(
     defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 50, "guidance_scale": 1.0,
               "true_cfg_scale": 4.0, "max_sequence_length": 512},
     default_size=lambda tcfg, geometry: 128 * geometry.vae_scale_spatial,  # QwenImagePipeline.default_sample_size
-    max_sequence_length_limit=1024,  # QwenImagePipeline.check_inputs
-    fields=frozenset({"max_sequence_length", "true_cfg_scale"}))
+    request_fields=(max_sequence_length(1024), TRUE_CFG_SCALE))  # 1024: QwenImagePipeline.check_inputs
 
 
 _TRACED = False

@@ -21,6 +21,7 @@ from common.diffusion.parts.guidance import Guidance
 from common.diffusion.parts.latents import Geometry, LatentsPart, autoencoder_kl_scale
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
 from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
+from common.diffusion.request_fields import max_sequence_length
 from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
 
 POOLED = "pooled_projections"  # the transformer's keyword for the pooled text
@@ -70,4 +71,4 @@ SD3 = Binding(
     defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 28, "guidance_scale": 7.0,
               "max_sequence_length": 256},
     default_size=lambda tcfg, geometry: int(tcfg.get("sample_size", 128)) * geometry.vae_scale_spatial,
-    fields=frozenset({"max_sequence_length"}))
+    request_fields=(max_sequence_length(),))

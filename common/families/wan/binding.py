@@ -25,6 +25,7 @@ from common.diffusion.parts.condition import FirstFrame
 from common.diffusion.parts.latents import Geometry, LatentsPart, vae_config
 from common.diffusion.parts.text import PaddedText
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.request_fields import GUIDANCE_SCALE_2, NUM_FRAMES, max_sequence_length
 from common.families.wan.text import MAX_SEQUENCE_LENGTH, WanTextEncoder
 from common.families.wan.transformer import WanTransformer
 from common.families.wan.vae import WanDecoder
@@ -33,7 +34,7 @@ from common.protocol.messages import PROMPT_EMBEDS
 # WanPipeline's own defaults (480p).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50, "guidance_scale": 5.0,
             "max_sequence_length": MAX_SEQUENCE_LENGTH}
-FIELDS = frozenset({"num_frames", "guidance_scale_2", "max_sequence_length"})
+FIELDS = (NUM_FRAMES, GUIDANCE_SCALE_2, max_sequence_length())
 
 
 def geometry(path, transformer_config: dict) -> Geometry:
@@ -80,4 +81,4 @@ WAN = Binding(
         teacache_source="published: TeaCache4Wan2.1, fitted on Wan2.1-T2V-1.3B", teacache_warmup=5),
     condition=FirstFrame(loader=load_image_conditioner),  # expand_timesteps models (TI2V) only
     fps=16,  # Wan2.1 / Wan2.2 text-to-video models make 16 frames per second (diffusers' examples export at 16)
-    defaults=DEFAULTS, fields=FIELDS)
+    defaults=DEFAULTS, request_fields=FIELDS)
