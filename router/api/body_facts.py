@@ -91,10 +91,12 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     limits, multiple = config.limits, size_multiple(info)
     common = _generation(config, info)
     steps = {"maxItems": limits.max_steps}
+    # A model that snaps sizes takes any within the bounds (the multiple rule holds for the snapped size).
+    step = {"minimum": 1} if info.family.latents.snaps_sizes else {"minimum": multiple, "multipleOf": multiple}
     native = {
         **common,
-        "height": {"minimum": multiple, "maximum": limits.max_height, "multipleOf": multiple},
-        "width": {"minimum": multiple, "maximum": limits.max_width, "multipleOf": multiple},
+        "height": {**step, "maximum": limits.max_height},
+        "width": {**step, "maximum": limits.max_width},
         "sigmas": steps,
         "timesteps": {**steps, "items": {"maximum": float(info.num_train_timesteps)}},
     }

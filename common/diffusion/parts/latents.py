@@ -50,6 +50,9 @@ class LatentsPart:
 
     geometry: GeometryReader
     video: bool = False  # a frame axis: [C, F', H', W']
+    # The pipeline snaps a requested size (:meth:`size`, e.g. to resolution bins), so any size within the
+    # bounds is a valid request; the multiple rule holds for the snapped one.
+    snaps_sizes: bool = False
 
     def size(self, info: "ModelInfo", height: int, width: int, fields: dict) -> tuple[int, int]:
         """The (height, width) a request's latents are made at, which every other method here takes, for its
