@@ -65,6 +65,8 @@ def geometry(path, transformer_config: dict) -> Geometry:
 class BinnedLatents(LatentsPart):
     """Image latents made at the resolution bin of the requested size unless the request turns binning off."""
 
+    snaps_sizes: bool = True
+
     def size(self, info, height: int, width: int, fields: dict) -> tuple[int, int]:
         return binned_size(info, height, width) if fields.get(BINNING, True) else (height, width)
 
