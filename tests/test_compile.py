@@ -3,7 +3,7 @@
 Compiled outputs equal eager ones (a second policy on the same weights) within 1e-4 for a guided forward, a
 batched forward whose rows share texts, and rows with a LoRA adapter covered after the compile; a new plan
 or a new mix of adapters compiles nothing, and batch sizes 1, 2, 3, 5 of one latent shape compile at most
-two graphs (batch 1 and any larger batch). Graphs compiled are counted by dynamo's own counters.
+two graphs (batch 1 and any larger batch), latents passed positionally too. Graphs compiled are counted by dynamo's own counters.
 """
 
 from __future__ import annotations
@@ -132,3 +132,25 @@ def test_a_failing_compile_raises_and_leaves_the_experts_eager(tiny_dir):
     x = ModelInput(torch.randn(1, *SHAPE), torch.tensor(900.0), torch.randn(1, 512, 32), None, 1.0)
     out, graphs = _run(policy.velocity, x)  # eager again: runs, and nothing goes to the backend
     assert out.shape == x.latents.shape and graphs == 0
+
+
+def test_a_positional_input_compiles_one_graph_for_any_larger_batch():
+    """A transformer part may call its expert with the latents positionally (``model(hidden_states, ...)``):
+    that tensor's batch is dynamic as a keyword's is, so batch sizes 2, 4, 5 share one graph."""
+    class Expert(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states, scale=None):
+            return self.proj(hidden_states) * scale
+
+    expert = Expert()
+    compile_experts({"transformer": expert}, backend="eager", log_recompiles=False)
+    graphs = []
+    for n in (2, 4, 5):
+        x = torch.randn(n, 3, 4)
+        got, compiled_now = _run(expert, x, torch.ones(n, 1, 1))
+        assert torch.equal(got, expert.proj(x))
+        graphs.append(compiled_now)
+    assert graphs == [1, 0, 0], graphs

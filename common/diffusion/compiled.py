@@ -69,14 +69,17 @@ def compile_experts(target: "Policy | dict[str, torch.nn.Module]", mode: str | N
 def _prepare_inputs(module, args, kwargs, dynamic: dict[str, tuple[int, ...]]):
     """The batch dimension dynamic, and the ``dynamic`` ones of a keyword (every other one static), and
     dense strides: dynamo guards on strides, so an expanded text or timestep (a view, stride 0) would be a
-    graph of its own; ``contiguous()`` is not enough, it keeps a size-1 dimension's stride."""
+    graph of its own; ``contiguous()`` is not enough, it keeps a size-1 dimension's stride. Positional
+    tensors too (a call ``model(hidden_states, ...)``): else each batch size is a graph of its own."""
     def dense(k, v):
+        if not isinstance(v, torch.Tensor) or not v.dim():
+            return v
         if v.stride() != _dense_strides(v.shape):
             v = v.clone(memory_format=torch.contiguous_format)
         for dim in (0, *dynamic.get(k, ())):
             torch._dynamo.maybe_mark_dynamic(v, dim)
         return v
-    return args, {k: dense(k, v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in kwargs.items()}
+    return tuple(dense(None, v) for v in args), {k: dense(k, v) for k, v in kwargs.items()}
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
