@@ -13,6 +13,8 @@ heads, text encoder, ``flow_shift`` and ``timestep_scale``). Everything float32 
 4. LoRA: a diffusers file (``SanaLoraLoaderMixin``'s format) against diffusers' loader.
 5. Step caching: first-block caching skips steps and stays near the full run; teacache is refused (no
    published polynomial).
+6. Request fields: binning, sizes and ``clean_caption``.
+7. Compile (heavy): compiled forwards equal eager ones, nothing compiled after the warm-up.
 """
 
 from __future__ import annotations
@@ -313,3 +315,57 @@ def test_request_fields_binning_and_clean_caption(dirs):
     call = inspect.signature(SanaPipeline.__call__).parameters
     assert {k: SANA.defaults[k] for k in ("num_inference_steps", "guidance_scale", "max_sequence_length")} == \
         {k: call[k].default for k in ("num_inference_steps", "guidance_scale", "max_sequence_length")}
+# --- 7. compile --------------------------------------------------------------------------------------------
+
+COMPILE_TOL = 1e-4
+
+
+@pytest.mark.heavy  # compiling a family's transformer takes 10-25 s here: tests/test_compile.py covers compiling by default
+def test_compiled_forwards_equal_eager(dirs, record_property):
+    """The one-block configuration through inductor, warmed up at its default request: a guided forward, rows
+    of two requests with texts of two budgets (padded and masked to the longest) and a group of rows at the
+    shorter budget alone (the text length is dynamic) equal eager, nothing compiled after the warm-up."""
+    from common.diffusion.compiled import compile_experts, warm_up
+    from common.diffusion.policy import ModelInput, Policy
+    from test_compile import _graphs, _run as _no_grad
+
+    eager = engine(dirs, "y")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(eager.max_threads)  # as a --compile worker: its one thread count (graphs guard on it)
+    try:
+        compiled = Policy.load(eager.info, DTYPE, torch.device("cpu"))
+        compile_experts(compiled, log_recompiles=False)
+        before = _graphs()
+        seconds = warm_up(compiled)
+        assert list(seconds) == ["transformer"] and _graphs() - before >= 1  # the warm-up did compile
+        d = eager.info.defaults
+        shape = eager.info.latent_shape(d["height"], d["width"])[1:]
+        g = torch.Generator().manual_seed(9)
+
+        def latents(n):
+            return torch.randn(n, *shape, generator=g)
+
+        def texts(prompt, negative, length):
+            task = eager.task(eager.params(prompt=prompt, negative_prompt=negative, guidance_scale=4.0,
+                                           max_sequence_length=length))
+            return task.cond, task.uncond
+
+        prompt, negative = texts("a red fox in the snow", "blurry", d["max_sequence_length"])
+        other, short_negative = texts("a boat on a calm lake", "blurry", 24)
+        single = ModelInput(latents(1), torch.tensor(900.0), prompt, negative, 4.5)
+        got, graphs = _no_grad(compiled.velocity, single)
+        diffs = {"guided": max_diff(got, _no_grad(eager.policy.velocity, single)[0])}
+        assert graphs == 0  # the warm-up compiled it
+        batches = {"batched": [ModelInput(latents(2), torch.tensor(900.0), prompt, negative, 4.0),
+                               ModelInput(latents(1), torch.tensor(600.0), other, None, 1.0)],
+                   "short": [ModelInput(latents(3), torch.tensor(700.0), other, short_negative, 3.0)]}
+        for name, inputs in batches.items():
+            got, graphs = _no_grad(compiled.batched_velocity, inputs)
+            want = _no_grad(eager.policy.batched_velocity, inputs)[0]
+            diffs[name] = max(max_diff(a, b) for a, b in zip(got, want))
+            assert graphs == 0, name  # other batch sizes, budgets and texts than the warm-up's: its graphs
+    finally:
+        torch.set_num_threads(threads)
+    record_property("max_diff", diffs)
+    print(f"\n[sana compile] warm-up {seconds['transformer']:.1f}s {diffs}")
+    assert max(diffs.values()) <= COMPILE_TOL
