@@ -35,6 +35,8 @@ BODIES = [
     ("tiny", GenerateBody, dict(prompt="a fox", num_frames=9, height=64, width=32, num_inference_steps=3)),
     ("tiny-sd3", RolloutBody, dict(prompt="a fox", negative_prompt="", max_sequence_length=16, sde_type="ode",
                                    lora_name="a", lora_scale=0.5, output_type="latent")),
+    ("tiny-sana", GenerateBody, dict(prompt="a fox", use_resolution_binning=False, height=64, width=96)),
+    ("tiny-sana", RolloutBody, dict(prompt="a fox", negative_prompt="blurry", sde_type="sde", output_type="latent")),
 ]
 
 
@@ -68,6 +70,7 @@ def test_family_fields_take_their_defaults_and_rules():
     ("tiny-qwen-image", {"max_sequence_length": 2048}, "max_sequence_length"),
     ("tiny", {"height": 1400}, "height"),  # beyond the engine's default limits
     ("tiny", {"sde_type": "cps", "noise_level": 1.5}, "noise_level"),  # the step variant's own rule
+    ("tiny-sana", {"clean_caption": True}, "clean_caption"),  # declared, refused
 ])
 def test_a_field_refused_names_it_as_the_router_does(model, fields, field):
     t = trainer(model)
