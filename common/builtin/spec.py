@@ -1,9 +1,10 @@
 """What every built-in spec is: a frozen dataclass of sizes plus the request it serves, with the pipeline
-class it builds and the fields written as its serving defaults; the checks several families share."""
+class it builds and the fields written as its serving defaults; the sizes of the components several families
+share (CLIP text, T5, ``AutoencoderKL``), each a dataclass mixed into their specs, and their checks."""
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # How the safetensors files store the weights (they are generated in float32 either way; loaders cast to the
@@ -41,9 +42,45 @@ def check_weights_dtype(spec) -> None:
         raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
 
 
-def check_kl_vae(spec, levels: int) -> None:
-    """An ``AutoencoderKL`` of ``levels`` levels (``vae_block_out_channels``, ``vae_norm_num_groups``,
-    ``vae_layers_per_block``)."""
+# The shared components' fields are keyword-only, so that a spec's own fields (its name first) may follow them
+# and a spec may set other defaults for them.
+@dataclass(frozen=True, kw_only=True)
+class ClipLSizes:
+    """CLIP-L's sizes (``CLIPTextModel`` / ``CLIPTextModelWithProjection``, quick_gelu as
+    openai/clip-vit-large-patch14); :func:`common.builtin.text_encoders.clip_sizes` reads them by prefix."""
+
+    clip_l_hidden_size: int = 32
+    clip_l_num_layers: int = 2
+    clip_l_num_heads: int = 2
+    clip_l_intermediate_size: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class T5Sizes:
+    """A T5 encoder's sizes (``T5EncoderModel``, gated-gelu as t5-v1_1-xxl) and its unigram tokenizer's
+    vocabulary; ``t5_d_model`` is the width the transformer reads; :func:`common.builtin.text_encoders.t5_sizes`
+    reads them."""
+
+    t5_d_model: int = 32
+    t5_d_kv: int = 16
+    t5_d_ff: int = 64
+    t5_num_layers: int = 2
+    t5_num_heads: int = 2
+    t5_vocab_size: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLVaeSizes:
+    """An ``AutoencoderKL``'s widths (:func:`common.builtin.vaes.autoencoder_kl`): one level per entry of
+    ``vae_block_out_channels``."""
+
+    vae_block_out_channels: tuple[int, ...] = (4, 4, 8, 8)
+    vae_layers_per_block: int = 1
+    vae_norm_num_groups: int = 4
+
+
+def check_kl_vae(spec: KLVaeSizes, levels: int) -> None:
+    """An ``AutoencoderKL`` of ``levels`` levels."""
     if len(spec.vae_block_out_channels) != levels:
         raise ValueError(f"vae_block_out_channels must have {levels} entries (8x downsampling)")
     if spec.vae_norm_num_groups < 1 or any(c % spec.vae_norm_num_groups for c in spec.vae_block_out_channels):
@@ -52,9 +89,16 @@ def check_kl_vae(spec, levels: int) -> None:
         raise ValueError("vae_layers_per_block must be >= 1")
 
 
-def check_t5(spec) -> None:
-    """A T5 encoder (``t5_d_model``, ``t5_d_kv``, ``t5_d_ff``, ``t5_num_layers``, ``t5_num_heads``) and its
-    unigram tokenizer's ``t5_vocab_size``."""
+def check_clip(spec, prefix: str) -> None:
+    """The CLIP text encoder of ``spec``'s ``{prefix}_*`` sizes (as :class:`ClipLSizes`'s, and a projection)."""
+    hidden, heads = getattr(spec, f"{prefix}_hidden_size"), getattr(spec, f"{prefix}_num_heads")
+    others = (getattr(spec, f"{prefix}_{n}") for n in ("num_layers", "intermediate_size", "projection_dim"))
+    if min(hidden, heads, *others) < 1 or hidden % heads:
+        raise ValueError(f"{prefix}_hidden_size must be a positive multiple of {prefix}_num_heads")
+
+
+def check_t5(spec: T5Sizes) -> None:
+    """A T5 encoder and its unigram tokenizer's vocabulary."""
     from common.builtin.tokenizer.unigram import FIXED_TOKENS
 
     if min(spec.t5_d_model, spec.t5_d_kv, spec.t5_d_ff, spec.t5_num_layers, spec.t5_num_heads) < 1:

@@ -41,6 +41,12 @@ def t5_encoder(spec, component: str, umt5: bool = False, **sizes) -> PreTrainedM
     return seeded(spec, component, lambda: getattr(transformers, f"{kind}EncoderModel")(config))
 
 
+def t5_sizes(spec) -> dict:
+    """:func:`t5_encoder`'s sizes of a spec's T5 (:class:`common.builtin.spec.T5Sizes`)."""
+    return dict(vocab_size=spec.t5_vocab_size, d_model=spec.t5_d_model, d_kv=spec.t5_d_kv, d_ff=spec.t5_d_ff,
+                num_layers=spec.t5_num_layers, num_heads=spec.t5_num_heads)
+
+
 def clip_text_config(tokenizer: CLIPTokenizer, hidden_size: int, intermediate_size: int, projection_dim: int,
                      num_layers: int, num_heads: int, hidden_act: str) -> dict:
     """``CLIPTextConfig`` arguments with these sizes and the tokenizer's vocabulary, context and ids."""
@@ -69,6 +75,17 @@ def clip_text_encoder(spec, component: str, with_projection: bool, **config) -> 
     config = transformers.CLIPTextConfig(**clip_text_config(**config))
     model = transformers.CLIPTextModelWithProjection if with_projection else transformers.CLIPTextModel
     return seeded(spec, component, lambda: model(config))
+
+
+def clip_sizes(spec, prefix: str, tokenizer: CLIPTokenizer) -> dict:
+    """:func:`clip_text_encoder`'s config of a spec's CLIP-L (``prefix`` "clip_l",
+    :class:`common.builtin.spec.ClipLSizes`) or CLIP-G ("clip_g") with ``tokenizer``: as the real encoders,
+    openai's CLIP-L uses quick_gelu, laion's bigG plain gelu."""
+    return dict(tokenizer=tokenizer, hidden_size=getattr(spec, f"{prefix}_hidden_size"),
+                intermediate_size=getattr(spec, f"{prefix}_intermediate_size"),
+                projection_dim=getattr(spec, f"{prefix}_projection_dim"),
+                num_layers=getattr(spec, f"{prefix}_num_layers"), num_heads=getattr(spec, f"{prefix}_num_heads"),
+                hidden_act="quick_gelu" if prefix == "clip_l" else "gelu")
 
 
 # Qwen2.5-VL's language-model constants (rotary base, norm epsilon, context length).

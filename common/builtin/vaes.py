@@ -11,28 +11,29 @@ from common.builtin.build import seeded
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
 
+    from common.builtin.spec import KLVaeSizes
+
 LATENT_CHANNELS = 16
 # Wan's VAEs: three 2x spatial downsamplings (8x), the last two also 2x in time (4x).
 WAN_TEMPORAL_DOWNSAMPLE = (False, True, True)
 
 
-def autoencoder_kl(spec, block_out_channels: tuple[int, ...], layers_per_block: int, norm_num_groups: int,
-                   sample_size: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
-    """``AutoencoderKL`` with 16 latent channels, one level per entry of ``block_out_channels``,
+def autoencoder_kl(spec: KLVaeSizes, sample_size: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
+    """``AutoencoderKL`` of the spec's widths (:class:`common.builtin.spec.KLVaeSizes`) with 16 latent channels,
     ``sample_size`` pixels and the family's latent normalisation."""
     from diffusers import AutoencoderKL
 
-    levels = len(block_out_channels)
+    levels = len(spec.vae_block_out_channels)
     config = dict(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * levels,
         up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=block_out_channels,
-        layers_per_block=layers_per_block,
+        block_out_channels=spec.vae_block_out_channels,
+        layers_per_block=spec.vae_layers_per_block,
         act_fn="silu",
         latent_channels=LATENT_CHANNELS,
-        norm_num_groups=norm_num_groups,
+        norm_num_groups=spec.vae_norm_num_groups,
         sample_size=sample_size,
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,

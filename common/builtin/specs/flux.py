@@ -8,7 +8,8 @@ from typing import ClassVar
 from dataclasses import dataclass
 
 from common.builtin.build import seeded
-from common.builtin.spec import BuiltinSpec, check_kl_vae, check_t5, check_weights_dtype
+from common.builtin.spec import (BuiltinSpec, ClipLSizes, KLVaeSizes, T5Sizes, check_clip, check_kl_vae, check_t5,
+                                 check_weights_dtype)
 
 # AutoencoderKL with four levels downsamples 8x, as FLUX's VAE does.
 VAE_LEVELS = 4
@@ -27,9 +28,11 @@ MAX_T5_SEQUENCE_LENGTH = 512
 ROPE_AXES = 3
 
 
-@dataclass(frozen=True)
-class TinyFluxSpec(BuiltinSpec):
-    """One tiny FLUX.1 text-to-image configuration plus the request it is meant to serve."""
+@dataclass(frozen=True, kw_only=True)
+class TinyFluxSpec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
+    """One tiny FLUX.1 text-to-image configuration plus the request it is meant to serve: CLIP-L (FLUX uses its
+    pooled output) and T5 (its hidden states are the prompt embeddings), the VAE (``AutoencoderKL`` with 16
+    latent channels, FLUX's scaling and shift factors), the transformer and scheduler below."""
 
     PIPELINE = "FluxPipeline"
     SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale",
@@ -51,22 +54,6 @@ class TinyFluxSpec(BuiltinSpec):
     axes_dims_rope: tuple[int, ...] = (4, 6, 6)
     # FLUX.1-dev's distilled guidance: the guidance scale goes into the transformer as an embedding.
     guidance_embeds: bool = True
-    # CLIP-L (CLIPTextModel, quick_gelu as openai/clip-vit-large-patch14); FLUX uses its pooled output.
-    clip_l_hidden_size: int = 32
-    clip_l_num_layers: int = 2
-    clip_l_num_heads: int = 2
-    clip_l_intermediate_size: int = 64
-    # T5 (T5EncoderModel, gated-gelu as t5-v1_1-xxl); t5_d_model is the transformer's joint_attention_dim.
-    t5_d_model: int = 32
-    t5_d_kv: int = 16
-    t5_d_ff: int = 64
-    t5_num_layers: int = 2
-    t5_num_heads: int = 2
-    t5_vocab_size: int = 256
-    # VAE (AutoencoderKL with 16 latent channels, FLUX's scaling and shift factors).
-    vae_block_out_channels: tuple[int, ...] = (4, 4, 8, 8)
-    vae_layers_per_block: int = 1
-    vae_norm_num_groups: int = 4
     # Scheduler (FlowMatchEulerDiscreteScheduler) as FLUX.1-dev ships it: the shift follows the image
     # sequence length, from base_shift at base_image_seq_len to max_shift at max_image_seq_len.
     shift: float = 3.0
@@ -101,12 +88,18 @@ class TinyFluxSpec(BuiltinSpec):
         # The pooled embedding is CLIPTextModel's pooler_output, hidden_size wide.
         return self.clip_l_hidden_size
 
+    @property
+    def clip_l_projection_dim(self) -> int:
+        # FLUX's CLIPTextModel has no projection, but its config carries one as CLIP-L's does: the hidden size.
+        return self.clip_l_hidden_size
+
     def __post_init__(self) -> None:
         # Lists would leave the spec unhashable.
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
         object.__setattr__(self, "vae_block_out_channels", tuple(self.vae_block_out_channels))
         self._check_transformer()
-        self._check_text_encoders()
+        check_clip(self, "clip_l")
+        check_t5(self)
         check_kl_vae(self, VAE_LEVELS)
         self._check_scheduler()
         self._check_request()
@@ -119,12 +112,6 @@ class TinyFluxSpec(BuiltinSpec):
             raise ValueError(f"axes_dims_rope must be {ROPE_AXES} positive even dimensions")
         if sum(self.axes_dims_rope) != self.attention_head_dim:
             raise ValueError("axes_dims_rope must sum to attention_head_dim")
-
-    def _check_text_encoders(self) -> None:
-        hidden, heads = self.clip_l_hidden_size, self.clip_l_num_heads
-        if min(hidden, heads, self.clip_l_num_layers, self.clip_l_intermediate_size) < 1 or hidden % heads:
-            raise ValueError("clip_l_hidden_size must be a positive multiple of clip_l_num_heads")
-        check_t5(self)
 
     def _check_scheduler(self) -> None:
         if self.shift <= 0:
@@ -213,12 +200,11 @@ def scheduler_config(spec: TinyFluxSpec) -> dict:
 
 
 def components(spec: TinyFluxSpec) -> dict:
-    """``FluxPipeline``'s components of ``spec``: the scheduler, the VAE, CLIP-L (``CLIPTextModel``: FLUX uses
-    its pooled output; its config carries a projection as CLIP-L's does, the hidden size) and T5 with their
-    tokenizers, the transformer."""
+    """``FluxPipeline``'s components of ``spec``: the scheduler, the VAE, CLIP-L (``CLIPTextModel``) and T5 with
+    their tokenizers, the transformer."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-    from common.builtin.text_encoders import clip_text_encoder, t5_encoder
+    from common.builtin.text_encoders import clip_sizes, clip_text_encoder, t5_encoder, t5_sizes
     from common.builtin.tokenizer.clip import CLIP_L_PAD_TOKEN, clip_tokenizer
     from common.builtin.tokenizer.unigram import t5_tokenizer
     from common.builtin.vaes import autoencoder_kl
@@ -226,18 +212,11 @@ def components(spec: TinyFluxSpec) -> dict:
     tokenizer = clip_tokenizer(CLIP_L_PAD_TOKEN)
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(spec)),
-        vae=autoencoder_kl(spec, spec.vae_block_out_channels, spec.vae_layers_per_block, spec.vae_norm_num_groups,
-                           sample_size=DEFAULT_SAMPLE_SIZE * VAE_SPATIAL_STRIDE,  # in pixels, as FLUX.1's 1024
+        vae=autoencoder_kl(spec, sample_size=DEFAULT_SAMPLE_SIZE * VAE_SPATIAL_STRIDE,  # in pixels, as FLUX.1's 1024
                            scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR),
-        text_encoder=clip_text_encoder(spec, "text_encoder", False, tokenizer=tokenizer,
-                                       hidden_size=spec.clip_l_hidden_size,
-                                       intermediate_size=spec.clip_l_intermediate_size,
-                                       projection_dim=spec.clip_l_hidden_size, num_layers=spec.clip_l_num_layers,
-                                       num_heads=spec.clip_l_num_heads, hidden_act="quick_gelu"),
+        text_encoder=clip_text_encoder(spec, "text_encoder", False, **clip_sizes(spec, "clip_l", tokenizer)),
         tokenizer=tokenizer,
-        text_encoder_2=t5_encoder(spec, "text_encoder_2", vocab_size=spec.t5_vocab_size, d_model=spec.t5_d_model,
-                                  d_kv=spec.t5_d_kv, d_ff=spec.t5_d_ff, num_layers=spec.t5_num_layers,
-                                  num_heads=spec.t5_num_heads),
+        text_encoder_2=t5_encoder(spec, "text_encoder_2", **t5_sizes(spec)),
         tokenizer_2=t5_tokenizer(spec.t5_vocab_size),
         transformer=seeded(spec, "transformer", lambda: FluxTransformer2DModel(**transformer_config(spec))),
     )

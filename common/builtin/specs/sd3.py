@@ -9,7 +9,8 @@ from typing import ClassVar
 from dataclasses import dataclass
 
 from common.builtin.build import seeded
-from common.builtin.spec import BuiltinSpec, check_kl_vae, check_t5, check_weights_dtype
+from common.builtin.spec import (BuiltinSpec, ClipLSizes, KLVaeSizes, T5Sizes, check_clip, check_kl_vae, check_t5,
+                                 check_weights_dtype)
 
 # AutoencoderKL with four levels downsamples 8x, as SD3's VAE does.
 VAE_LEVELS = 4
@@ -24,9 +25,11 @@ MAX_T5_SEQUENCE_LENGTH = 512
 QK_NORMS = (None, "rms_norm", "layer_norm")
 
 
-@dataclass(frozen=True)
-class TinySD3Spec(BuiltinSpec):
-    """One tiny SD3 / SD3.5 text-to-image configuration plus the request it is meant to serve."""
+@dataclass(frozen=True, kw_only=True)
+class TinySD3Spec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
+    """One tiny SD3 / SD3.5 text-to-image configuration plus the request it is meant to serve: CLIP-L and CLIP-G
+    (``CLIPTextModelWithProjection`` both), T5, the VAE (``AutoencoderKL`` with 16 latent channels, SD3.5's
+    scaling and shift factors), the transformer and scheduler below."""
 
     PIPELINE = "StableDiffusion3Pipeline"
     SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
@@ -50,11 +53,7 @@ class TinySD3Spec(BuiltinSpec):
     # SD3.5-style blocks with a second image self-attention (MMDiT-X); () is SD3.0.
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
-    # CLIP-L (CLIPTextModelWithProjection, quick_gelu as openai/clip-vit-large-patch14).
-    clip_l_hidden_size: int = 32
-    clip_l_num_layers: int = 2
-    clip_l_num_heads: int = 2
-    clip_l_intermediate_size: int = 64
+    # CLIP-L's projection (its other sizes: ClipLSizes).
     clip_l_projection_dim: int = 32
     # CLIP-G (CLIPTextModelWithProjection, gelu as laion's CLIP-ViT-bigG-14).
     clip_g_hidden_size: int = 48
@@ -62,17 +61,9 @@ class TinySD3Spec(BuiltinSpec):
     clip_g_num_heads: int = 2
     clip_g_intermediate_size: int = 96
     clip_g_projection_dim: int = 48
-    # T5 (T5EncoderModel, gated-gelu as t5-v1_1-xxl); t5_d_model is the transformer's joint_attention_dim.
+    # T5 wider than the two CLIPs side by side (its other sizes: T5Sizes).
     t5_d_model: int = 96
-    t5_d_kv: int = 16
     t5_d_ff: int = 128
-    t5_num_layers: int = 2
-    t5_num_heads: int = 2
-    t5_vocab_size: int = 256
-    # VAE (AutoencoderKL with 16 latent channels, SD3.5's scaling and shift factors).
-    vae_block_out_channels: tuple[int, ...] = (4, 4, 8, 8)
-    vae_layers_per_block: int = 1
-    vae_norm_num_groups: int = 4
     # Scheduler (FlowMatchEulerDiscreteScheduler); SD3 and SD3.5 ship shift 3.0.
     shift: float = 3.0
     seed: int = 0
@@ -106,6 +97,7 @@ class TinySD3Spec(BuiltinSpec):
         object.__setattr__(self, "vae_block_out_channels", tuple(self.vae_block_out_channels))
         self._check_transformer()
         self._check_text_encoders()
+        check_t5(self)
         check_kl_vae(self, VAE_LEVELS)
         self._check_request()
         check_weights_dtype(self)
@@ -124,14 +116,11 @@ class TinySD3Spec(BuiltinSpec):
             raise ValueError("sample_size must be a multiple of patch_size within pos_embed_max_size patches")
 
     def _check_text_encoders(self) -> None:
-        for prefix in ("clip_l", "clip_g"):
-            hidden, heads = getattr(self, f"{prefix}_hidden_size"), getattr(self, f"{prefix}_num_heads")
-            if min(hidden, heads, getattr(self, f"{prefix}_projection_dim")) < 1 or hidden % heads:
-                raise ValueError(f"{prefix}_hidden_size must be a positive multiple of {prefix}_num_heads")
+        check_clip(self, "clip_l")
+        check_clip(self, "clip_g")
         # SD3 zero-pads the two CLIP hidden states, side by side, to the T5 width before joining them.
         if self.clip_l_hidden_size + self.clip_g_hidden_size > self.t5_d_model:
             raise ValueError("clip_l_hidden_size + clip_g_hidden_size must not exceed t5_d_model")
-        check_t5(self)
 
     def _check_request(self) -> None:
         # The pipeline needs whole patches of whole latent pixels (16 px for patch 2).
@@ -208,22 +197,12 @@ def transformer_config(spec: TinySD3Spec) -> dict:
     )
 
 
-def _clip(spec: TinySD3Spec, prefix: str, tokenizer) -> dict:
-    """CLIP-L's (``prefix`` "clip_l") or CLIP-G's ("clip_g") sizes; as the real encoders, openai's CLIP-L uses
-    quick_gelu, laion's bigG plain gelu."""
-    return dict(tokenizer=tokenizer, hidden_size=getattr(spec, f"{prefix}_hidden_size"),
-                intermediate_size=getattr(spec, f"{prefix}_intermediate_size"),
-                projection_dim=getattr(spec, f"{prefix}_projection_dim"),
-                num_layers=getattr(spec, f"{prefix}_num_layers"), num_heads=getattr(spec, f"{prefix}_num_heads"),
-                hidden_act="quick_gelu" if prefix == "clip_l" else "gelu")
-
-
 def components(spec: TinySD3Spec) -> dict:
     """``StableDiffusion3Pipeline``'s components of ``spec``: the transformer, the flow-match scheduler SD3 /
     SD3.5 ship (static shift), the VAE, the three text encoders and their tokenizers."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-    from common.builtin.text_encoders import clip_text_encoder, t5_encoder
+    from common.builtin.text_encoders import clip_sizes, clip_text_encoder, t5_encoder, t5_sizes
     from common.builtin.tokenizer.clip import CLIP_G_PAD_TOKEN, CLIP_L_PAD_TOKEN, clip_tokenizer
     from common.builtin.tokenizer.unigram import t5_tokenizer
     from common.builtin.vaes import autoencoder_kl
@@ -232,15 +211,12 @@ def components(spec: TinySD3Spec) -> dict:
     return dict(
         transformer=seeded(spec, "transformer", lambda: SD3Transformer2DModel(**transformer_config(spec))),
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=spec.shift),
-        vae=autoencoder_kl(spec, spec.vae_block_out_channels, spec.vae_layers_per_block, spec.vae_norm_num_groups,
-                           sample_size=spec.sample_size * VAE_SPATIAL_STRIDE, scaling_factor=VAE_SCALING_FACTOR,
+        vae=autoencoder_kl(spec, sample_size=spec.sample_size * VAE_SPATIAL_STRIDE, scaling_factor=VAE_SCALING_FACTOR,
                            shift_factor=VAE_SHIFT_FACTOR),
-        text_encoder=clip_text_encoder(spec, "text_encoder", True, **_clip(spec, "clip_l", tokenizer)),
+        text_encoder=clip_text_encoder(spec, "text_encoder", True, **clip_sizes(spec, "clip_l", tokenizer)),
         tokenizer=tokenizer,
-        text_encoder_2=clip_text_encoder(spec, "text_encoder_2", True, **_clip(spec, "clip_g", tokenizer_2)),
+        text_encoder_2=clip_text_encoder(spec, "text_encoder_2", True, **clip_sizes(spec, "clip_g", tokenizer_2)),
         tokenizer_2=tokenizer_2,
-        text_encoder_3=t5_encoder(spec, "text_encoder_3", vocab_size=spec.t5_vocab_size, d_model=spec.t5_d_model,
-                                  d_kv=spec.t5_d_kv, d_ff=spec.t5_d_ff, num_layers=spec.t5_num_layers,
-                                  num_heads=spec.t5_num_heads),
+        text_encoder_3=t5_encoder(spec, "text_encoder_3", **t5_sizes(spec)),
         tokenizer_3=t5_tokenizer(spec.t5_vocab_size),
     )
