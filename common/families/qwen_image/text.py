@@ -8,29 +8,15 @@ forward and masks the padding, as the pipeline does for a batch of prompts.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from common.diffusion.parts.pipeline_text import PipelineTextEncoder
 from common.protocol.messages import PROMPT_EMBEDS
 
 
-class QwenImageTextEncoder:
-    def __init__(self, pipe):
-        self.pipe = pipe  # a QwenImagePipeline holding only the tokenizer and text encoder
-        self.device = pipe.text_encoder.device
-
-    @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype, device) -> "QwenImageTextEncoder":
-        from diffusers import QwenImagePipeline
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-        path = Path(model_dir)
-        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype)
-        pipe = QwenImagePipeline(scheduler=None, vae=None, transformer=None,
-                                 tokenizer=AutoTokenizer.from_pretrained(path / "tokenizer"),
-                                 text_encoder=encoder.to(device).eval().requires_grad_(False))
-        return cls(pipe)
+class QwenImageTextEncoder(PipelineTextEncoder):
+    PIPELINE = "QwenImagePipeline"
+    ENCODERS = {"text_encoder": "Qwen2_5_VLForConditionalGeneration"}
 
     @torch.no_grad()
     def wire_tensors(self, prompts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:

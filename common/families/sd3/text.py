@@ -1,9 +1,9 @@
 """SD3's text conditioning: CLIP-L, CLIP-G and T5, joined as ``StableDiffusion3Pipeline.encode_prompt`` joins them.
 
-The encoder worker and a trainer (``rl.TrainerPolicy``) both encode here, with diffusers' own
-``encode_prompt`` on a text-only pipeline: the two CLIP models' penultimate hidden states joined on the
-feature axis and zero-padded to T5's width, then T5's sequence after them; the CLIP pooled outputs
-joined into ``pooled_projections``. A prompt travels in full ([77 + max_sequence_length, D] and [P]):
+Encoded with diffusers' own ``encode_prompt`` on a text-only pipeline
+(:class:`~common.diffusion.parts.pipeline_text.PipelineTextEncoder`): the two CLIP models' penultimate hidden
+states joined on the feature axis and zero-padded to T5's width, then T5's sequence after them; the CLIP pooled
+outputs joined into ``pooled_projections``. A prompt travels in full ([77 + max_sequence_length, D] and [P]):
 unlike Wan's, its padding tokens carry values.
 """
 
@@ -13,35 +13,21 @@ from pathlib import Path
 
 import torch
 
+from common.diffusion.parts.pipeline_text import PipelineTextEncoder
 from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
 
 
-class SD3TextEncoder:
-    def __init__(self, pipe):
-        self.pipe = pipe  # a StableDiffusion3Pipeline holding only the tokenizers and text encoders
-        self.device = pipe.text_encoder.device
+class SD3TextEncoder(PipelineTextEncoder):
+    PIPELINE = "StableDiffusion3Pipeline"
+    ENCODERS = {"text_encoder": "CLIPTextModelWithProjection", "text_encoder_2": "CLIPTextModelWithProjection",
+                "text_encoder_3": "T5EncoderModel"}
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype, device) -> "SD3TextEncoder":
-        # Imported here: the other stages need none of transformers' models.
-        from diffusers import StableDiffusion3Pipeline
-        from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
-
-        path = Path(model_dir)
-        parts = {}
-        for i, suffix in enumerate(("", "_2")):
-            parts[f"tokenizer{suffix}"] = AutoTokenizer.from_pretrained(path / f"tokenizer{suffix}")
-            parts[f"text_encoder{suffix}"] = CLIPTextModelWithProjection.from_pretrained(
-                path / f"text_encoder{suffix}", dtype=dtype)
-        if not (path / "text_encoder_3").is_dir():
-            raise FileNotFoundError(f"{path}: no text_encoder_3 (T5); the engine serves SD3 with its T5 encoder")
-        parts["tokenizer_3"] = AutoTokenizer.from_pretrained(path / "tokenizer_3")
-        parts["text_encoder_3"] = T5EncoderModel.from_pretrained(path / "text_encoder_3", dtype=dtype)
-        for name, part in parts.items():
-            if name.startswith("text_encoder"):
-                parts[name] = part.to(device).eval().requires_grad_(False)
-        pipe = StableDiffusion3Pipeline(transformer=None, scheduler=None, vae=None, **parts)
-        return cls(pipe)
+        # SD3 checkpoints may leave T5 out (the pipeline then pads with zeros); the engine serves it with T5.
+        if not (Path(model_dir) / "text_encoder_3").is_dir():
+            raise FileNotFoundError(f"{model_dir}: no text_encoder_3 (T5); the engine serves SD3 with its T5 encoder")
+        return super().load(model_dir, dtype, device)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
