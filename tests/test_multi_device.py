@@ -99,11 +99,11 @@ def _diff(a: dict, b: dict) -> float:
     return max(diffs)
 
 
-def _assert_same(got: list[dict], want: list[dict]) -> None:
+def _assert_same(got: list[dict], want: list[dict], tol: float = TOL) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g["seed"] == w["seed"] and g["scheduler"] == w["scheduler"]
-        assert _diff(g, w) <= TOL
+        assert _diff(g, w) <= tol
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -179,6 +179,10 @@ OTHER_MODELS = {  # model: (layout, request overrides)
     "small": ("cfg2-ulysses2", {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 3}),
     "tiny-sana": ("cfg2", {"height": 96, "width": 160}),  # no context-parallel plan in diffusers: CFG parallel
 }
+# One device runs SANA's [uncond, cond] in one forward, CFG parallel a row per rank: the latents round apart
+# (2.6e-6 of 6.3) and its random DC-AE (latents / 0.414, six levels) and resize turn that into 1.7e-5 of the
+# frames (measured in process on this request: two one-row forwards against one of both rows).
+FRAMES_TOL = {"tiny-sana": 5e-5}
 
 
 @pytest.mark.heavy
@@ -190,7 +194,8 @@ def test_other_models_equal_one_device(model, refs, tmp_path_factory, lora_root)
         with EngineClient(engine.url) as c:
             for path, case in (CASES["serving-frames"], CASES["rollout-group"]):
                 body = {**BASE, **case, **over}
-                _assert_same(_samples(c, path, body), _samples(refs(model), path, body))
+                tol = FRAMES_TOL.get(model, TOL) if body["output_type"] == "frames" else TOL
+                _assert_same(_samples(c, path, body), _samples(refs(model), path, body), tol)
     finally:
         engine.stop()
 
