@@ -68,3 +68,14 @@ def test_launch_with_teacache_by_default_on_it_ends_in_one_line(checkpoint):
     assert r.returncode != 0 and "Traceback" not in r.stderr and "starting" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith(
         "launch.py: error: --cache: StableDiffusion3Pipeline has no published TeaCache polynomial"), r.stderr
+
+
+def test_sana_built_ins_carry_no_polynomial_and_refuse_teacache():
+    """SANA has no published polynomial and none was fitted on its built-ins: teacache is refused saying how to
+    fit one, first_block serves (tests/test_step_cache.py runs SANA with it)."""
+    info = read_model(ensure_builtin("tiny-sana"))
+    assert info.family.transformer.teacache_coefficients is None and not (info.path / SETTINGS_FILE).exists()
+    assert teacache_source(info) is None
+    problem = cache_problem("teacache", info.family, [], info)
+    assert "no published TeaCache polynomial" in problem and "bench/fit_teacache.py MODEL_DIR --write" in problem
+    assert cache_problem("first_block", info.family, [], info) is None

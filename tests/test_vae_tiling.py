@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
+from diffusers import AutoencoderDC, AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
@@ -19,6 +19,7 @@ from common.diffusion.vae_tiling import DEFAULT_TILING_PIXELS, VaeTiling
 from common.families import read_model
 from common.builtin import ensure_builtin
 from common.families.qwen_image.vae import QwenImageDecoder
+from common.families.sana.vae import SanaDecoder
 from common.diffusion.parts.decoder import AutoencoderKLDecoder
 from common.families.wan.vae import WanDecoder
 from common.families.wan.image import WanImageConditioner
@@ -83,6 +84,9 @@ FAMILY_CASES = {  # built-in model: its latents for a size, tiles smaller than t
     "tiny-sd3": (lambda info, h, w, f: _seeded((1, info.latent_channels, h // 8, w // 8)), _kl_tiles, 1, 64),
     "tiny-flux": (_packed_latents, _kl_tiles, 1, 64),
     "tiny-qwen-image": (_packed_latents, _wan_tiles, 1, 64),
+    "tiny-sana": (lambda info, h, w, f: _seeded((1, info.latent_channels, h // info.vae_scale_spatial,
+                                                 w // info.vae_scale_spatial)),
+                  lambda vae: vae.enable_tiling(96, 96, 64, 64), 1, 128),  # a 32x VAE: 2 x 2 tiles of 3 latents
 }
 
 
@@ -130,6 +134,18 @@ def _dummy_qwen_image():
                                   latents_std=[1.0] * 4).eval()
 
 
+def _dummy_dc():  # diffusers' SANA pipeline test's (two levels: 2x)
+    torch.manual_seed(0)
+    return AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2,
+                         encoder_block_types=("ResBlock", "EfficientViTBlock"),
+                         decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+                         decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)),
+                         decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
+                         decoder_layers_per_block=[1, 1], downsample_block_type="conv",
+                         upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+                         scaling_factor=0.41407).eval()
+
+
 def _tiled_and_whole(make_decoder, latents, *size) -> tuple[torch.Tensor, torch.Tensor]:
     whole = make_decoder(VaeTiling("off")).decode(latents, *size)
     tiled_decoder = make_decoder(VaeTiling("on"))
@@ -167,6 +183,13 @@ def test_qwen_image_tiled_decode_within_diffusers_tolerance():
         info.family.latents.unpack(_seeded((1, 256, 16)), info, 256, 256), 256, 256)  # the dummy VAE is 4x: 32 x 32 latents, 128 x 128 pixels
     assert tiled.shape == (1, 1, 128, 128, 3)
     assert (tiled - whole).abs().max() < DIFFUSERS_TILING_TOLERANCE  # measured 0.086
+
+
+def test_sana_tiled_decode_within_diffusers_tolerance():
+    tiled, whole = _tiled_and_whole(lambda t: SanaDecoder(_tiles_like_diffusers(_dummy_dc), "cpu", t),
+                                    _seeded((1, 4, 64, 64)), 128, 128)
+    assert tiled.shape == (1, 1, 128, 128, 3)
+    assert (tiled - whole).abs().max() < DIFFUSERS_TILING_TOLERANCE  # measured 0.062
 
 
 # --- image to video: the encoder half ------------------------------------------------------------------------
