@@ -43,6 +43,8 @@ def test_alpha_comes_from_the_config_its_patterns_or_defaults_to_the_rank():
     ({**_state(), "blocks.0.attn1.to_q.lora_B.bias": torch.zeros(8)}, LoraConfig(), "not a LoRA key"),
     ({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 8)}, LoraConfig(), "needs both"),
     ({"m.lora_A.weight": torch.zeros(4, 8), "m.lora_B.weight": torch.zeros(8, 3)}, LoraConfig(), "low-rank pair"),
+    ({"ff.conv.lora_A.weight": torch.zeros(4, 8, 1, 1), "ff.conv.lora_B.weight": torch.zeros(8, 4, 1, 1)},
+     LoraConfig(), "ff.conv: .* adapt a convolution; adapters apply to Linear layers only"),
     ({}, LoraConfig(), "no tensors"),
 ])
 def test_unusable_states_are_refused_naming_the_problem(state, config, needle):

@@ -10,7 +10,8 @@ heads, text encoder, ``flow_shift`` and ``timestep_scale``). Everything float32 
 2. Rollouts (flow-match Euler with the serving shift): log-probs equal ``TrainerPolicy.log_probs`` within 1e-5.
 3. Batching: requests at different steps with texts of other ``max_sequence_length`` (padded and masked in one
    forward), and a group of 3, equal their runs alone within 1e-5.
-4. LoRA: a diffusers file (``SanaLoraLoaderMixin``'s format) against diffusers' loader.
+4. LoRA: a diffusers file (``SanaLoraLoaderMixin``'s format) against diffusers' loader; an adapter of the
+   convolution feed-forward is refused naming it.
 5. Step caching: first-block caching skips steps and stays near the full run; teacache is refused (no
    published polynomial).
 6. Request fields: binning, sizes and ``clean_caption``.
@@ -269,6 +270,19 @@ def test_lora_equals_diffusers(dirs, tmp_path, record_property):
     record_property("max_diff", d)
     assert max_diff(got, eng.run(p).latents) > 1e-3  # the adapter changes the output
     assert d <= TOL
+
+
+def test_an_adapter_of_the_convolution_feed_forward_is_refused_naming_it(dirs, tmp_path):
+    """SANA's feed-forward is 1x1 and depthwise convolutions (GLUMBConv): an adapter diffusers saves for them is
+    refused, naming the module and the Linear-only rule (a 400 on /v1/load_lora_adapter), before any weight."""
+    import lora_fixtures as lf
+    from common.diffusion.lora_format import LoraError, read_lora
+
+    ad = lf.make_diffusers_lora(dirs("x"), tmp_path / "conv", rank=4, alpha=8,
+                                target_modules=["attn1.to_q", "ff.conv_inverted"], seed=1)
+    with pytest.raises(LoraError, match=r"transformer_blocks\.0\.ff\.conv_inverted: .* adapt a convolution; "
+                                        "adapters apply to Linear layers only"):
+        read_lora(str(ad.path), None)
 
 
 # --- 5. step caching -----------------------------------------------------------------------------------------

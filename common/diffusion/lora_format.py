@@ -118,6 +118,9 @@ def _module(module: str, p: dict[str, torch.Tensor], config: LoraConfig) -> tupl
     a, b = p.get("lora_A.weight"), p.get("lora_B.weight")
     if a is None or b is None:
         raise LoraError(f"{module}: needs both lora_A.weight and lora_B.weight")
+    if a.dim() > 2 and b.dim() > 2:  # peft's pair for a convolution: [r, in, *kernel] / [out, r, 1, ...]
+        raise LoraError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} adapt a convolution; adapters "
+                        "apply to Linear layers only")
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
         raise LoraError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not form a low-rank pair")
     alpha_key = p.get("alpha")
