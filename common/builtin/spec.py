@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 # How the safetensors files store the weights (they are generated in float32 either way; loaders cast to the
 # dtype they ask for).
@@ -15,16 +16,25 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 def later_field(default):
     """A spec field added after cached models existed: part of the cache key only when it differs from
     ``default`` (see :func:`common.builtin.cache.keyed_fields`)."""
-    return field(default=default, metadata={"keyed_if_set": True})
+    return field(default=default, metadata={"keyed_if_set": True}, kw_only=True)
 
 
+# The fields of the dataclasses below are keyword-only, so that a spec's own fields (its name first) may follow
+# them and a spec may give them other defaults.
+@dataclass(frozen=True, kw_only=True)
 class BuiltinSpec:
-    """Mixed into each family's spec dataclass. A subclass sets ``PIPELINE`` (the diffusers pipeline class
+    """The base of each family's spec dataclass. A subclass sets ``PIPELINE`` (the diffusers pipeline class
     name; or overrides :attr:`pipeline`) and ``SERVING_DEFAULT_KEYS`` (its fields written to
     ``serving_defaults.json``); its module defines ``components(spec)``, the pipeline's components."""
 
-    PIPELINE = ""
-    SERVING_DEFAULT_KEYS: tuple[str, ...] = ()
+    PIPELINE: ClassVar[str] = ""
+    SERVING_DEFAULT_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    # Every component's weights are drawn from this seed (common.builtin.build.seeded).
+    seed: int = 0
+    # How the safetensors files store the weights (they are generated in float32 either way; loaders cast to
+    # the dtype they ask for); checked by check_weights_dtype.
+    weights_dtype: str = "float32"
 
     @property
     def pipeline(self) -> str:
@@ -42,8 +52,6 @@ def check_weights_dtype(spec) -> None:
         raise ValueError(f"weights_dtype must be one of {WEIGHT_DTYPES}")
 
 
-# The shared components' fields are keyword-only, so that a spec's own fields (its name first) may follow them
-# and a spec may set other defaults for them.
 @dataclass(frozen=True, kw_only=True)
 class ClipLSizes:
     """CLIP-L's sizes (``CLIPTextModel`` / ``CLIPTextModelWithProjection``, quick_gelu as

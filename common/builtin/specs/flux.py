@@ -62,9 +62,6 @@ class TinyFluxSpec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
     max_shift: float = 1.15
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
-    seed: int = 0
-    # How the safetensors files store the weights (they are generated in float32 either way).
-    weights_dtype: str = "float32"
     # Default request for this model: guidance_scale is the embedded guidance, true_cfg_scale > 1 (with
     # a negative prompt) runs true classifier-free guidance on top.
     height: int = 64

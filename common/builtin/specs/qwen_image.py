@@ -84,9 +84,6 @@ class TinyQwenImageSpec(BuiltinSpec):
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 2, 4, 4)
     vae_num_res_blocks: int = 1
-    seed: int = 0
-    # How the safetensors files store the weights (they are generated in float32 either way).
-    weights_dtype: str = "float32"
     # Default request for this model.
     height: int = 64
     width: int = 64

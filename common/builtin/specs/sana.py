@@ -5,7 +5,6 @@ DPM-Solver the diffusers checkpoints ship)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 from common.builtin.build import seeded
@@ -27,13 +26,6 @@ SCHEDULER_CONFIG = dict(
     solver_type="midpoint", steps_offset=0, thresholding=False, timestep_spacing="linspace", use_beta_sigmas=False,
     use_exponential_sigmas=False, use_flow_sigmas=True, use_karras_sigmas=False, variance_type=None)
 SAMPLE_SIZES = (16, 32, 64, 128)  # SanaPipeline's resolution bins (512, 1024, 2048, 4096 px)
-
-
-def complex_human_instruction() -> list[str]:
-    """``SanaPipeline.__call__``'s default instruction: its tokenizer learns it into a few hundred tokens."""
-    from diffusers import SanaPipeline
-
-    return list(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
 
 
 @dataclass(frozen=True)
@@ -65,8 +57,6 @@ class TinySanaSpec(BuiltinSpec):
     vae_block_out_channels: tuple[int, ...] = (4, 4, 8, 8, 8, 8)
     vae_attention_head_dim: int = 4
     flow_shift: float = 3.0
-    seed: int = 0
-    weights_dtype: str = "float32"
     # Default request
     height: int = 512
     width: int = 512
@@ -106,7 +96,9 @@ def components(spec: TinySanaSpec) -> dict:
 
     from common.builtin.text_encoders import gemma2
     from common.builtin.tokenizer.gemma import gemma_tokenizer
+    from common.families.sana.text import complex_human_instruction
 
+    # The pipeline's instruction before every prompt: the tokenizer learns it into a few hundred tokens.
     tokenizer = gemma_tokenizer(complex_human_instruction())
     inner = spec.num_attention_heads * spec.attention_head_dim
     transformer = seeded(spec, "transformer", lambda: SanaTransformer2DModel(

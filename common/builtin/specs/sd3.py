@@ -66,9 +66,6 @@ class TinySD3Spec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
     t5_d_ff: int = 128
     # Scheduler (FlowMatchEulerDiscreteScheduler); SD3 and SD3.5 ship shift 3.0.
     shift: float = 3.0
-    seed: int = 0
-    # How the safetensors files store the weights (they are generated in float32 either way).
-    weights_dtype: str = "float32"
     # Default request for this model.
     height: int = 64
     width: int = 64

@@ -51,9 +51,7 @@ class TinyWanSpec(BuiltinSpec):
     # Wan2.2-style mixture of two experts.
     two_experts: bool = False
     boundary_ratio: float | None = None
-    seed: int = 0
-    # How the safetensors files store the weights (they are generated in
-    # float32 either way; loaders cast to the dtype they ask for).
+    # BuiltinSpec's, added after cached Wan models existed.
     weights_dtype: str = later_field("float32")
     # Default request for this model.
     height: int = 32
