@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from common.builtin.tokenizer.bpe import learn_merges
 from common.builtin.tokenizer.corpus import corpus
 
 if TYPE_CHECKING:
@@ -75,46 +76,13 @@ def _corpus_words() -> Counter[str]:
     return words
 
 
-def learn_merges(words: Counter[str], num_merges: int) -> list[tuple[str, str]]:
-    """Greedy BPE: repeatedly merge the most frequent adjacent pair of symbols.
-
-    Ties go to the lexicographically smallest pair, so the result does not depend on hash or
-    dict order (the ``tokenizers`` trainer breaks ties differently from run to run).
-    """
-    # Each word as its symbols, the last one carrying the end-of-word suffix.
-    segmented = {tuple(w[:-1]) + (w[-1] + _END_OF_WORD,): n for w, n in sorted(words.items())}
-    merges: list[tuple[str, str]] = []
-    while len(merges) < num_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, n in segmented.items():
-            for pair in zip(symbols, symbols[1:]):
-                pairs[pair] += n
-        if not pairs:
-            break  # every word is a single token
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        segmented = {_apply_merge(symbols, best): n for symbols, n in segmented.items()}
-    if len(merges) < num_merges:
-        raise ValueError(f"corpus too small for {num_merges} merges")
-    return merges
-
-
-def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    out: list[str] = []
-    i = 0
-    while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
-            out.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            out.append(symbols[i])
-            i += 1
-    return tuple(out)
-
-
 def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's layout: bytes, word-final bytes, merged tokens in merge order, then the special tokens."""
-    merges = learn_merges(_corpus_words(), NUM_MERGES)
+    # Each word as its symbols, the last one carrying the end-of-word suffix.
+    words = {tuple(w[:-1]) + (w[-1] + _END_OF_WORD,): n for w, n in sorted(_corpus_words().items())}
+    merges = learn_merges(words, NUM_MERGES)
+    if len(merges) < NUM_MERGES:
+        raise ValueError(f"corpus too small for {NUM_MERGES} merges")
     vocab = _base_vocab()
     for left, right in merges:
         # Two different pairs can spell the same token; it keeps its first id.

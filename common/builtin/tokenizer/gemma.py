@@ -9,6 +9,7 @@ import string
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from common.builtin.tokenizer.bpe import learn_merges
 from common.builtin.tokenizer.corpus import corpus
 
 if TYPE_CHECKING:
@@ -19,33 +20,10 @@ NUM_MERGES = 400
 MODEL_MAX_LENGTH = 8192
 
 
-def learn_merges(lines: list[str], count: int) -> list[tuple[str, str]]:
-    """Greedy BPE on ``lines`` (words marked by a leading \u2581, as SentencePiece): the most frequent adjacent
-    pair first, ties broken by the pair, so the result is the same in every process."""
-    words = Counter(tuple(w) for line in lines for w in line.replace(" ", " \u2581").split(" ") if w)
-    merges = []
-    for _ in range(count):
-        pairs = Counter()
-        for w, n in words.items():
-            for pair in zip(w, w[1:]):
-                pairs[pair] += n
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        merged = Counter()
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i:i + 2] == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged[tuple(out)] += n
-        words = merged
-    return merges
+def words_of(lines: list[str]) -> Counter[tuple[str, ...]]:
+    """The words of ``lines`` as their characters, each after the first of a line marked by a leading \u2581
+    (as SentencePiece's), with their counts."""
+    return Counter(tuple(w) for line in lines for w in line.replace(" ", " \u2581").split(" ") if w)
 
 
 def gemma_tokenizer(extra_lines: tuple[str, ...] | list[str] = ()) -> GemmaTokenizer:
@@ -53,7 +31,7 @@ def gemma_tokenizer(extra_lines: tuple[str, ...] | list[str] = ()) -> GemmaToken
     the 256 byte tokens, the corpus' characters, then the merges learnt from the corpus and ``extra_lines``."""
     from transformers import GemmaTokenizer
 
-    merges = learn_merges(corpus() + list(extra_lines), NUM_MERGES)
+    merges = learn_merges(words_of(corpus() + list(extra_lines)), NUM_MERGES)
     chars = sorted(set("\u2581\n" + string.ascii_letters + string.digits + string.punctuation))
     vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + [f"<0x{b:02X}>" for b in range(256)] + chars)}
     for a, b in merges:
