@@ -55,7 +55,7 @@ def test_an_address_of_another_host_fails_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("model, why", [
-    ("tiny-wan", "{path} does not exist; did you mean tiny-wan-i2v or "),  # a typo of a built-in name
+    ("tiny-wan", "{path} does not exist; did you mean "),  # a typo of a built-in name
     ("/nonexistent/dir", "{path} does not exist (built-in models: "),
     (".", "{path} has no model_index.json (not a diffusers model directory) (built-in models: "),
 ])
@@ -66,6 +66,8 @@ def test_an_unknown_model_lists_the_built_in_names_and_whether_the_path_exists(t
     assert line.startswith(f"launch.py: error: --model {model}: not a built-in model, and "
                            + why.format(path=path)), line
     assert line.endswith(f"(built-in models: {', '.join(BUILTINS)})")
+    if "did you mean" in why:  # the closest names, the one meant among them
+        assert "tiny-wan-i2v" in line.split("did you mean ")[1].split("?")[0].split(" or "), line
     assert r.returncode != 0 and not (tmp_path / "rt").exists()
 
 

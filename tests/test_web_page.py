@@ -279,7 +279,12 @@ def test_an_image_to_video_model_takes_the_uploaded_image(web, engine_factory, t
 
 def test_static_files_ship_with_the_package():
     """What the pages load is inside the package (pyproject's package data), never from a CDN."""
-    static = Path(__file__).resolve().parent.parent / "router" / "static"
+    root = Path(__file__).resolve().parent.parent
+    static = root / "router" / "api" / "static"
+    import tomllib
+
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert {"static/*", "static/swagger/*"} <= set(package_data["router.api"])
     for name in ("index.html", "app.js", "key.js", "docs.js", "style.css", "swagger/swagger-ui-bundle.js",
                  "swagger/swagger-ui.css", "swagger/favicon-32x32.png", "swagger/LICENSE"):
         assert (static / name).is_file(), name
