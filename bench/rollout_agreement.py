@@ -38,10 +38,13 @@ CASES = [
 
 def bench_model(name: str, requests: int, repeats: int) -> dict:
     model_dir = ensure_builtin(name)
-    d = read_model(model_dir).defaults
+    info = read_model(model_dir)
+    d = info.defaults
     policy = TrainerPolicy(model_dir)
-    base = dict(negative_prompt="", height=d["height"], width=d["width"], num_frames=d["num_frames"],
-                num_inference_steps=d["num_inference_steps"], guidance_scale=d["guidance_scale"])
+    # The model's own defaults, sent explicitly; guidance stays the model's (an image model without a guidance
+    # embedding takes no guidance_scale), frames only where the model makes videos.
+    base = dict(negative_prompt="", height=d["height"], width=d["width"], num_inference_steps=d["num_inference_steps"],
+                **({"num_frames": d["num_frames"]} if info.family.video else {}))
     worst, count = 0.0, 0
     timing: dict[str, list[float]] = {"serving UniPC": [], "rollout ODE": [], "rollout SDE+logp": []}
     with EngineProcess(name) as eng, EngineClient(eng.url) as c:
