@@ -172,3 +172,39 @@ class InStage:
                 out[msg.request_id] = outcome
         assert set(out) == set(requests)
         return out
+
+
+class ModuleModels:
+    """What a family test module builds once per model directory (the in-process engine path, diffusers' own
+    pipeline for it, the trainer's policy), dropped by :meth:`clear` at the module's end."""
+
+    def __init__(self):
+        self.engines: dict[str, InProcess] = {}
+        self.pipes: dict[str, object] = {}
+        self.trainers: dict[str, object] = {}
+
+    def engine(self, model_dir: Path) -> InProcess:
+        if str(model_dir) not in self.engines:
+            self.engines[str(model_dir)] = InProcess(model_dir)
+        return self.engines[str(model_dir)]
+
+    def pipe(self, model_dir: Path):
+        """The family's diffusers pipeline on ``model_dir``, laid out as the engine's weights (reference_pipeline)."""
+        import diffusers
+        from conftest import reference_pipeline
+
+        if str(model_dir) not in self.pipes:
+            cls = getattr(diffusers, read_model(model_dir).family.pipeline)
+            self.pipes[str(model_dir)] = reference_pipeline(cls.from_pretrained(model_dir, dtype=DTYPE))
+        return self.pipes[str(model_dir)]
+
+    def trainer(self, model_dir: Path):
+        from rl import TrainerPolicy
+
+        if str(model_dir) not in self.trainers:
+            self.trainers[str(model_dir)] = TrainerPolicy(model_dir)
+        return self.trainers[str(model_dir)]
+
+    def clear(self) -> None:
+        for made in (self.engines, self.pipes, self.trainers):
+            made.clear()

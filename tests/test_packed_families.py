@@ -43,9 +43,8 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, GenerationParams,
     RolloutParams,
 )
-from conftest import reference_pipeline
-from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
-from rl import TrainerPolicy, Trajectory
+from family_harness import CPU, DTYPE, InProcess, ModuleModels, compare_tasks, max_diff
+from rl import Trajectory
 from router.core.request_params import to_params
 from router.api.schemas import FieldError, GenerateBody
 from test_sd3 import _graphs, _no_grad
@@ -93,13 +92,11 @@ def _module_state():
     yield
     torch.set_num_threads(threads)
     _DIRS.clear()
-    _ENGINES.clear()
-    _PIPES.clear()
+    _MODELS.clear()
 
 
 _DIRS: dict[str, Path] = {}
-_ENGINES: dict[str, InProcess] = {}
-_PIPES: dict[str, object] = {}
+_MODELS = ModuleModels()
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +113,10 @@ def dirs(tmp_path_factory):
 
 
 def engine(dirs, which: str) -> InProcess:
-    if which not in _ENGINES:
-        _ENGINES[which] = InProcess(dirs(which))
-    return _ENGINES[which]
+    return _MODELS.engine(dirs(which))
 
 
-def pipe_for(model_dir: Path):
-    import diffusers
-
-    key = str(model_dir)
-    if key not in _PIPES:
-        cls = getattr(diffusers, read_model(model_dir).family.pipeline)
-        _PIPES[key] = reference_pipeline(cls.from_pretrained(model_dir, dtype=DTYPE))
-    return _PIPES[key]
+pipe_for = _MODELS.pipe
 
 
 def diffusers_output(model_dir: Path, p: GenerationParams, output_type: str) -> torch.Tensor:
@@ -233,7 +221,6 @@ ROLLOUTS = {
     "qwen-sde-mu": ("qwen-x", dict(rollout=RolloutParams(sde_type="sde", noise_level=0.8, return_trajectory=True),
                                    mu=0.6, seed=8, height=48, width=80)),
 }
-_TRAINERS: dict[str, TrainerPolicy] = {}
 
 
 @pytest.mark.parametrize("case", list(ROLLOUTS), ids=list(ROLLOUTS))
@@ -262,10 +249,8 @@ def test_rollout_log_probs_equal_trainer_recompute(case, dirs, record_property):
     noise = torch.randn((1, 16, p.height // 8, p.width // 8), generator=torch.Generator("cpu").manual_seed(p.seed))
     packed = noise.view(1, 16, p.height // 16, 2, p.width // 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, seq, 64)
     assert torch.equal(traj.latents[0], packed[0])
-    if which not in _TRAINERS:
-        _TRAINERS[which] = TrainerPolicy(dirs(which))
     with torch.no_grad():
-        again = _TRAINERS[which].log_probs(traj, steps, p)
+        again = _MODELS.trainer(dirs(which)).log_probs(traj, steps, p)
     d = max_diff(again, log_probs[0])
     record_property("max_diff", d)
     print(f"\n[{case}] log-probs {d:.3g}")

@@ -38,9 +38,8 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, CacheParams,
     RolloutParams,
 )
-from conftest import reference_pipeline
-from family_harness import DTYPE, InProcess, compare_tasks, max_diff
-from rl import TrainerPolicy, Trajectory
+from family_harness import DTYPE, InProcess, ModuleModels, compare_tasks, max_diff
+from rl import Trajectory
 
 TOL = 1e-4
 RECOMPUTE_TOL = 1e-5
@@ -57,9 +56,7 @@ SANA_Y = dataclasses.replace(SPECS["tiny-sana"], name="sana-test-y", num_layers=
                              seed=11, num_inference_steps=3, guidance_scale=3.0)
 CONFIGS = {"x": SANA_X, "y": SANA_Y}
 _DIRS: dict[str, Path] = {}
-_ENGINES: dict[str, InProcess] = {}
-_PIPES: dict[str, object] = {}
-_TRAINERS: dict[str, TrainerPolicy] = {}
+_MODELS = ModuleModels()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,8 +64,8 @@ def _module_state():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-    for d in (_DIRS, _ENGINES, _PIPES, _TRAINERS):
-        d.clear()
+    _DIRS.clear()
+    _MODELS.clear()
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +78,10 @@ def dirs(tmp_path_factory):
 
 
 def engine(dirs, which: str) -> InProcess:
-    if which not in _ENGINES:
-        _ENGINES[which] = InProcess(dirs(which))
-    return _ENGINES[which]
+    return _MODELS.engine(dirs(which))
 
 
-def pipe_for(model_dir: Path):
-    from diffusers import SanaPipeline
-
-    if str(model_dir) not in _PIPES:
-        _PIPES[str(model_dir)] = reference_pipeline(SanaPipeline.from_pretrained(model_dir, dtype=DTYPE))
-    return _PIPES[str(model_dir)]
+pipe_for = _MODELS.pipe
 
 
 def diffusers_output(model_dir: Path, p, output_type: str) -> torch.Tensor:
@@ -198,10 +188,8 @@ def test_rollout_log_probs_equal_trainer_recompute(case, dirs, record_property):
     noise = torch.randn((1, eng.info.latent_channels, h // 32, w // 32),
                         generator=torch.Generator("cpu").manual_seed(p.seed))
     assert torch.equal(traj.latents[0], noise[0])  # the pipeline's draw, at the bin's size
-    if which not in _TRAINERS:
-        _TRAINERS[which] = TrainerPolicy(dirs(which))
     with torch.no_grad():
-        again = _TRAINERS[which].log_probs(traj, steps, p)
+        again = _MODELS.trainer(dirs(which)).log_probs(traj, steps, p)
     d = max_diff(again, log_probs[0])
     record_property("max_diff", d)
     assert d <= RECOMPUTE_TOL
