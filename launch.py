@@ -390,9 +390,19 @@ def main(argv=None) -> int:
         _serve(args, config, config_path, sockets, api_key, admin_key, ray_workers, store)
     finally:
         _clean_up(config, shm_prefix, own_runtime=args.runtime_dir is None)
+        store.close()
         log.info("stopped: all workers exited")
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown of torch and every module (over a second, waited on by
+    whoever stops the engine): the workers, the job store and the sockets are closed by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())

@@ -11,6 +11,9 @@ from conftest import diffusers_generate
 from router.client import EngineClient
 
 TOL = 1e-4
+# Concurrent requests share batched forwards and one VAE decode; float32 matmuls over other batch shapes round
+# apart, and the decoder's convolutions widen that on the frames.
+BATCHED_FRAMES_TOL = 2e-4
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,7 +101,7 @@ def test_two_denoise_workers(tiny_dir, shared_engine):
     used = {o["samples"][0]["route"]["denoise"] for o in outs}
     assert used == {0, 1}  # both instances served
     for r, o in zip(reqs, outs):
-        assert _max_diff(o["samples"][0]["output"], diffusers_generate(tiny_dir, **r)) <= TOL
+        assert _max_diff(o["samples"][0]["output"], diffusers_generate(tiny_dir, **r)) <= BATCHED_FRAMES_TOL
 
 
 def test_other_configuration_matches_diffusers(alt_dir, shared_engine):

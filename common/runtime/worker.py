@@ -14,6 +14,7 @@ import collections
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -366,3 +367,9 @@ def main(stage_cls: type[Stage]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
     signal.signal(signal.SIGINT, lambda *_: runtime.stop())
     runtime.run()
+    # The stage, its sockets and its threads are closed by now; what is left is the interpreter tearing down
+    # torch and every loaded module, about a second and a half per process for nothing anyone waits on.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
