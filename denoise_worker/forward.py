@@ -9,6 +9,7 @@ import torch
 from common.diffusion.policy import ModelInput, Policy
 from denoise_worker.caching import StepPlan, plan_step
 from denoise_worker.packing import forward_parts
+from denoise_worker.reference import with_reference
 from denoise_worker.task import DenoiseTask
 
 BeforeForward = Callable[[list[ModelInput]], None]  # called with each forward's inputs (e.g. to size threads)
@@ -20,7 +21,7 @@ def step_velocities(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
                     before: BeforeForward | None = None) -> list[torch.Tensor]:
     """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps; the rows that
     requests with caching skip take no part in the forwards (denoise_worker/caching.py)."""
-    outcomes = _finish(policy, plan_step(policy, tasks), max_batch, before)
+    outcomes = _finish(policy, with_reference(tasks, plan_step(policy, tasks)), max_batch, before)
     for outcome in outcomes:
         if isinstance(outcome, Exception):  # several ranks share this forward: any failure is the worker's
             raise outcome
@@ -39,7 +40,7 @@ def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
     forward of several tasks) before any decision: when that fails, each task plans and runs alone.
     """
     try:
-        plans = plan_step(policy, tasks)
+        plans = with_reference(tasks, plan_step(policy, tasks))  # return_kl's rows join the same forwards
     except Exception as e:
         if len(tasks) == 1:
             return [e], True

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from common.diffusion.policy import step_at
+from common.diffusion.sde import SdeStep
+from denoise_worker.reference import record_kl, wants_kl
 from denoise_worker.task import DenoiseTask
 
 
@@ -52,4 +54,6 @@ def _sde_step_together(tasks: list[DenoiseTask], velocities: list[torch.Tensor])
     for task in tasks:
         rows = slice(start, start + task.n)
         start += task.n
+        if out.log_prob is not None and wants_kl(task):  # against the reference, before the latents move on
+            record_kl(task, SdeStep(out.prev_sample[rows], out.log_prob[rows], out.mean[rows], out.noise_scale[rows]))
         task.took(out.prev_sample[rows], None if out.log_prob is None else out.log_prob[rows])

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol.messages import (
+    KL,
     LOG_PROB_STEPS,
     LOG_PROBS,
+    REF_LOG_PROBS,
     TRAJECTORY_LATENTS,
     TRAJECTORY_SIGMAS,
     TRAJECTORY_TIMESTEPS,
@@ -67,6 +69,12 @@ class DenoiseTask:
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
     log_prob_steps: list[int] = field(default_factory=list)
+    # return_kl (denoise_worker/reference.py): [n] per SDE step, this step's guided reference velocity, and
+    # the reference's forwards per sample (summed over its CFG branches)
+    kls: list[torch.Tensor] = field(default_factory=list)
+    ref_log_probs: list[torch.Tensor] = field(default_factory=list)
+    ref_velocity: torch.Tensor | None = None
+    reference_passes: int = 0
 
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
@@ -145,10 +153,11 @@ class DenoiseTask:
 
     def pass_counts(self) -> dict[str, list[int]]:
         """Per sample: full transformer forwards (summed over its CFG branches) and reused row-steps."""
+        ref = self.reference_passes  # return_kl's reference rows
         if self.cache is not None:
-            return {"transformer_passes": list(self.cache.transformer_passes),
+            return {"transformer_passes": [p + ref for p in self.cache.transformer_passes],
                     "cached_steps": list(self.cache.cached_steps)}
-        passes = self.step * (1 if self.uncond is None else 2)
+        passes = self.step * (1 if self.uncond is None else 2) + ref
         return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
 
     def extras(self) -> dict[str, torch.Tensor]:
@@ -160,6 +169,10 @@ class DenoiseTask:
         if self.sde is not None and r.return_log_probs:
             out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
                                    else torch.zeros(self.n, 0))
+            out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
+        if self.sde is not None and r.return_kl:  # [n, K] beside log_probs, the same steps
+            for f, values in ((KL, self.kls), (REF_LOG_PROBS, self.ref_log_probs)):
+                out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
             out[TRAJECTORY_LATENTS.name] = torch.stack([x.float() for x in self.trajectory], dim=1)

@@ -10,6 +10,7 @@ the schedule), so that rollout and recompute agree to float32 rounding.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from common.config.engine import Limits
 from common.diffusion import text_roles
+from common.diffusion.kl import kl_at
 from common.diffusion.params import to_params
 from common.diffusion.parts.text import Conditioning, cond_to
 from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
@@ -150,3 +152,46 @@ class TrainerPolicy:
                            log_prob_mask=self.family.condition.log_prob_mask(self.info, x, condition))
             out.append(step.log_prob[0])
         return torch.stack(out) if out else torch.zeros(0)
+
+    def kl(self, trajectory: Trajectory, steps: list[int] | torch.Tensor, params: GenerationParams,
+           embeddings: tuple[Conditioning, Conditioning | None] | None = None,
+           image: ImageInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute ``return_kl``'s answer for each step i in ``steps``: ([K] KL of the policy's step against the
+        reference's, [K] log p_ref(x_{i+1} | x_i)), float32, with :mod:`common.diffusion.kl` (the engine's code).
+        The reference is this copy with its LoRA adapters (rl/lora.py) disabled, the engine's ``kl_reference:
+        "base"``; arguments as :meth:`log_probs`. Differentiable through the policy's side unless called under
+        ``torch.no_grad()``; the reference's side never is."""
+        rollout = params.rollout or RolloutParams()
+        variant = step_variant(rollout.sde_type, rollout.noise_level)
+        cond, uncond = embeddings or self.embeddings(params, image)
+        condition = None if image is None else image.condition
+        kls, refs = [], []
+        for i in [int(i) for i in steps]:
+            x = trajectory.latents[i : i + 1].to(self.device)
+            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+            with torch.no_grad(), adapters_off(self.experts.values()):
+                v_ref = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+            mask = self.family.condition.log_prob_mask(self.info, x, condition)
+            step = step_at(trajectory.sigmas, i, v, x, variant,
+                           prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device), log_prob_mask=mask)
+            out = kl_at(trajectory.sigmas, i, step, v_ref, x, variant, mask)
+            kls.append(out.kl[0])
+            refs.append(out.ref_log_prob[0])
+        return (torch.stack(kls), torch.stack(refs)) if kls else (torch.zeros(0), torch.zeros(0))
+
+
+@contextmanager
+def adapters_off(models):
+    """Every enabled peft LoRA layer of ``models`` off inside the block (diffusers' ``disable_adapters``, layer by
+    layer), back on after it; layers already off stay off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for model in models for m in model.modules()
+              if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)

@@ -15,6 +15,7 @@ import pytest
 
 from common.config.engine import EngineConfig, Limits
 from common.config.topology import parse_topology
+from common.diffusion.params import ROLLOUT
 from common.families import read_model
 from common.builtin import ensure_builtin
 from router.api.app import create_app
@@ -99,8 +100,7 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
         assert own <= set(_body(doc, path)["properties"])
 
 
-ROLLOUT_FIELDS = {"rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-                  "return_partial"}
+ROLLOUT_FIELDS = {*ROLLOUT, "return_partial"}  # the one list of a rollout's fields, and the router's own
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):

@@ -11,16 +11,18 @@ Every failure is a :class:`FieldError` naming the offending field. Pure: no HTTP
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 from common.diffusion import step_cache
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import FROM_MODEL, RequestField
 from common.diffusion.step_variants import step_variant
-from common.protocol.messages import CacheParams, GenerationParams, RolloutParams
+from common.protocol.messages import CacheParams, GenerationParams, KlReference, RolloutParams
 
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
-ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs")
+ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
+           "return_kl", "kl_reference")
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
@@ -219,7 +221,18 @@ def _rollout_params(request: dict, steps: int) -> RolloutParams:
         if any(i < 0 or i >= steps for i in idx):
             raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
         r.sde_step_indices = sorted(idx)
+    _check_kl(r)
     return r
+
+
+def _check_kl(r: RolloutParams) -> None:
+    """``return_kl`` compares SDE steps, which only the rollout scheduler takes; one reference exists."""
+    if r.kl_reference not in get_args(KlReference):
+        raise FieldError("kl_reference", f"must be one of {get_args(KlReference)}, got {r.kl_reference!r}")
+    if not isinstance(r.return_kl, bool):
+        raise FieldError("return_kl", f"must be true or false, got {r.return_kl!r}")
+    if r.return_kl and not r.sde_scheduler:
+        raise FieldError("return_kl", "needs the rollout scheduler's SDE steps (rollout: true)")
 
 
 def cache_params(request: dict, default: CacheParams | None) -> CacheParams | None:

@@ -22,6 +22,7 @@ ROLES = ("encoder", "denoise", "decode")
 # Value sets, each spelled once here; the tuples are for membership checks and messages.
 OutputType = Literal["frames", "latent"]
 SdeType = Literal["sde", "cps", "ode"]
+KlReference = Literal["base"]  # the reference of return_kl: the same model with the request's adapter off
 ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
 CacheMethod = Literal["teacache", "first_block"]  # step caching (common/diffusion/step_cache.py)
 Info = Union[str, int, float, list[int]]  # a result's facts: per request, or one int per sample
@@ -83,14 +84,17 @@ LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
 OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4, 3))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
+KL = TensorField("kl", FLOAT_DTYPES, 2, required=False)  # [n, K]: KL against the reference, per SDE step
+REF_LOG_PROBS = TensorField("ref_log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K]: x_next under the reference
 TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, (6, 5, 4), required=False)  # [n, T+1, *latent]
 TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T], shared
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
-ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS)
+ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS, KL,
+                   REF_LOG_PROBS)
 # The tensors of a result with one row per sample (the rest are shared by the request's samples).
-PER_SAMPLE = (OUTPUT, LOG_PROBS, TRAJECTORY_LATENTS)
+PER_SAMPLE = (OUTPUT, LOG_PROBS, TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -166,6 +170,8 @@ class RolloutParams(_Strict):
     sde_step_indices: list[int] | None = None  # None: every step
     return_trajectory: bool = False
     return_log_probs: bool = True
+    return_kl: bool = False  # per SDE step: KL against kl_reference and the log-prob under it
+    kl_reference: KlReference = "base"
 
 
 FieldValue = Union[bool, int, float, str]

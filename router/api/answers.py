@@ -46,6 +46,8 @@ class Sample(Answer):
     lora_version: int | None
     log_probs: TensorBody | None = Field(default=None, description="rollouts: [K] per SDE step")
     log_prob_steps: TensorBody | None = None
+    kl: TensorBody | None = Field(default=None, description="return_kl: [K] KL against the reference per SDE step")
+    ref_log_probs: TensorBody | None = Field(default=None, description="return_kl: [K] log-probs under the reference")
     trajectory: Trajectory | None = None
 
 

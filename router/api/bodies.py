@@ -19,7 +19,8 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
-    LOG_PROB_STEPS, LOG_PROBS, OUTPUT, ROLES, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
+    KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS,
+    TRAJECTORY_TIMESTEPS,
 )
 from router.api import media
 from router.link.join import PER_SAMPLE_INFO, Outcome
@@ -135,6 +136,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     body["lora_name"], body["lora_version"] = o.info.get("lora_name"), o.info.get("lora_version")
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
+        body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
+    if KL.name in t:  # return_kl: beside log_probs, the same steps
+        body["kl"], body["ref_log_probs"] = (tensor_to_body(t[f.name], binary) for f in (KL, REF_LOG_PROBS))
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
     if TRAJECTORY_LATENTS.name in t:
         body["trajectory"] = {key: tensor_to_body(t[f.name], binary) for key, f in TRAJECTORY_BODY.items()}

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, SdeType
+from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, SdeType
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
@@ -84,6 +84,9 @@ class RolloutBody(GenerateBody):
         default=None, description="0-based steps that use the SDE (default: every step)")
     return_trajectory: bool = False
     return_log_probs: bool = True
+    return_kl: bool = Field(default=False, description="per SDE step: kl and ref_log_probs against kl_reference")
+    kl_reference: KlReference = Field(default="base", description="base: the same model with the request's "
+                                      "adapter off (without an adapter: kl 0, ref_log_probs = log_probs)")
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"
