@@ -1,0 +1,296 @@
+"""``return_kl``: each SDE step's KL against the reference (the same model with the request's adapter off) and
+the drawn step's log-prob under it, on every family, in process (tests/family_harness.py).
+
+- With an adapter, ``kl`` and ``ref_log_probs`` equal a float64 recompute of the formulas from velocities the
+  test computes itself (the adapter on, then off, each request alone), within 1e-5; the KL is clearly > 0. Without
+  an adapter the KL is 0 and ``ref_log_probs`` are ``log_probs``, and no reference rows run.
+- A request with ``return_kl`` batched with other requests answers what it answers alone, and its reference rows
+  run in the step's own forward (one forward per step, counted).
+- ``rl.TrainerPolicy.kl`` (peft's LoRA layers disabled for the reference) recomputes the engine's numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import lora_fixtures as lf
+from common.builtin import ensure_builtin
+from common.config.engine import Limits
+from common.diffusion.lora import build_adapter
+from common.diffusion.lora_format import read_lora
+from common.diffusion.params import FieldError, to_params
+from common.diffusion.policy import ModelInput
+from common.protocol.messages import (
+    KL, LOG_PROB_STEPS, LOG_PROBS, REF_LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
+    GenerationParams, RolloutParams,
+)
+from family_harness import InProcess, ModuleModels, max_diff
+from test_wan_i2v import picture
+
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-wan-ti2v"]
+IMAGE = picture(40, 24, 1)
+SCALE = 0.8
+TOL = 1e-5
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to max(1, |want|): a log-prob of -8 (or a KL of 400, cps near its last step)
+    carries float32 rounding of its size."""
+    return ((got.double() - want.double()).abs() / want.double().abs().clamp(min=1)).max().item()
+STEPS = 3
+
+_MODELS = ModuleModels()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clear():
+    yield
+    _MODELS.clear()
+
+
+@dataclass
+class Made:
+    eng: InProcess
+    files: lf.Adapter  # what the trainer loads with peft
+    adapter: object  # the engine's LoraAdapter of the same file
+    image: object  # image-to-video models: the first frame
+
+    def lora(self):
+        return (self.adapter, SCALE)
+
+
+_MADE: dict[str, Made] = {}
+
+
+def made(model: str, tmp_path_factory) -> Made:
+    if model not in _MADE:
+        model_dir = ensure_builtin(model)
+        eng = _MODELS.engine(model_dir)
+        files = lf.make_diffusers_lora(model_dir, tmp_path_factory.mktemp(f"lora-{model}"), rank=4, alpha=8,
+                                       target_modules=eng.family.transformer.lora_targets, seed=1)
+        adapter = build_adapter("a", 1, read_lora(str(files.path), None), eng.policy.experts, 64)
+        eng.policy.cover(adapter)
+        image = IMAGE if eng.family.condition.image_input(eng.info) is not None else None
+        _MADE[model] = Made(eng, files, adapter, image)
+    return _MADE[model]
+
+
+def params(m: Made, sde_type: str = "sde", steps: int = STEPS, seed: int = 3, n: int = 2, **rollout) -> GenerationParams:
+    """A guided rollout with ``return_kl`` (and its trajectory) of the family's own fields."""
+    eng = m.eng
+    over = dict(num_frames=eng.info.defaults.get("num_frames", 1), negative_prompt="blurry", seed=seed, n=n,
+                num_inference_steps=steps)
+    if eng.family.cfg_field == "true_cfg_scale":
+        over["true_cfg_scale"] = 2.0
+    r = RolloutParams(sde_type=sde_type, return_kl=True, return_trajectory=True, **rollout)
+    return eng.params(rollout=r, **over)
+
+
+def run(m: Made, p: GenerationParams, lora=None):
+    task = m.eng.run(p, lora=lora, image=m.image)
+    return task, task.extras()
+
+
+# --- the independent recompute ------------------------------------------------------------------------------
+
+
+def counted(model: str, t: torch.Tensor) -> torch.Tensor:
+    """The elements a log-prob averages over, [n, -1] (TI2V: frame 0 is the image's, not a Gaussian step)."""
+    if model == "tiny-wan-ti2v":
+        t = t[:, :, 1:]
+    return t.flatten(1)
+
+
+def expected(model: str, sde_type: str, noise_level: float, sigmas: torch.Tensor, i: int, x, x_next, v, v_ref):
+    """float64 ([n] KL, [n] reference log-prob) of step i from the formulas of docs/rollout.md."""
+    s, s1, s_max = (float(sigmas[j]) for j in (i, i + 1, 1))
+    dt = s1 - s
+    x, x_next, v, v_ref = (t.double() for t in (x, x_next, v, v_ref))
+    if sde_type == "sde":
+        std = noise_level * math.sqrt(s / (1 - (s_max if s == 1 else s)))
+        sd = std * math.sqrt(-dt)
+
+        def mean(u):
+            return x * (1 + std ** 2 / (2 * s) * dt) + u * (1 + std ** 2 * (1 - s) / (2 * s)) * dt
+
+        def log_prob(m):
+            return -(x_next - m) ** 2 / (2 * sd ** 2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))
+    else:  # cps
+        sd = s1 * math.sin(noise_level * math.pi / 2)
+
+        def mean(u):
+            return (x - s * u) * (1 - s1) + (x + (1 - s) * u) * math.sqrt(s1 ** 2 - sd ** 2)
+
+        def log_prob(m):
+            return -(x_next - m) ** 2
+    kl = (mean(v) - mean(v_ref)) ** 2 / (2 * sd ** 2)
+    return counted(model, kl).mean(1), counted(model, log_prob(mean(v_ref))).mean(1)
+
+
+def recomputed(m: Made, model: str, task, ex, sde_type: str, noise_level: float):
+    """Per step of ``log_prob_steps``: the float64 KL and reference log-prob, [n, K] each, from velocities
+    computed here, each request alone (the policy's with the adapter, the reference's without)."""
+    eng, p = m.eng, task.params
+    traj, sigmas = ex[TRAJECTORY_LATENTS.name], ex[TRAJECTORY_SIGMAS.name]
+    kls, refs = [], []
+    for i in ex[LOG_PROB_STEPS.name].tolist():
+        x, t = traj[:, i], ex[TRAJECTORY_TIMESTEPS.name][i]
+        with torch.no_grad():
+            v, v_ref = (eng.policy.velocity(ModelInput.of(eng.info, p, x, t, task.cond, task.uncond, lora, task.image))
+                        for lora in (m.lora(), None))
+        kl, ref = expected(model, sde_type, noise_level, sigmas, i, x, traj[:, i + 1], v, v_ref)
+        kls.append(kl)
+        refs.append(ref)
+    return torch.stack(kls, 1), torch.stack(refs, 1)
+
+
+# --- the engine against the formula -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model,sde_type", [(m, "sde") for m in MODELS] + [("tiny", "cps")])
+def test_kl_equals_a_float64_recompute_from_the_base_models_velocity(model, sde_type, tmp_path_factory,
+                                                                      record_property):
+    m = made(model, tmp_path_factory)
+    noise_level = 0.7 if sde_type == "sde" else 0.8
+    p = params(m, sde_type, noise_level=noise_level)
+    task, ex = run(m, p, m.lora())
+    kl, ref = ex[KL.name], ex[REF_LOG_PROBS.name]
+    K = len(ex[LOG_PROB_STEPS.name])
+    assert kl.shape == ref.shape == ex[LOG_PROBS.name].shape == (p.n, K)
+    assert K == (STEPS if sde_type == "sde" else STEPS - 1)  # cps's last step (sigma_next 0) draws no noise
+    want_kl, want_ref = recomputed(m, model, task, ex, sde_type, noise_level)
+    record_property("kl", kl.tolist())
+    record_property("max |kl - recompute| / max(1, |recompute|)", rel_diff(kl, want_kl))
+    record_property("max |ref_log_probs - recompute| / max(1, |recompute|)", rel_diff(ref, want_ref))
+    assert rel_diff(kl, want_kl) <= TOL
+    assert rel_diff(ref, want_ref) <= TOL
+    assert (kl > 0).all() and kl.mean() > 100 * TOL  # the adapter moves every step's mean
+    assert max_diff(ref, ex[LOG_PROBS.name]) > 100 * TOL
+    # The reference rows count as forwards: one per SDE step and CFG branch.
+    branches = 1 if task.uncond is None else 2
+    assert task.pass_counts()["transformer_passes"] == [(STEPS + K) * branches] * p.n
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen-image"])
+def test_without_an_adapter_the_kl_is_zero_and_no_reference_rows_run(model, tmp_path_factory):
+    m = made(model, tmp_path_factory)
+    task, ex = run(m, params(m))
+    assert torch.equal(ex[KL.name], torch.zeros(2, STEPS))
+    assert torch.equal(ex[REF_LOG_PROBS.name], ex[LOG_PROBS.name])
+    branches = 1 if task.uncond is None else 2
+    assert task.pass_counts()["transformer_passes"] == [STEPS * branches] * 2
+
+
+# --- batched with other requests ----------------------------------------------------------------------------
+
+
+class Forwards:
+    """Every batched forward of ``eng``'s policy: its inputs' (samples, has an adapter)."""
+
+    def __init__(self, eng: InProcess):
+        self.eng, self.calls = eng, []
+
+    def __enter__(self):
+        real = self.eng.policy.batched_velocity
+
+        def record(inputs):
+            self.calls.append([(x.n, x.lora is not None) for x in inputs])
+            return real(inputs)
+        self.eng.policy.batched_velocity = record
+        return self
+
+    def __exit__(self, *exc):
+        del self.eng.policy.batched_velocity
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_batched_with_other_requests_equals_alone_and_the_reference_rows_share_the_forward(model,
+                                                                                         tmp_path_factory):
+    m = made(model, tmp_path_factory)
+    eng = m.eng
+    window = [1, 2]
+    a = params(m, steps=4, sde_step_indices=window)
+    base = params(m, steps=4, seed=9, n=1)  # a rollout of the base model, return_kl too
+    plain = eng.params(seed=11, num_inference_steps=4, num_frames=a.num_frames)  # serving, with the adapter
+    with Forwards(eng) as alone:
+        solo_task, solo = run(m, a, m.lora())
+    # One forward per step; the SDE steps' forward holds the reference input (the request without its adapter).
+    assert alone.calls == [[(2, True)], [(2, True), (2, False)], [(2, True), (2, False)], [(2, True)]]
+    assert solo[LOG_PROB_STEPS.name].tolist() == window
+
+    jobs = [(a, m.lora()), (base, None), (plain, m.lora())]
+    tasks = [eng.task(*jobs[0], image=m.image)]
+    with Forwards(eng) as mixed:
+        eng.step(tasks)  # the others join one step later: every request at its own step
+        tasks += [eng.task(jp, lora, image=m.image) for jp, lora in jobs[1:]]
+        while not all(t.done for t in tasks):
+            eng.step([t for t in tasks if not t.done])
+    # Still one forward per step, the reference rows beside the other requests' rows.
+    assert len(mixed.calls) == 5
+    assert mixed.calls[2] == [(2, True), (2, False), (1, False), (1, True)]
+    got = tasks[0].extras()
+    for name in (KL.name, REF_LOG_PROBS.name, LOG_PROBS.name, TRAJECTORY_LATENTS.name):
+        assert max_diff(got[name], solo[name]) <= TOL, name
+    assert (got[KL.name] > 0).all()
+    branches = 1 if tasks[0].uncond is None else 2
+    assert tasks[0].pass_counts() == solo_task.pass_counts() == {
+        "transformer_passes": [(4 + len(window)) * branches] * 2, "cached_steps": [0, 0]}
+    assert torch.equal(tasks[1].extras()[KL.name], torch.zeros(1, 4))
+
+
+# --- the trainer's recompute --------------------------------------------------------------------------------
+
+
+def trainer_with_adapter(m: Made):
+    """The trainer's copy with the same adapter put in by peft, at the request's scale."""
+    import peft
+
+    trainer = _MODELS.trainer(m.eng.info.path)
+    model = trainer.transformer
+    if "a" not in getattr(model, "peft_config", {}):
+        model.add_adapter(lf.lora_config(m.files.rank, m.files.alpha, m.files.target_modules), adapter_name="a")
+        result = peft.set_peft_model_state_dict(model, m.files.state_dict, adapter_name="a")
+        assert not [k for k in result.unexpected_keys if "lora" in k]
+        model.set_adapters(["a"], [SCALE])
+    return trainer
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_trainers_recompute_equals_the_engines_kl(model, tmp_path_factory, record_property):
+    from rl import Trajectory
+
+    m = made(model, tmp_path_factory)
+    p = params(m)
+    task, ex = run(m, p, m.lora())
+    trainer = trainer_with_adapter(m)
+    image = None if m.image is None else trainer.image(p, m.image)
+    steps = ex[LOG_PROB_STEPS.name]
+    trajectory = Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
+    with torch.no_grad():
+        kl, ref = trainer.kl(trajectory, steps, p, image=image)
+        log_probs = trainer.log_probs(trajectory, steps, p, image=image)
+    record_property("max |trainer - engine| kl, ref_log_probs", (max_diff(kl, ex[KL.name][0]),
+                                                                 max_diff(ref, ex[REF_LOG_PROBS.name][0])))
+    assert max_diff(kl, ex[KL.name][0]) <= TOL
+    assert max_diff(ref, ex[REF_LOG_PROBS.name][0]) <= TOL
+    assert max_diff(log_probs, ex[LOG_PROBS.name][0]) <= TOL  # the adapter is back on after kl()
+    assert (kl > 0).all()
+
+
+# --- the fields ---------------------------------------------------------------------------------------------
+
+
+def test_return_kl_needs_the_rollout_scheduler_and_a_known_reference():
+    info = _MODELS.engine(ensure_builtin("tiny")).info
+    ok = to_params({"prompt": "p", "return_kl": True}, info, Limits())
+    assert ok.rollout.return_kl and ok.rollout.kl_reference == "base"
+    for fields, name in (({"return_kl": True, "rollout": False}, "return_kl"),
+                         ({"return_kl": True, "kl_reference": "pinned"}, "kl_reference"),
+                         ({"return_kl": "yes"}, "return_kl")):
+        with pytest.raises(FieldError) as e:
+            to_params({"prompt": "p", **fields}, info, Limits())
+        assert e.value.field == name
