@@ -414,6 +414,22 @@ def test_rollout_with_adapter_replace_and_unload(tiny_dir, client, made):
         assert err.status == 400 and err.error.get("field") == "lora_name", err.error
 
 
+def test_rollout_return_kl_answers_what_the_trainer_recomputes(tiny_dir, client, loaded, made):
+    """``return_kl`` through the engine: ``kl`` and ``ref_log_probs`` per SDE step beside ``log_probs``, the
+    reference rows counted in ``transformer_passes``, the trainer's recompute (its adapter off) the same."""
+    from rl import Trajectory
+
+    req = {**ROLLOUT, "return_kl": True, "sde_step_indices": [0, 2, 3]}
+    s = _sample(client, req, "a", 0.9, "latent", rollout=True)
+    assert s["kl"].shape == s["ref_log_probs"].shape == s["log_probs"].shape == (3,)
+    assert s["transformer_passes"] == 2 * (ROLLOUT["num_inference_steps"] + 3)
+    policy = _trainer_with_adapter(tiny_dir, made["a"], "a", 0.9)
+    with torch.no_grad():
+        kl, ref = policy.kl(Trajectory.from_sample(s), s["log_prob_steps"], policy.params(**req))
+    assert _max_diff(kl, s["kl"]) <= BATCH_TOL and _max_diff(ref, s["ref_log_probs"]) <= BATCH_TOL
+    assert (s["kl"] > 0).all()
+
+
 def test_replacing_an_adapter_in_flight_keeps_each_request_on_one_version(client, made):
     """A request runs from its first step to its last on the adapter version it reports: one being denoised
     when its adapter is replaced finishes on the old version, one sent after runs on the new one."""
