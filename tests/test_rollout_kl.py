@@ -6,6 +6,7 @@ the drawn step's log-prob under it, on every family, in process (tests/family_ha
   an adapter the KL is 0 and ``ref_log_probs`` are ``log_probs``, and no reference rows run.
 - A request with ``return_kl`` batched with other requests answers what it answers alone, and its reference rows
   run in the step's own forward (one forward per step, counted).
+- A request with step caching gets the same KL on its SDE steps (never cached) and counts the reference's rows.
 - ``rl.TrainerPolicy.kl`` (peft's LoRA layers disabled for the reference) recomputes the engine's numbers.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from msgspec.structs import replace
 
 import pytest
 import torch
@@ -240,6 +242,22 @@ def test_batched_with_other_requests_equals_alone_and_the_reference_rows_share_t
     assert tasks[0].pass_counts() == solo_task.pass_counts() == {
         "transformer_passes": [(4 + len(window)) * branches] * 2, "cached_steps": [0, 0]}
     assert torch.equal(tasks[1].extras()[KL.name], torch.zeros(1, 4))
+
+
+def test_a_caching_request_computes_its_kl_on_its_sde_steps_and_counts_the_reference_rows(tmp_path_factory):
+    from common.protocol.messages import CacheParams
+
+    m = made("tiny", tmp_path_factory)
+    p = params(m, steps=8, sde_step_indices=[1, 2])
+    plain_task, plain = run(m, p, m.lora())
+    cached_task, cached = run(m, replace(p, cache=CacheParams(method="first_block", threshold=1.0)), m.lora())
+    counts = cached_task.pass_counts()
+    assert counts["cached_steps"][0] > 0  # steps after the window reuse outputs
+    # Every computed row-step plus the reference's two branches at each of the two SDE steps.
+    assert counts["transformer_passes"] == [2 * 8 - c + 2 * 2 for c in counts["cached_steps"]]
+    # The window comes before any reuse: the same steps, the same numbers (each branch its own rows).
+    for name in (KL.name, REF_LOG_PROBS.name):
+        assert max_diff(cached[name], plain[name]) <= TOL, name
 
 
 # --- the trainer's recompute --------------------------------------------------------------------------------
