@@ -188,6 +188,8 @@ def adapters_off(models):
 
     layers = [m for model in models for m in model.modules()
               if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    # peft's enable_adapters also sets the adapters' requires_grad: the trainer's own choice is put back.
+    grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     for m in layers:
         m.enable_adapters(False)
     try:
@@ -195,3 +197,5 @@ def adapters_off(models):
     finally:
         for m in layers:
             m.enable_adapters(True)
+        for p, wanted in grads:
+            p.requires_grad_(wanted)

@@ -288,6 +288,8 @@ def test_the_trainers_recompute_equals_the_engines_kl(model, tmp_path_factory, r
     image = None if m.image is None else trainer.image(p, m.image)
     steps = ex[LOG_PROB_STEPS.name]
     trajectory = Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
+    trainer.transformer.requires_grad_(False)  # a frozen copy (peft's enable_adapters would turn grads on)
+    grads = {name: p.requires_grad for name, p in trainer.transformer.named_parameters()}
     with torch.no_grad():
         kl, ref = trainer.kl(trajectory, steps, p, image=image)
         log_probs = trainer.log_probs(trajectory, steps, p, image=image)
@@ -296,6 +298,7 @@ def test_the_trainers_recompute_equals_the_engines_kl(model, tmp_path_factory, r
     assert max_diff(kl, ex[KL.name][0]) <= TOL
     assert max_diff(ref, ex[REF_LOG_PROBS.name][0]) <= TOL
     assert max_diff(log_probs, ex[LOG_PROBS.name][0]) <= TOL  # the adapter is back on after kl()
+    assert grads == {name: p.requires_grad for name, p in trainer.transformer.named_parameters()}
     assert (kl > 0).all()
 
 
