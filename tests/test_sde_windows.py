@@ -7,7 +7,8 @@ in process on every family's tiny model (tests/family_harness.py):
    velocity); the window's log-probs equal ``TrainerPolicy.log_probs`` within 1e-5.
 3. ``ode_solver: "serving"``: the final latents equal a serving run this test makes itself (the diffusers class
    of the model's scheduler config, set to the remaining sigmas, stepped with the trainer's velocity) from the
-   window's last latent, within 1e-5; the window's log-probs are the ``euler`` run's, bit for bit.
+   window's last latent, within 1e-5; the window's log-probs are the ``euler`` run's, bit for bit; requests at
+   different windows batched together equal their runs alone.
 4. Bad window fields fail with a FieldError naming the field.
 """
 
@@ -24,7 +25,7 @@ from common.diffusion.params import FieldError, to_params
 from common.families import read_model
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, \
     TRAJECTORY_TIMESTEPS
-from family_harness import ModuleModels, max_diff
+from family_harness import ModuleModels, compare_tasks, max_diff
 from rl import Trajectory
 from test_wan_i2v import picture
 
@@ -137,6 +138,25 @@ def test_serving_solver_after_the_window(name, record_property):
     assert d <= TOL
     if "Euler" not in type(served.after).__name__:  # a higher-order solver lands elsewhere than Euler
         assert vs_euler > 100 * TOL
+
+
+def test_windows_and_serving_steps_batched_with_others_equal_their_runs_alone(record_property):
+    """Requests at different windows (one in its serving steps while the other takes SDE steps) share forwards
+    and give what each gives alone."""
+    model_dir = ensure_builtin("tiny")
+    eng, trainer = _MODELS.engine(model_dir), _MODELS.trainer(model_dir)
+    ps = [trainer.params("a red kite", " ", seed=4, ode_solver="serving", **WINDOW),
+          trainer.params("a green boat", " ", seed=11, n=2, ode_solver="serving", **WINDOW),
+          trainer.params("a blue house", " ", seed=11, **WINDOW)]
+    assert [p.rollout.sde_window for p in ps] == [[0, 2], [1, 3], [1, 3]]
+    tasks = [eng.task(p) for p in ps]
+    before = eng.shared_forwards
+    while not tasks[0].done:
+        eng.step(tasks)
+    assert eng.shared_forwards - before == STEPS
+    d = max(compare_tasks(t, eng.run(p)) for t, p in zip(tasks, ps))
+    record_property("max_diff", d)
+    assert d <= TOL
 
 
 @pytest.mark.parametrize("over, field", [
