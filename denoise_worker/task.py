@@ -26,6 +26,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.diffusion import schedulers
+from common.diffusion.after_window import last_sde_step, serving_after
 from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
@@ -63,6 +64,9 @@ class DenoiseTask:
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
     variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
+    # ode_solver "serving": the serving scheduler that steps from ``after_from`` (the step after the last SDE step)
+    after: object | None = None
+    after_from: int | None = None
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -83,6 +87,10 @@ class DenoiseTask:
         task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)
+            last = last_sde_step(sde.sde_step_indices)
+            if sde.ode_solver == "serving" and last is not None and last + 1 < len(scheduler.timesteps):
+                task.after_from = last + 1
+                task.after = serving_after(serving_template, scheduler, last + 1)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -115,7 +123,7 @@ class DenoiseTask:
     def step_key(self) -> tuple | None:
         """What an SDE step depends on besides the tensors: tasks with equal keys take this step in one
         ``sde_step`` call (see denoise_worker/joint_step.py). None: the serving scheduler steps it alone."""
-        if self.sde is None:
+        if self.sde is None or self.past_window:
             return None
         s = self.scheduler.sigmas
         return (self.step_variant_now(), float(s[self.step]), float(s[self.step + 1]),
@@ -129,9 +137,15 @@ class DenoiseTask:
         """The final latents as the family's pipeline returns them."""
         return self.info.family.condition.final_latents(self.info, self.latents, self.image)
 
+    @property
+    def past_window(self) -> bool:
+        """This step is one of the serving scheduler's after the last SDE step (``ode_solver: "serving"``)."""
+        return self.after_from is not None and self.step >= self.after_from
+
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""
-        self.took(self.scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
+        scheduler = self.after if self.past_window else self.scheduler
+        self.took(scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
 
     def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None) -> None:
         """Record this step's outcome: the new latents and, for a stochastic SDE step, its [n] log-probs."""
@@ -150,6 +164,10 @@ class DenoiseTask:
                     "cached_steps": list(self.cache.cached_steps)}
         passes = self.step * (1 if self.uncond is None else 2)
         return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
+
+    def window_info(self) -> dict[str, list[int]]:
+        """The answer's ``sde_window`` [start, stop) when the request's window was picked from its seed."""
+        return {} if self.sde is None or self.sde.sde_window is None else {"sde_window": list(self.sde.sde_window)}
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""

@@ -11,21 +11,24 @@ Every failure is a :class:`FieldError` naming the offending field. Pure: no HTTP
 from __future__ import annotations
 
 import math
+from typing import get_args
 
-from common.diffusion import step_cache
+from common.diffusion import step_cache, windows
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import FROM_MODEL, RequestField
 from common.diffusion.step_variants import step_variant
-from common.protocol.messages import CacheParams, GenerationParams, RolloutParams
+from common.protocol.messages import CacheParams, GenerationParams, OdeSolver, RolloutParams
 
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
-ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs")
+ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
+           "ode_solver")
+WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
                     "seed", "n", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
-                    "timeout_s", "image", "last_image", "return_partial", *ROLLOUT})
+                    "timeout_s", "image", "last_image", "return_partial", *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
 
 
@@ -219,7 +222,27 @@ def _rollout_params(request: dict, steps: int) -> RolloutParams:
         if any(i < 0 or i >= steps for i in idx):
             raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
         r.sde_step_indices = sorted(idx)
+    _resolve_window(request, r, steps)
     return r
+
+
+def _resolve_window(request: dict, r: RolloutParams, steps: int) -> None:
+    """``sde_window_size`` / ``sde_window_range`` as the concrete window of this request's seed: the wire and
+    the trainer's params carry the steps themselves (``sde_window``, ``sde_step_indices``)."""
+    if r.ode_solver not in get_args(OdeSolver):
+        raise FieldError("ode_solver", f"must be one of {', '.join(get_args(OdeSolver))}, got {r.ode_solver!r}")
+    size, window_range = request.get("sde_window_size"), request.get("sde_window_range")
+    if size is None:
+        if window_range is not None:
+            raise FieldError("sde_window_range", "needs sde_window_size")
+        return
+    if r.sde_step_indices is not None:
+        raise FieldError("sde_window_size", "give either sde_window_size or sde_step_indices, not both")
+    problem = windows.window_problem(size, window_range, steps)
+    if problem:
+        raise FieldError(*problem)
+    start, stop = windows.pick_window(request.get("seed", 0), size, window_range, steps)
+    r.sde_window, r.sde_step_indices = [start, stop], list(range(start, stop))
 
 
 def cache_params(request: dict, default: CacheParams | None) -> CacheParams | None:
@@ -254,7 +277,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)
     length = _max_sequence_length(request, info)
-    rollout = any(request.get(k) is not None for k in ROLLOUT)
+    rollout = any(request.get(k) is not None for k in ROLLOUT + WINDOW)
     return GenerationParams(
         prompt=request["prompt"],
         negative_prompt=request.get("negative_prompt") or "",

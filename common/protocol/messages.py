@@ -22,6 +22,7 @@ ROLES = ("encoder", "denoise", "decode")
 # Value sets, each spelled once here; the tuples are for membership checks and messages.
 OutputType = Literal["frames", "latent"]
 SdeType = Literal["sde", "cps", "ode"]
+OdeSolver = Literal["euler", "serving"]  # the steps after a rollout's last SDE step (DenoiseTask)
 ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
 CacheMethod = Literal["teacache", "first_block"]  # step caching (common/diffusion/step_cache.py)
 Info = Union[str, int, float, list[int]]  # a result's facts: per request, or one int per sample
@@ -164,6 +165,8 @@ class RolloutParams(_Strict):
     sde_type: SdeType = "sde"
     noise_level: float = 0.7
     sde_step_indices: list[int] | None = None  # None: every step
+    sde_window: list[int] | None = None  # [start, stop): the window picked from the seed (common/diffusion/windows.py)
+    ode_solver: OdeSolver = "euler"  # after the last SDE step: the Euler step, or the serving scheduler
     return_trajectory: bool = False
     return_log_probs: bool = True
 

@@ -46,6 +46,8 @@ class Sample(Answer):
     lora_version: int | None
     log_probs: TensorBody | None = Field(default=None, description="rollouts: [K] per SDE step")
     log_prob_steps: TensorBody | None = None
+    sde_window: list[int] | None = Field(default=None, description="rollouts with sde_window_size: the SDE steps "
+                                         "[start, stop) picked from the seed")
     trajectory: Trajectory | None = None
 
 

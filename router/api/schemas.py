@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, SdeType
+from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, OdeSolver, SdeType
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
@@ -82,6 +82,14 @@ class RolloutBody(GenerateBody):
     noise_level: float = Field(default=0.7, ge=0.0, le=10.0)
     sde_step_indices: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, description="0-based steps that use the SDE (default: every step)")
+    sde_window_size: int | None = Field(default=None, ge=1, description="SDE on a window of this many "
+                                        "consecutive steps, its start picked from the seed (not with "
+                                        "sde_step_indices)")
+    sde_window_range: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=2, max_length=2, description="[lo, hi]: the window lies within steps lo..hi-1 "
+        "(default [0, steps])")
+    ode_solver: OdeSolver = Field(default="euler", description="the steps after the last SDE step: euler, or "
+                                  "serving (the model's own scheduler on the remaining sigmas)")
     return_trajectory: bool = False
     return_log_probs: bool = True
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
