@@ -10,7 +10,8 @@ scheduler's schedule (``schedule: "serving"``), in process.
    float64 recompute from the trajectory and the trainer's velocity (``TrainerPolicy.velocity``), and
    ``TrainerPolicy.log_probs`` agrees, within 1e-5.
 3. ``flow_grpo_wan`` on Wan's serving schedule: the trajectory's sigmas and (integer) timesteps are the UniPC
-   scheduler's, the model is conditioned on them, the log-probs equal the recompute.
+   scheduler's, the model is conditioned on them, the log-probs equal the recompute; ``dance_grpo`` likewise on
+   SANA's DPM-Solver.
 4. The rules: an unknown ``schedule`` or ``sde_type``, or ``schedule: "serving"`` on a serving scheduler without
    flow sigmas, is a FieldError naming the field; the serving schedule of an Euler family passes the flow-match
    convention check (and is the rollout one there); the answer's info says which schedule ran.
@@ -24,7 +25,7 @@ import math
 import msgspec
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from common.builtin import ensure_builtin
 from common.config.engine import Limits
@@ -219,6 +220,19 @@ def test_flow_grpo_wan_on_the_serving_unipc_schedule(record_property):
         at_t = trainer.velocity(x, traj.timesteps[1], cond, uncond, p)
         at_sigma = trainer.velocity(x, traj.sigmas[1] * 1000, cond, uncond, p)
     assert (at_t - at_sigma).abs().max() > 1e-4
+
+
+def test_dance_grpo_on_sanas_serving_dpm_solver_schedule():
+    """Another serving scheduler with flow sigmas: SANA's DPM-Solver, its sigmas and timesteps, recomputed."""
+    model_dir = ensure_builtin("tiny-sana")
+    eng, trainer = _MODELS.engine(model_dir), _MODELS.trainer(model_dir)
+    p, task, traj, steps, log_probs = _rollout(eng, "dance_grpo", schedule="serving")
+    dpm = DPMSolverMultistepScheduler.from_pretrained(model_dir / "scheduler")
+    dpm.set_timesteps(p.num_inference_steps)
+    assert isinstance(task.scheduler, DPMSolverMultistepScheduler) and task.schedule == "serving"
+    assert torch.equal(traj.sigmas, dpm.sigmas.float()) and torch.equal(traj.timesteps, dpm.timesteps.float())
+    mine, again = _recompute(trainer, p, traj, steps, None)
+    assert (mine - log_probs.double()).abs().max().item() <= TOL and (again - log_probs).abs().max().item() <= TOL
 
 
 # --- 4. the rules and the answer ----------------------------------------------------------------------------
