@@ -78,10 +78,11 @@ class DenoiseTask:
         sde = sde_settings(params)
         height, width = info.family.latents.size(info, params.height, params.width, params.fields)
         seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
-        scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
+        on_rollout = sde is not None and sde.schedule == "rollout"
+        scheduler = schedulers.build(rollout_template if on_rollout else serving_template, params, device,
                                      image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
         if sde is not None:
-            schedulers.check_flow_match_convention(scheduler)
+            schedulers.check_rollout_schedule(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
         task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
@@ -102,6 +103,12 @@ class DenoiseTask:
     @property
     def wants_trajectory(self) -> bool:
         return self.params.rollout is not None and self.params.rollout.return_trajectory
+
+    @property
+    def schedule(self) -> str:
+        """Which schedule steps it (the answer's ``schedule``): the rollout (flow-match Euler) one, or the
+        serving scheduler's (a plain generation, ``rollout: false``, or ``schedule: "serving"``)."""
+        return "serving" if self.sde is None else self.sde.schedule
 
     @property
     def done(self) -> bool:
@@ -127,7 +134,7 @@ class DenoiseTask:
             return None
         s = self.scheduler.sigmas
         return (self.step_variant_now(), float(s[self.step]), float(s[self.step + 1]),
-                float(sigma_max(s)), self.log_prob_mask() is not None)
+                float(sigma_max(s)), float(s[-1]), self.log_prob_mask() is not None)
 
     def log_prob_mask(self) -> torch.Tensor | None:
         """Which latent elements this request's log-probs average over (None: all; see Binding.condition.log_prob_mask)."""

@@ -75,7 +75,8 @@ def test_generation_bodies_carry_the_engines_limits(served):
         assert (_value(props["image"])["type"] == "null") == (takes_image is None)
         assert ("image" in _body(doc, path)["required"]) == (takes_image == "required")
     rollout = _body(doc, "/rollout/generate")["properties"]
-    assert rollout["sde_type"]["enum"] == ["sde", "cps", "ode"] and rollout["noise_level"]["maximum"] == 10.0
+    assert rollout["sde_type"]["enum"] == ["sde", "cps", "ode", "flow_grpo_wan", "dance_grpo"]
+    assert rollout["noise_level"]["maximum"] == 10.0 and rollout["schedule"]["enum"] == ["rollout", "serving"]
     assert _value(rollout["sde_window_size"])["maximum"] == 7 and rollout["ode_solver"]["enum"] == ["euler", "serving"]
     assert _value(rollout["sde_window_range"])["items"]["maximum"] == 7
     sizes = _value(_body(doc, "/v1/images/generations")["properties"]["size"])["enum"]
@@ -102,7 +103,7 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
 
 
 ROLLOUT_FIELDS = {"rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-                  "return_partial", "sde_window_size", "sde_window_range", "ode_solver"}
+                  "return_partial", "sde_window_size", "sde_window_range", "ode_solver", "schedule"}
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):

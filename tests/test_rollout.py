@@ -64,9 +64,22 @@ def _recompute_max_diff(policy, req, sample):
 def test_rollout_log_probs_equal_trainer_recompute(client, policy, over):
     req = {**BASE, **over}
     s = client.rollout(**req)["samples"][0]
-    assert s["scheduler"] == EULER
+    assert s["scheduler"] == EULER and s["schedule"] == "rollout"
     assert s["log_prob_steps"].tolist() == list(range(req["num_inference_steps"] - (req.get("sde_type") == "cps")))
     assert s["log_probs"].dtype == torch.float32 and torch.isfinite(s["log_probs"]).all()
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+
+
+def test_flow_grpo_wan_on_the_serving_schedule(client, policy, tiny_dir):
+    """Flow-GRPO's Wan step on Wan's own UniPC schedule: its sigmas and integer timesteps, recomputed by the
+    trainer from the trajectory."""
+    req = {**BASE, "sde_type": "flow_grpo_wan", "schedule": "serving", "seed": 9}
+    s = client.rollout(**req)["samples"][0]
+    assert s["scheduler"] == UNIPC and s["schedule"] == "serving"
+    unipc = schedulers.load_serving_template(read_model(tiny_dir))
+    unipc.set_timesteps(req["num_inference_steps"])
+    traj = Trajectory.from_sample(s)
+    assert torch.equal(traj.timesteps, unipc.timesteps.float()) and torch.equal(traj.sigmas, unipc.sigmas.float())
     assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
 
 

@@ -16,13 +16,13 @@ from typing import get_args
 from common.diffusion import step_cache, windows
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import FROM_MODEL, RequestField
-from common.diffusion.step_variants import step_variant
-from common.protocol.messages import CacheParams, GenerationParams, OdeSolver, RolloutParams
+from common.diffusion.step_variants import STEP_VARIANTS, step_variant
+from common.protocol.messages import ROLLOUT_SCHEDULES, CacheParams, GenerationParams, OdeSolver, RolloutParams
 
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "ode_solver")
+           "ode_solver", "schedule")
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
@@ -208,9 +208,24 @@ def family_values(request: dict, info: ModelInfo) -> dict:
     return out
 
 
-def _rollout_params(request: dict, steps: int) -> RolloutParams:
+def _check_rollout_schedule(r: RolloutParams, info: ModelInfo) -> None:
+    """``schedule``: a known name; ``"serving"`` needs a serving scheduler with flow-matching sigmas (in [0, 1],
+    what the SDE steps read): a flow-match scheduler, or one with ``use_flow_sigmas``."""
+    if r.schedule not in ROLLOUT_SCHEDULES:
+        raise FieldError("schedule", f"must be one of {ROLLOUT_SCHEDULES}, got {r.schedule!r}")
+    config = info.scheduler_config
+    flow = str(config.get("_class_name", "")).startswith("FlowMatch") or bool(config.get("use_flow_sigmas"))
+    if r.schedule == "serving" and not flow:
+        raise FieldError("schedule", f"this model's serving scheduler ({config.get('_class_name')}) has no "
+                                     "flow-matching sigmas for SDE steps: use the rollout schedule")
+
+
+def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams:
     given = {k: request[k] for k in ROLLOUT if request.get(k) is not None}
     r = RolloutParams(**{("sde_scheduler" if k == "rollout" else k): v for k, v in given.items()})
+    if r.sde_type not in STEP_VARIANTS:
+        raise FieldError("sde_type", f"must be one of {tuple(STEP_VARIANTS)}, got {r.sde_type!r}")
+    _check_rollout_schedule(r, info)
     try:  # the step variant's own rule (e.g. cps takes [0, 1]), so that no such request reaches a worker
         step_variant(r.sde_type, r.noise_level)
     except ValueError as e:
@@ -293,7 +308,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         sigmas=request.get("sigmas"),
         timesteps=request.get("timesteps"),
         mu=request.get("mu"),
-        rollout=_rollout_params(request, steps) if rollout else None,
+        rollout=_rollout_params(request, steps, info) if rollout else None,
         lora_name=request.get("lora_name"),
         lora_scale=request.get("lora_scale", 1.0),
         max_sequence_length=length,

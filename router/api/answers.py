@@ -39,6 +39,9 @@ class Sample(Answer):
     route: dict[str, int] = Field(description="the worker index of each stage")
     weight_version: int | None
     scheduler: str | None = Field(default=None, description="the serving or rollout scheduler's class")
+    schedule: Literal["rollout", "serving"] | None = Field(
+        default=None, description="whose sigmas and timesteps ran: the rollout (flow-match Euler) schedule or the "
+        "serving scheduler's")
     batch: int | None = Field(default=None, description="the most requests it shared a denoise forward with")
     transformer_passes: list[int] | int | None = Field(default=None, description="full forwards per CFG branch")
     cached_steps: list[int] | int | None = Field(default=None, description="row-steps that reused an output")

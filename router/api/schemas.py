@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, OdeSolver, SdeType
+from common.protocol.messages import (
+    EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, OdeSolver, RolloutSchedule, SdeType,
+)
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
@@ -92,6 +94,9 @@ class RolloutBody(GenerateBody):
                                   "serving (the model's own scheduler on the remaining sigmas)")
     return_trajectory: bool = False
     return_log_probs: bool = True
+    schedule: RolloutSchedule = Field(default="rollout", description="whose sigmas and timesteps the SDE steps "
+                                      "follow: rollout (flow-match Euler with the serving shift) or serving (the "
+                                      "model's own scheduler's: Wan's UniPC, SANA's DPM-Solver, ...)")
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"
