@@ -37,6 +37,7 @@ import uvicorn
 from common.config.engine import CONFIG_NAME, DTYPE_CHOICES, EngineConfig, Limits, default_data_dir
 from common.runtime.http_sockets import bind_http_or_exit
 from common.runtime.memory_flags import add_memory_flags, check_memory_flags, memory_settings
+from common.runtime.exit_now import exit_now
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
 from common.families import UnknownFamily, read_model
@@ -395,14 +396,5 @@ def main(argv=None) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown of torch and every module (over a second, waited on by
-    whoever stops the engine): the workers, the job store and the sockets are closed by now."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())  # everything is closed by now: skip the interpreter's teardown

@@ -30,12 +30,14 @@ def wants_kl(task: DenoiseTask) -> bool:
 
 def stochastic_now(task: DenoiseTask) -> bool:
     """Whether this step draws noise (and so has a log-prob and a KL): its variant's noise scale is not 0."""
+    if task.past_window:  # the serving scheduler's steps after the window
+        return False
     variant = task.step_variant_now()
     if variant.deterministic:
         return False
     s = task.scheduler.sigmas.detach().float().cpu()
     i = task.step
-    _, _, sd = variant.coefficients(s[i : i + 1], s[i + 1 : i + 2], sigma_max(s).reshape(1))
+    _, _, sd = variant.coefficients(s[i : i + 1], s[i + 1 : i + 2], sigma_max(s).reshape(1), s[-1:])
     return bool(sd[0] > 0)
 
 

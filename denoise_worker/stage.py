@@ -253,8 +253,10 @@ class DenoiseStage(Stage):
     def _finished(self, a: _Active, partial: bool = False) -> Forward:
         msg, task = a.msg, a.task
         timings = {**msg.timings, "denoise_s": time.perf_counter() - a.t0}
-        info = {"scheduler": type(task.scheduler).__name__, "weight_version": self.weight_version,
-                "batch": a.largest_batch, **task.pass_counts(), **({"steps_done": task.step} if partial else {})}
+        info = {"scheduler": type(task.scheduler).__name__, "schedule": task.schedule,
+                "weight_version": self.weight_version, "batch": a.largest_batch, **task.pass_counts(),
+                **task.window_info(),
+                **({"steps_done": task.step} if partial else {})}
         if task.lora is not None:
             info.update(lora_name=task.lora[0].name, lora_version=task.lora[0].version)
         extras = task.extras()

@@ -28,6 +28,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.diffusion import schedulers
+from common.diffusion.after_window import last_sde_step, serving_after
 from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
@@ -65,6 +66,9 @@ class DenoiseTask:
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
     variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
+    # ode_solver "serving": the serving scheduler that steps from ``after_from`` (the step after the last SDE step)
+    after: object | None = None
+    after_from: int | None = None
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -82,15 +86,20 @@ class DenoiseTask:
         sde = sde_settings(params)
         height, width = info.family.latents.size(info, params.height, params.width, params.fields)
         seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
-        scheduler = schedulers.build(rollout_template if sde is not None else serving_template, params, device,
+        on_rollout = sde is not None and sde.schedule == "rollout"
+        scheduler = schedulers.build(rollout_template if on_rollout else serving_template, params, device,
                                      image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
         if sde is not None:
-            schedulers.check_flow_match_convention(scheduler)
+            schedulers.check_rollout_schedule(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
         task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)
+            last = last_sde_step(sde.sde_step_indices)
+            if sde.ode_solver == "serving" and last is not None and last + 1 < len(scheduler.timesteps):
+                task.after_from = last + 1
+                task.after = serving_after(serving_template, scheduler, last + 1)
         if task.wants_trajectory:
             task.trajectory.append(latents)
         return task
@@ -102,6 +111,12 @@ class DenoiseTask:
     @property
     def wants_trajectory(self) -> bool:
         return self.params.rollout is not None and self.params.rollout.return_trajectory
+
+    @property
+    def schedule(self) -> str:
+        """Which schedule steps it (the answer's ``schedule``): the rollout (flow-match Euler) one, or the
+        serving scheduler's (a plain generation, ``rollout: false``, or ``schedule: "serving"``)."""
+        return "serving" if self.sde is None else self.sde.schedule
 
     @property
     def done(self) -> bool:
@@ -123,11 +138,11 @@ class DenoiseTask:
     def step_key(self) -> tuple | None:
         """What an SDE step depends on besides the tensors: tasks with equal keys take this step in one
         ``sde_step`` call (see denoise_worker/joint_step.py). None: the serving scheduler steps it alone."""
-        if self.sde is None:
+        if self.sde is None or self.past_window:
             return None
         s = self.scheduler.sigmas
         return (self.step_variant_now(), float(s[self.step]), float(s[self.step + 1]),
-                float(sigma_max(s)), self.log_prob_mask() is not None)
+                float(sigma_max(s)), float(s[-1]), self.log_prob_mask() is not None)
 
     def log_prob_mask(self) -> torch.Tensor | None:
         """Which latent elements this request's log-probs average over (None: all; see Binding.condition.log_prob_mask)."""
@@ -137,9 +152,15 @@ class DenoiseTask:
         """The final latents as the family's pipeline returns them."""
         return self.info.family.condition.final_latents(self.info, self.latents, self.image)
 
+    @property
+    def past_window(self) -> bool:
+        """This step is one of the serving scheduler's after the last SDE step (``ode_solver: "serving"``)."""
+        return self.after_from is not None and self.step >= self.after_from
+
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""
-        self.took(self.scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
+        scheduler = self.after if self.past_window else self.scheduler
+        self.took(scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
 
     def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None) -> None:
         """Record this step's outcome: the new latents and, for a stochastic SDE step, its [n] log-probs."""
@@ -159,6 +180,10 @@ class DenoiseTask:
                     "cached_steps": list(self.cache.cached_steps)}
         passes = self.step * (1 if self.uncond is None else 2) + ref
         return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
+
+    def window_info(self) -> dict[str, list[int]]:
+        """The answer's ``sde_window`` [start, stop) when the request's window was picked from its seed."""
+        return {} if self.sde is None or self.sde.sde_window is None else {"sde_window": list(self.sde.sde_window)}
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""

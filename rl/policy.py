@@ -135,6 +135,8 @@ class TrainerPolicy:
         ``embeddings``: :meth:`embeddings`' of ``params``, when computed once for many calls; ``image``: an
         image-to-video request's, from :meth:`image`, which also says which latent elements count (TI2V's
         frame 0 does not).
+        The steps read ``sigma_max`` and ``sigma_min`` off ``trajectory.sigmas`` (its second and last), whatever
+        schedule it ran on (``params.rollout.schedule``: its timesteps are the ones the model was conditioned on).
 
         Differentiable w.r.t. the transformer's parameters unless called under
         ``torch.no_grad()``.

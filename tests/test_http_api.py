@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.diffusion.params import ROLLOUT
+from common.diffusion.params import ROLLOUT, WINDOW
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from conftest import pid_alive
@@ -241,7 +241,7 @@ BODY_MODELS = {
     "/release_memory_occupation": {"tags", "level", "mode"},
     "/resume_memory_occupation": {"tags", "reload"},
 }
-BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {*ROLLOUT, "return_partial"}  # (the one list of them)
+BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {*ROLLOUT, *WINDOW, "return_partial"}  # (the one list of them)
 
 
 @pytest.fixture(scope="module")

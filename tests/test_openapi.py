@@ -15,7 +15,7 @@ import pytest
 
 from common.config.engine import EngineConfig, Limits
 from common.config.topology import parse_topology
-from common.diffusion.params import ROLLOUT
+from common.diffusion.params import ROLLOUT, WINDOW
 from common.families import read_model
 from common.builtin import ensure_builtin
 from router.api.app import create_app
@@ -76,7 +76,10 @@ def test_generation_bodies_carry_the_engines_limits(served):
         assert (_value(props["image"])["type"] == "null") == (takes_image is None)
         assert ("image" in _body(doc, path)["required"]) == (takes_image == "required")
     rollout = _body(doc, "/rollout/generate")["properties"]
-    assert rollout["sde_type"]["enum"] == ["sde", "cps", "ode"] and rollout["noise_level"]["maximum"] == 10.0
+    assert rollout["sde_type"]["enum"] == ["sde", "cps", "ode", "flow_grpo_wan", "dance_grpo"]
+    assert rollout["noise_level"]["maximum"] == 10.0 and rollout["schedule"]["enum"] == ["rollout", "serving"]
+    assert _value(rollout["sde_window_size"])["maximum"] == 7 and rollout["ode_solver"]["enum"] == ["euler", "serving"]
+    assert _value(rollout["sde_window_range"])["items"]["maximum"] == 7
     sizes = _value(_body(doc, "/v1/images/generations")["properties"]["size"])["enum"]
     assert f"{multiple}x{multiple}" in sizes and all(int(s.split("x")[0]) % multiple == 0 for s in sizes)
 
@@ -100,7 +103,7 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
         assert own <= set(_body(doc, path)["properties"])
 
 
-ROLLOUT_FIELDS = {*ROLLOUT, "return_partial"}  # the one list of a rollout's fields, and the router's own
+ROLLOUT_FIELDS = {*ROLLOUT, *WINDOW, "return_partial"}  # the one list of a rollout's fields, and the router's own
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):

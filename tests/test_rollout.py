@@ -13,6 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from common.diffusion.sde import sde_step
+from common.diffusion.windows import pick_window
 from common.diffusion.weights import state_dict_checksum
 from conftest import diffusers_generate
 from common.diffusion import schedulers
@@ -63,9 +64,22 @@ def _recompute_max_diff(policy, req, sample):
 def test_rollout_log_probs_equal_trainer_recompute(client, policy, over):
     req = {**BASE, **over}
     s = client.rollout(**req)["samples"][0]
-    assert s["scheduler"] == EULER
+    assert s["scheduler"] == EULER and s["schedule"] == "rollout"
     assert s["log_prob_steps"].tolist() == list(range(req["num_inference_steps"] - (req.get("sde_type") == "cps")))
     assert s["log_probs"].dtype == torch.float32 and torch.isfinite(s["log_probs"]).all()
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
+
+
+def test_flow_grpo_wan_on_the_serving_schedule(client, policy, tiny_dir):
+    """Flow-GRPO's Wan step on Wan's own UniPC schedule: its sigmas and integer timesteps, recomputed by the
+    trainer from the trajectory."""
+    req = {**BASE, "sde_type": "flow_grpo_wan", "schedule": "serving", "seed": 9}
+    s = client.rollout(**req)["samples"][0]
+    assert s["scheduler"] == UNIPC and s["schedule"] == "serving"
+    unipc = schedulers.load_serving_template(read_model(tiny_dir))
+    unipc.set_timesteps(req["num_inference_steps"])
+    traj = Trajectory.from_sample(s)
+    assert torch.equal(traj.timesteps, unipc.timesteps.float()) and torch.equal(traj.sigmas, unipc.sigmas.float())
     assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
 
 
@@ -114,6 +128,18 @@ def test_sde_window_and_ode_steps(client, policy):
     assert ode["log_probs"].numel() == 0 and ode["scheduler"] == EULER
     again = client.rollout(**{**req, "sde_type": "ode", "sde_step_indices": None, "seed": 99})["samples"][0]
     assert not torch.equal(ode["output"], again["output"])  # the seed still sets the initial noise
+
+
+def test_seeded_window_is_reported_and_the_serving_solver_follows_it(client, policy):
+    """The window picked from the request's seed is in the answer (each sample of the group has it) and is the
+    one the trainer's params resolve; with the serving solver after it, the window's log-probs still recompute."""
+    req = {**BASE, "seed": 12, "n": 2, "sde_window_size": 2, "sde_window_range": [1, 5], "ode_solver": "serving"}
+    answer = client.rollout(**req)
+    window = policy.params(**req).rollout.sde_window
+    assert [s["sde_window"] for s in answer["samples"]] == [window, window] == [list(pick_window(12, 2, [1, 5], 6))] * 2
+    s = answer["samples"][0]
+    assert s["log_prob_steps"].tolist() == list(range(*window)) and s["scheduler"] == EULER
+    assert _recompute_max_diff(policy, req, s) <= RECOMPUTE_TOL
 
 
 def test_same_request_same_trajectory(client):
@@ -189,7 +215,10 @@ def test_validation_of_rollout_fields(client):
     bad = [({"sde_type": "brownian"}, "sde_type"), ({"noise_level": -0.1}, "noise_level"),
            ({"sde_step_indices": [0, 6]}, "sde_step_indices"), ({"sde_step_indices": [1, 1]}, "sde_step_indices"),
            ({"return_trajectory": "yes"}, "return_trajectory"),
-           ({"sde_type": "cps", "noise_level": 1.5}, "noise_level")]  # cps's std needs noise_level <= 1
+           ({"sde_type": "cps", "noise_level": 1.5}, "noise_level"),  # cps's std needs noise_level <= 1
+           ({"sde_window_size": 7}, "sde_window_size"),  # more than the 6 steps
+           ({"sde_window_size": 2, "sde_window_range": [0, 7]}, "sde_window_range"),
+           ({"sde_window_size": 2, "sde_step_indices": [1]}, "sde_window_size"), ({"ode_solver": "rk4"}, "ode_solver")]
     for over, field in bad:
         with pytest.raises(EngineHTTPError) as e:
             client.rollout(**{**BASE, **over})

@@ -340,4 +340,4 @@ def test_bad_arguments(over, match):
 
 
 def test_sde_types_constant():
-    assert SDE_TYPES == ("sde", "cps", "ode")
+    assert SDE_TYPES == ("sde", "cps", "ode", "flow_grpo_wan", "dance_grpo")

@@ -16,7 +16,7 @@ from common.protocol.messages import SDE_TYPES, RolloutParams
 SHAPE = (2, 3, 4, 5)
 SIGMA_MAX = 0.95
 PAIRS = [(1.0, 0.95), (0.95, 0.85), (0.6, 0.5), (0.3, 0.29), (0.2, 0.05)]
-NOISE_LEVELS = {"sde": 0.7, "cps": 0.8, "ode": 0.7}
+NOISE_LEVELS = {"sde": 0.7, "cps": 0.8, "ode": 0.7, "flow_grpo_wan": 0.7, "dance_grpo": 0.3}
 
 
 def _f32(value: float) -> float:
@@ -45,9 +45,27 @@ def _ode(x, v, eps, s, s_next, s_max, nl):
     return mean, mean, 0.0, None
 
 
+def _gaussian_sde(x, v, eps, s, s_next, std):
+    """``sde``'s mean and Gaussian log-prob with the diffusion coefficient ``std`` (a number)."""
+    dt = s_next - s
+    mean = x * (1 + std ** 2 / (2 * s) * dt) + v * (1 + std ** 2 * (1 - s) / (2 * s)) * dt
+    sd = std * math.sqrt(-dt)
+    x_next = mean + sd * eps
+    lp = (-((x_next - mean) ** 2) / (2 * sd ** 2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))).mean()
+    return x_next, mean, sd, lp
+
+
+def _flow_grpo_wan(x, v, eps, s, s_next, s_max, nl):  # sde_step's default sigma_min: 0
+    return _gaussian_sde(x, v, eps, s, s_next, 0.0 + (s_max - 0.0) * s)
+
+
+def _dance_grpo(x, v, eps, s, s_next, s_max, nl):
+    return _gaussian_sde(x, v, eps, s, s_next, nl)
+
+
 # One float64 transcription per variant of the design notes' formula, for ONE sample: a variant added to
 # the registry without its own here fails test_every_variant_has_a_reference.
-REFERENCES = {"sde": _sde, "cps": _cps, "ode": _ode}
+REFERENCES = {"sde": _sde, "cps": _cps, "ode": _ode, "flow_grpo_wan": _flow_grpo_wan, "dance_grpo": _dance_grpo}
 
 
 def test_every_variant_has_a_reference():
@@ -99,10 +117,11 @@ def test_a_name_and_its_object_take_the_same_step(name):
 
 
 def test_an_unknown_name_is_refused_with_the_names():
-    with pytest.raises(ValueError, match=r"unknown sde_type 'euler'; expected one of \('sde', 'cps', 'ode'\)"):
+    names = r"\('sde', 'cps', 'ode', 'flow_grpo_wan', 'dance_grpo'\)"
+    with pytest.raises(ValueError, match=r"unknown sde_type 'euler'; expected one of " + names):
         step_variant("euler", 0.7)
     x = torch.zeros(SHAPE)
-    with pytest.raises(ValueError, match=r"expected one of \('sde', 'cps', 'ode'\)"):
+    with pytest.raises(ValueError, match=r"expected one of " + names):
         sde_step(x, x, 0.6, 0.5, SIGMA_MAX, sde_type="euler")
 
 

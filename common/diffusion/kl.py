@@ -32,12 +32,13 @@ class KlStep:
 
 def reference_step(step: SdeStep, ref_velocity: torch.Tensor, sample: torch.Tensor, sigma: SigmaLike,
                    sigma_next: SigmaLike, sigma_max_: SigmaLike, variant: StepVariant,
-                   log_prob_mask: torch.Tensor | None = None) -> KlStep:
-    """``step`` (the policy's, taken or evaluated from ``sample`` with ``variant``) against the reference's
-    velocity on the same ``sample``. Gradients flow through ``step.mean`` (the policy), not the reference."""
+                   log_prob_mask: torch.Tensor | None = None, sigma_min: SigmaLike = 0.0) -> KlStep:
+    """``step`` (the policy's, taken or evaluated from ``sample`` with ``variant`` and these sigmas, as
+    :func:`common.diffusion.sde.sde_step` takes them) against the reference's velocity on the same ``sample``.
+    Gradients flow through ``step.mean`` (the policy), not the reference."""
     if step.log_prob is None:
         raise ValueError("a deterministic step has no KL: it draws no noise")
-    ref = sde_step(ref_velocity, sample, sigma, sigma_next, sigma_max_, sde_type=variant,
+    ref = sde_step(ref_velocity, sample, sigma, sigma_next, sigma_max_, sigma_min=sigma_min, sde_type=variant,
                    prev_sample=step.prev_sample, log_prob_mask=log_prob_mask)
     # _mean_square treats its first argument as a constant: the reference's mean here.
     sd = step.noise_scale.flatten()
@@ -49,4 +50,4 @@ def kl_at(sigmas: torch.Tensor, i: int, step: SdeStep, ref_velocity: torch.Tenso
           variant: StepVariant, log_prob_mask: torch.Tensor | None = None) -> KlStep:
     """:func:`reference_step` at rollout step ``i`` of a schedule (as :func:`common.diffusion.policy.step_at`)."""
     return reference_step(step, ref_velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), variant,
-                          log_prob_mask)
+                          log_prob_mask, sigma_min=sigmas[-1])

@@ -13,21 +13,24 @@ from __future__ import annotations
 import math
 from typing import get_args
 
-from common.diffusion import step_cache
+from common.diffusion import step_cache, windows
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import FROM_MODEL, RequestField
-from common.diffusion.step_variants import step_variant
-from common.protocol.messages import CacheParams, GenerationParams, KlReference, RolloutParams
+from common.diffusion.step_variants import STEP_VARIANTS, step_variant
+from common.protocol.messages import (
+    ROLLOUT_SCHEDULES, CacheParams, GenerationParams, KlReference, OdeSolver, RolloutParams,
+)
 
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "return_kl", "kl_reference")
+           "ode_solver", "schedule", "return_kl", "kl_reference")
+WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
                     "seed", "n", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
-                    "timeout_s", "image", "last_image", "return_partial", *ROLLOUT})
+                    "timeout_s", "image", "last_image", "return_partial", *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
 
 
@@ -207,9 +210,24 @@ def family_values(request: dict, info: ModelInfo) -> dict:
     return out
 
 
-def _rollout_params(request: dict, steps: int) -> RolloutParams:
+def _check_rollout_schedule(r: RolloutParams, info: ModelInfo) -> None:
+    """``schedule``: a known name; ``"serving"`` needs a serving scheduler with flow-matching sigmas (in [0, 1],
+    what the SDE steps read): a flow-match scheduler, or one with ``use_flow_sigmas``."""
+    if r.schedule not in ROLLOUT_SCHEDULES:
+        raise FieldError("schedule", f"must be one of {ROLLOUT_SCHEDULES}, got {r.schedule!r}")
+    config = info.scheduler_config
+    flow = str(config.get("_class_name", "")).startswith("FlowMatch") or bool(config.get("use_flow_sigmas"))
+    if r.schedule == "serving" and not flow:
+        raise FieldError("schedule", f"this model's serving scheduler ({config.get('_class_name')}) has no "
+                                     "flow-matching sigmas for SDE steps: use the rollout schedule")
+
+
+def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams:
     given = {k: request[k] for k in ROLLOUT if request.get(k) is not None}
     r = RolloutParams(**{("sde_scheduler" if k == "rollout" else k): v for k, v in given.items()})
+    if r.sde_type not in STEP_VARIANTS:
+        raise FieldError("sde_type", f"must be one of {tuple(STEP_VARIANTS)}, got {r.sde_type!r}")
+    _check_rollout_schedule(r, info)
     try:  # the step variant's own rule (e.g. cps takes [0, 1]), so that no such request reaches a worker
         step_variant(r.sde_type, r.noise_level)
     except ValueError as e:
@@ -221,8 +239,28 @@ def _rollout_params(request: dict, steps: int) -> RolloutParams:
         if any(i < 0 or i >= steps for i in idx):
             raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
         r.sde_step_indices = sorted(idx)
+    _resolve_window(request, r, steps)
     _check_kl(r)
     return r
+
+
+def _resolve_window(request: dict, r: RolloutParams, steps: int) -> None:
+    """``sde_window_size`` / ``sde_window_range`` as the concrete window of this request's seed: the wire and
+    the trainer's params carry the steps themselves (``sde_window``, ``sde_step_indices``)."""
+    if r.ode_solver not in get_args(OdeSolver):
+        raise FieldError("ode_solver", f"must be one of {', '.join(get_args(OdeSolver))}, got {r.ode_solver!r}")
+    size, window_range = request.get("sde_window_size"), request.get("sde_window_range")
+    if size is None:
+        if window_range is not None:
+            raise FieldError("sde_window_range", "needs sde_window_size")
+        return
+    if r.sde_step_indices is not None:
+        raise FieldError("sde_window_size", "give either sde_window_size or sde_step_indices, not both")
+    problem = windows.window_problem(size, window_range, steps)
+    if problem:
+        raise FieldError(*problem)
+    start, stop = windows.pick_window(request.get("seed", 0), size, window_range, steps)
+    r.sde_window, r.sde_step_indices = [start, stop], list(range(start, stop))
 
 
 def _check_kl(r: RolloutParams) -> None:
@@ -267,7 +305,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)
     length = _max_sequence_length(request, info)
-    rollout = any(request.get(k) is not None for k in ROLLOUT)
+    rollout = any(request.get(k) is not None for k in ROLLOUT + WINDOW)
     return GenerationParams(
         prompt=request["prompt"],
         negative_prompt=request.get("negative_prompt") or "",
@@ -283,7 +321,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         sigmas=request.get("sigmas"),
         timesteps=request.get("timesteps"),
         mu=request.get("mu"),
-        rollout=_rollout_params(request, steps) if rollout else None,
+        rollout=_rollout_params(request, steps, info) if rollout else None,
         lora_name=request.get("lora_name"),
         lora_scale=request.get("lora_scale", 1.0),
         max_sequence_length=length,

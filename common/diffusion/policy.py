@@ -286,7 +286,8 @@ def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:
 def step_at(sigmas: torch.Tensor, i: int, velocity: torch.Tensor, latents: torch.Tensor, variant: StepVariant, *,
             generator: Generators = None, prev_sample: torch.Tensor | None = None,
             log_prob_mask: torch.Tensor | None = None) -> SdeStep:
-    """Rollout step ``i`` of a flow-match schedule with ``variant``: the engine draws ``x_{i+1}`` (``generator``:
-    one, or one per sample), a trainer passes the recorded one (``prev_sample``) to get its log-prob."""
-    return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sde_type=variant,
-                    generator=generator, prev_sample=prev_sample, log_prob_mask=log_prob_mask)
+    """Rollout step ``i`` of a flow-match schedule (``sigmas``: the whole schedule, its last sigma included)
+    with ``variant``: the engine draws ``x_{i+1}`` (``generator``: one, or one per sample), a trainer passes
+    the recorded one (``prev_sample``) to get its log-prob."""
+    return sde_step(velocity, latents, sigmas[i], sigmas[i + 1], sigma_max(sigmas), sigma_min=sigmas[-1],
+                    sde_type=variant, generator=generator, prev_sample=prev_sample, log_prob_mask=log_prob_mask)

@@ -160,3 +160,24 @@ def check_flow_match_convention(scheduler, atol: float = 1e-3) -> float:
             type(scheduler).__name__, n_train, deviation,
         )
     return deviation
+
+
+def check_rollout_schedule(scheduler, atol: float = 1e-3) -> float:
+    """The check a rollout's scheduler passes before its first SDE step; returns the convention's deviation.
+
+    A flow-match Euler schedule (the rollout template's, or a serving one such as FLUX's) must satisfy the
+    flow-match convention (:func:`check_flow_match_convention`). Another serving schedule (Wan's UniPC, SANA's
+    DPM-Solver with flow sigmas) conditions the model on its own timesteps (UniPC's are integers, not
+    ``sigmas * 1000``), which the SDE steps take as they are: its sigmas only need to be a flow schedule, one
+    more than its timesteps, within [0, 1] and non-increasing (0.0 is returned).
+    """
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return check_flow_match_convention(scheduler, atol)
+    sig = scheduler.sigmas.double().cpu()
+    if sig.numel() != len(scheduler.timesteps) + 1:
+        raise ConventionError(f"{type(scheduler).__name__}: {sig.numel()} sigmas for {len(scheduler.timesteps)} "
+                              "timesteps (expected one more)")
+    if not bool(((sig >= 0) & (sig <= 1)).all()) or bool((sig[1:] > sig[:-1]).any()):
+        raise ConventionError(f"{type(scheduler).__name__}'s sigmas are not a flow-matching schedule (non-increasing "
+                              f"within [0, 1]): {sig.tolist()}")
+    return 0.0

@@ -82,10 +82,10 @@ def _per_sample(name: str, value: SigmaLike, batch: int) -> torch.Tensor:
     return t.expand(batch).contiguous() if t.numel() == 1 else t
 
 
-def _coefficients(variant: StepVariant, s: torch.Tensor, s_next: torch.Tensor,
-                  s_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _coefficients(variant: StepVariant, s: torch.Tensor, s_next: torch.Tensor, s_max: torch.Tensor,
+                  s_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The variant's per-sample ``(a, b, sd)`` (CPU, float32, [B]), checked finite, ``sd`` without -0.0."""
-    a, b, sd = variant.coefficients(s, s_next, s_max)
+    a, b, sd = variant.coefficients(s, s_next, s_max, s_min)
     if not bool(torch.isfinite(torch.stack((a, b, sd))).all()):
         raise ValueError(f"{variant.name} step is undefined at sigma={s.tolist()}, sigma_next={s_next.tolist()}, "
                          f"sigma_max={s_max.tolist()}")
@@ -188,6 +188,7 @@ def sde_step(
     sigma_next: SigmaLike,
     sigma_max: SigmaLike,
     *,
+    sigma_min: SigmaLike = 0.0,
     sde_type: str | StepVariant = "sde",
     noise_level: float | None = None,
     noise: torch.Tensor | None = None,
@@ -202,7 +203,10 @@ def sde_step(
         sample: current latents ``x_i``, shape [B, ...] (ndim >= 2).
         sigma, sigma_next: this step's sigmas, ``0 <= sigma_next <= sigma <= 1``; a number, a 0-d
             tensor, or a [B] tensor (one value per sample, for batches at different steps).
-        sigma_max: ``sigmas[1]`` of the schedule; used by ``"sde"`` where ``sigma == 1``.
+        sigma_max: ``sigmas[1]`` of the schedule; used by ``"sde"`` where ``sigma == 1`` and by
+            ``"flow_grpo_wan"``.
+        sigma_min: ``sigmas[-1]`` of the schedule (0 for a schedule that ends at 0); used by
+            ``"flow_grpo_wan"`` only.
         sde_type: a variant's name (one of :data:`SDE_TYPES`) or a :class:`StepVariant` object (which
             carries its noise level).
         noise_level: with a name, ``>= 0`` (and ``<= 1`` for ``"cps"``); default 0.7.
@@ -229,7 +233,8 @@ def sde_step(
     variant = step_variant(sde_type, noise_level)
     _check_tensors(model_output, sample, noise, generator, prev_sample)
     s, s_next, s_max = _sigmas(sigma, sigma_next, sigma_max, sample.shape[0])
-    a, b, sd = _coefficients(variant, s, s_next, s_max)
+    s_min = _per_sample("sigma_min", sigma_min, sample.shape[0])
+    a, b, sd = _coefficients(variant, s, s_next, s_max, s_min)
     device, view = sample.device, (sample.shape[0],) + (1,) * (sample.ndim - 1)
     x, v, sd_dev = sample.float(), model_output.float(), sd.to(device)
     if _is_deterministic(sd):
@@ -250,6 +255,7 @@ def log_prob_of(
     *,
     sde_type: str | StepVariant,
     noise_level: float | None = None,
+    sigma_min: SigmaLike = 0.0,
 ) -> torch.Tensor:
     """[B] log-probability of the observed ``prev_sample`` (differentiable w.r.t. ``model_output``).
 
@@ -257,7 +263,8 @@ def log_prob_of(
     deterministic (it has no log-probability).
     """
     variant = step_variant(sde_type, noise_level)
-    step = sde_step(model_output, sample, sigma, sigma_next, sigma_max, sde_type=variant, prev_sample=prev_sample)
+    step = sde_step(model_output, sample, sigma, sigma_next, sigma_max, sigma_min=sigma_min, sde_type=variant,
+                    prev_sample=prev_sample)
     if step.log_prob is None:
         raise ValueError(f"{variant.name} step from sigma={sigma} to sigma_next={sigma_next} with noise_level="
                          f"{variant.noise_level} is deterministic and has no log-probability")

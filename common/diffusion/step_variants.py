@@ -50,15 +50,32 @@ class StepVariant:
             raise ValueError(f"noise_level must be >= 0, got {noise_level}")
         return noise_level
 
-    def coefficients(self, s: torch.Tensor, s_next: torch.Tensor,
-                     s_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-sample ``(a, b, sd)`` with ``mean = a x + b v`` and ``x_next = mean + sd eps``."""
+    def coefficients(self, s: torch.Tensor, s_next: torch.Tensor, s_max: torch.Tensor,
+                     s_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-sample ``(a, b, sd)`` with ``mean = a x + b v`` and ``x_next = mean + sd eps``; ``s_max`` is the
+        schedule's ``sigmas[1]``, ``s_min`` its last sigma."""
         raise NotImplementedError
 
     def log_prob(self, mean_sq: torch.Tensor, sd: torch.Tensor) -> torch.Tensor | None:
         """[B] log-probability of ``x_next`` from ``mean_sq``, its [B] mean squared deviation from ``mean``
         (over the elements that count), and ``sd`` [B]; None for a variant without one."""
         raise NotImplementedError
+
+
+def _flow_sde(std: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor):
+    """``(a, b, sd)`` of the flow-matching SDE step with diffusion coefficient ``std`` (per sample):
+    ``mean = x (1 + std^2 dt / (2 s)) + v (1 + std^2 (1 - s) / (2 s)) dt``, ``sd = std sqrt(-dt)``."""
+    dt = s_next - s
+    # s == 0 only happens with dt == 0 (sd == 0): the term is 0 there.
+    k = std.square() / (2 * torch.where(s > 0, s, torch.ones_like(s)))
+    a = 1 + k * dt
+    b = (1 + k * (1 - s)) * dt
+    return a, b, std * torch.sqrt(-dt)
+
+
+def _gaussian(mean_sq: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """The Gaussian log-density, constants included, from the mean squared deviation."""
+    return -mean_sq / (2 * sd.square()) - torch.log(sd) - _LOG_SQRT_2PI
 
 
 @dataclass(frozen=True)
@@ -69,20 +86,14 @@ class Sde(StepVariant):
 
     name: ClassVar[str] = "sde"
 
-    def coefficients(self, s, s_next, s_max):
-        dt = s_next - s
+    def coefficients(self, s, s_next, s_max, s_min):
         at_one = s == 1
         if bool((at_one & (s_max == 1)).any()):
             raise ValueError("sde step at sigma == 1 needs sigma_max < 1 (the formula divides by 1 - sigma_max)")
-        std = self.noise_level * torch.sqrt(s / (1 - torch.where(at_one, s_max, s)))
-        # s == 0 only happens with dt == 0 and std == 0: the term is 0 there.
-        k = std.square() / (2 * torch.where(s > 0, s, torch.ones_like(s)))
-        a = 1 + k * dt
-        b = (1 + k * (1 - s)) * dt
-        return a, b, std * torch.sqrt(-dt)
+        return _flow_sde(self.noise_level * torch.sqrt(s / (1 - torch.where(at_one, s_max, s))), s, s_next)
 
     def log_prob(self, mean_sq, sd):
-        return -mean_sq / (2 * sd.square()) - torch.log(sd) - _LOG_SQRT_2PI
+        return _gaussian(mean_sq, sd)
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class Cps(StepVariant):
             raise ValueError(f"cps noise_level must be in [0, 1], got {noise_level}")
         return noise_level
 
-    def coefficients(self, s, s_next, s_max):
+    def coefficients(self, s, s_next, s_max, s_min):
         std = s_next * math.sin(self.noise_level * math.pi / 2)
         c = torch.sqrt(torch.clamp(s_next.square() - std.square(), min=0))
         # x0 (1 - s_next) + x1 c with x0 = x - s v, x1 = x + (1 - s) v
@@ -116,14 +127,43 @@ class Ode(StepVariant):
     name: ClassVar[str] = "ode"
     deterministic: ClassVar[bool] = True
 
-    def coefficients(self, s, s_next, s_max):
+    def coefficients(self, s, s_next, s_max, s_min):
         return torch.ones_like(s), s_next - s, torch.zeros_like(s)
 
     def log_prob(self, mean_sq, sd):
         return None
 
 
-STEP_VARIANTS: dict[str, type[StepVariant]] = {v.name: v for v in (Sde, Cps, Ode)}
+@dataclass(frozen=True)
+class FlowGrpoWan(StepVariant):
+    """Flow-GRPO's Wan step: ``sde``'s mean and noise with ``std = s_min + (s_max - s_min) s`` (linear in
+    sigma, ``s_max = sigmas[1]``, ``s_min = sigmas[-1]``); the Gaussian log-density. It has no noise level:
+    ``noise_level`` is accepted (any valid value) and unused."""
+
+    name: ClassVar[str] = "flow_grpo_wan"
+
+    def coefficients(self, s, s_next, s_max, s_min):
+        return _flow_sde(s_min + (s_max - s_min) * s, s, s_next)
+
+    def log_prob(self, mean_sq, sd):
+        return _gaussian(mean_sq, sd)
+
+
+@dataclass(frozen=True)
+class DanceGrpo(StepVariant):
+    """DanceGRPO's step: ``sde``'s mean and noise with the constant ``std = eta`` (``noise_level``), so
+    ``sd = eta sqrt(-dt)``; the Gaussian log-density."""
+
+    name: ClassVar[str] = "dance_grpo"
+
+    def coefficients(self, s, s_next, s_max, s_min):
+        return _flow_sde(torch.full_like(s, self.noise_level), s, s_next)
+
+    def log_prob(self, mean_sq, sd):
+        return _gaussian(mean_sq, sd)
+
+
+STEP_VARIANTS: dict[str, type[StepVariant]] = {v.name: v for v in (Sde, Cps, Ode, FlowGrpoWan, DanceGrpo)}
 """Every step variant by its wire name (``RolloutParams.sde_type``)."""
 
 

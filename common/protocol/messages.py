@@ -21,13 +21,16 @@ PROTOCOL_VERSION = 2  # 2: a request carries its n samples as one unit (leading 
 ROLES = ("encoder", "denoise", "decode")
 # Value sets, each spelled once here; the tuples are for membership checks and messages.
 OutputType = Literal["frames", "latent"]
-SdeType = Literal["sde", "cps", "ode"]
+SdeType = Literal["sde", "cps", "ode", "flow_grpo_wan", "dance_grpo"]
+OdeSolver = Literal["euler", "serving"]  # the steps after a rollout's last SDE step (DenoiseTask)
 KlReference = Literal["base"]  # the reference of return_kl: the same model with the request's adapter off
 ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
+RolloutSchedule = Literal["rollout", "serving"]  # a rollout's sigmas: flow-match Euler's, or the serving scheduler's
 CacheMethod = Literal["teacache", "first_block"]  # step caching (common/diffusion/step_cache.py)
 Info = Union[str, int, float, list[int]]  # a result's facts: per request, or one int per sample
 OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
 SDE_TYPES: tuple[str, ...] = get_args(SdeType)
+ROLLOUT_SCHEDULES: tuple[str, ...] = get_args(RolloutSchedule)
 EXPERT_NAMES: tuple[str, ...] = get_args(ExpertName)
 # What a colocated trainer may release and resume, and the role whose workers hold each (the encoder's image
 # side, image-to-video, goes with the text encoder).
@@ -168,8 +171,11 @@ class RolloutParams(_Strict):
     sde_type: SdeType = "sde"
     noise_level: float = 0.7
     sde_step_indices: list[int] | None = None  # None: every step
+    sde_window: list[int] | None = None  # [start, stop): the window picked from the seed (common/diffusion/windows.py)
+    ode_solver: OdeSolver = "euler"  # after the last SDE step: the Euler step, or the serving scheduler
     return_trajectory: bool = False
     return_log_probs: bool = True
+    schedule: RolloutSchedule = "rollout"  # whose sigmas and timesteps the SDE steps follow
     return_kl: bool = False  # per SDE step: KL against kl_reference and the log-prob under it
     kl_reference: KlReference = "base"
 

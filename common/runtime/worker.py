@@ -14,7 +14,6 @@ import collections
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -36,6 +35,7 @@ from common.protocol.messages import (
     PeerMoved,
     Progress,
 )
+from common.runtime.exit_now import exit_now
 from common.runtime.peak_memory import PeakMemory
 from common.runtime.stage import Forward, Stage
 from common.transport.cuda_ipc import CudaIpcContext
@@ -367,9 +367,4 @@ def main(stage_cls: type[Stage]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
     signal.signal(signal.SIGINT, lambda *_: runtime.stop())
     runtime.run()
-    # The stage, its sockets and its threads are closed by now; what is left is the interpreter tearing down
-    # torch and every loaded module, about a second and a half per process for nothing anyone waits on.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # the stage, its sockets and its threads are closed by now

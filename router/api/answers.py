@@ -39,6 +39,9 @@ class Sample(Answer):
     route: dict[str, int] = Field(description="the worker index of each stage")
     weight_version: int | None
     scheduler: str | None = Field(default=None, description="the serving or rollout scheduler's class")
+    schedule: Literal["rollout", "serving"] | None = Field(
+        default=None, description="whose sigmas and timesteps ran: the rollout (flow-match Euler) schedule or the "
+        "serving scheduler's")
     batch: int | None = Field(default=None, description="the most requests it shared a denoise forward with")
     transformer_passes: list[int] | int | None = Field(default=None, description="full forwards per CFG branch")
     cached_steps: list[int] | int | None = Field(default=None, description="row-steps that reused an output")
@@ -46,6 +49,8 @@ class Sample(Answer):
     lora_version: int | None
     log_probs: TensorBody | None = Field(default=None, description="rollouts: [K] per SDE step")
     log_prob_steps: TensorBody | None = None
+    sde_window: list[int] | None = Field(default=None, description="rollouts with sde_window_size: the SDE steps "
+                                         "[start, stop) picked from the seed")
     kl: TensorBody | None = Field(default=None, description="return_kl: [K] KL against the reference per SDE step")
     ref_log_probs: TensorBody | None = Field(default=None, description="return_kl: [K] log-probs under the reference")
     trajectory: Trajectory | None = None

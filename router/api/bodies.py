@@ -128,8 +128,12 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     }
     if "scheduler" in o.info:
         body["scheduler"] = o.info["scheduler"]
+    if "schedule" in o.info:
+        body["schedule"] = o.info["schedule"]  # "rollout" or "serving": whose sigmas and timesteps ran
     if "batch" in o.info:
         body["batch"] = o.info["batch"]  # the most requests this sample shared a denoise forward with
+    if "sde_window" in o.info:
+        body["sde_window"] = o.info["sde_window"]  # the SDE steps [start, stop) its request's seed picked
     for key in PER_SAMPLE_INFO:  # its full transformer forwards (per CFG branch) and its reused row-steps
         if key in o.info:
             body[key] = o.info[key]

@@ -103,8 +103,10 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     openai = {**common, "size": _sizes(multiple, config), "model": {"enum": [served_model_id(Path(info.path))]}}
     rank = {"properties": {"rank": {"maximum": limits.max_lora_rank}}}
     added = family_properties(info)
+    window = {"sde_window_size": {"maximum": limits.max_steps},
+              "sde_window_range": {"items": {"maximum": limits.max_steps}}}
     facts = {"GenerateBody": {"properties": native, "added": added},
-             "RolloutBody": {"properties": {**native, "sde_step_indices": steps}, "added": added},
+             "RolloutBody": {"properties": {**native, "sde_step_indices": steps, **window}, "added": added},
              "ImagesBody": {"properties": openai, "added": added},
              "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])},
                            "added": added},

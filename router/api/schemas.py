@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from common.protocol.messages import EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, SdeType
+from common.protocol.messages import (
+    EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, OdeSolver, RolloutSchedule, SdeType,
+)
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
@@ -82,8 +84,19 @@ class RolloutBody(GenerateBody):
     noise_level: float = Field(default=0.7, ge=0.0, le=10.0)
     sde_step_indices: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, description="0-based steps that use the SDE (default: every step)")
+    sde_window_size: int | None = Field(default=None, ge=1, description="SDE on a window of this many "
+                                        "consecutive steps, its start picked from the seed (not with "
+                                        "sde_step_indices)")
+    sde_window_range: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=2, max_length=2, description="[lo, hi]: the window lies within steps lo..hi-1 "
+        "(default [0, steps])")
+    ode_solver: OdeSolver = Field(default="euler", description="the steps after the last SDE step: euler, or "
+                                  "serving (the model's own scheduler on the remaining sigmas)")
     return_trajectory: bool = False
     return_log_probs: bool = True
+    schedule: RolloutSchedule = Field(default="rollout", description="whose sigmas and timesteps the SDE steps "
+                                      "follow: rollout (flow-match Euler with the serving shift) or serving (the "
+                                      "model's own scheduler's: Wan's UniPC, SANA's DPM-Solver, ...)")
     return_kl: bool = Field(default=False, description="per SDE step: kl and ref_log_probs against kl_reference")
     kl_reference: KlReference = Field(default="base", description="base: the same model with the request's "
                                       "adapter off (without an adapter: kl 0, ref_log_probs = log_probs)")
