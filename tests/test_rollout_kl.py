@@ -109,11 +109,13 @@ def counted(model: str, t: torch.Tensor) -> torch.Tensor:
 
 def expected(model: str, sde_type: str, noise_level: float, sigmas: torch.Tensor, i: int, x, x_next, v, v_ref):
     """float64 ([n] KL, [n] reference log-prob) of step i from the formulas of docs/rollout.md."""
-    s, s1, s_max = (float(sigmas[j]) for j in (i, i + 1, 1))
+    s, s1, s_max, s_min = (float(sigmas[j]) for j in (i, i + 1, 1, -1))
     dt = s1 - s
     x, x_next, v, v_ref = (t.double() for t in (x, x_next, v, v_ref))
-    if sde_type == "sde":
-        std = noise_level * math.sqrt(s / (1 - (s_max if s == 1 else s)))
+    if sde_type != "cps":  # Flow-GRPO's SDE mean, each with its own std
+        std = {"sde": lambda: noise_level * math.sqrt(s / (1 - (s_max if s == 1 else s))),
+               "flow_grpo_wan": lambda: s_min + (s_max - s_min) * s,
+               "dance_grpo": lambda: noise_level}[sde_type]()
         sd = std * math.sqrt(-dt)
 
         def mean(u):
@@ -153,17 +155,22 @@ def recomputed(m: Made, model: str, task, ex, sde_type: str, noise_level: float)
 # --- the engine against the formula -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model,sde_type", [(m, "sde") for m in MODELS] + [("tiny", "cps")])
-def test_kl_equals_a_float64_recompute_from_the_base_models_velocity(model, sde_type, tmp_path_factory,
+# Besides sde on every family: cps, Flow-GRPO's Wan step on Wan's serving (UniPC) schedule, DanceGRPO's step.
+VARIANTS = [(m, "sde", "rollout") for m in MODELS] + [("tiny", "cps", "rollout"), ("tiny", "flow_grpo_wan", "serving"),
+                                                     ("tiny-flux", "dance_grpo", "rollout")]
+
+
+@pytest.mark.parametrize("model,sde_type,schedule", VARIANTS)
+def test_kl_equals_a_float64_recompute_from_the_base_models_velocity(model, sde_type, schedule, tmp_path_factory,
                                                                       record_property):
     m = made(model, tmp_path_factory)
-    noise_level = 0.7 if sde_type == "sde" else 0.8
-    p = params(m, sde_type, noise_level=noise_level)
+    noise_level = 0.8 if sde_type == "cps" else 0.7
+    p = params(m, sde_type, noise_level=noise_level, schedule=schedule)
     task, ex = run(m, p, m.lora())
     kl, ref = ex[KL.name], ex[REF_LOG_PROBS.name]
     K = len(ex[LOG_PROB_STEPS.name])
     assert kl.shape == ref.shape == ex[LOG_PROBS.name].shape == (p.n, K)
-    assert K == (STEPS if sde_type == "sde" else STEPS - 1)  # cps's last step (sigma_next 0) draws no noise
+    assert K == (STEPS - 1 if sde_type == "cps" else STEPS)  # cps's last step (sigma_next 0) draws no noise
     want_kl, want_ref = recomputed(m, model, task, ex, sde_type, noise_level)
     record_property("kl", kl.tolist())
     record_property("max |kl - recompute| / max(1, |recompute|)", rel_diff(kl, want_kl))
@@ -277,12 +284,13 @@ def trainer_with_adapter(m: Made):
     return trainer
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_the_trainers_recompute_equals_the_engines_kl(model, tmp_path_factory, record_property):
+@pytest.mark.parametrize("model,sde_type,schedule", [(m, "sde", "rollout") for m in MODELS]
+                         + [("tiny", "flow_grpo_wan", "serving")])
+def test_the_trainers_recompute_equals_the_engines_kl(model, sde_type, schedule, tmp_path_factory, record_property):
     from rl import Trajectory
 
     m = made(model, tmp_path_factory)
-    p = params(m)
+    p = params(m, sde_type, schedule=schedule)
     task, ex = run(m, p, m.lora())
     trainer = trainer_with_adapter(m)
     image = None if m.image is None else trainer.image(p, m.image)
