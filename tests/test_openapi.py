@@ -103,7 +103,8 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
 
 
 ROLLOUT_FIELDS = {"rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-                  "return_partial", "sde_window_size", "sde_window_range", "ode_solver", "schedule"}
+                  "return_partial", "sde_window_size", "sde_window_range", "ode_solver", "schedule",
+                  "initial_latents"}
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):

@@ -52,6 +52,10 @@ class Sample(Answer):
     sde_window: list[int] | None = Field(default=None, description="rollouts with sde_window_size: the SDE steps "
                                          "[start, stop) picked from the seed")
     trajectory: Trajectory | None = None
+    step_weight_versions: list[int] | None = Field(default=None, description="rollouts: the weight version each "
+                                                   "step taken ran on (one per step, partial answers too)")
+    step_lora_versions: list[int] | None = Field(default=None, description="rollouts with an adapter: its "
+                                                 "version at each step taken")
 
 
 class Samples(Answer):

@@ -113,6 +113,7 @@ def encode_response(payload: dict, request: Request) -> Response:
 
 
 # The response's ``trajectory`` object: its keys and the wire tensors they come from.
+STEP_VERSIONS = ("step_weight_versions", "step_lora_versions")  # a rollout's per-step tags (one list per request)
 TRAJECTORY_BODY = {"latents": TRAJECTORY_LATENTS, "timesteps": TRAJECTORY_TIMESTEPS, "sigmas": TRAJECTORY_SIGMAS}
 
 
@@ -140,6 +141,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
+    for key in STEP_VERSIONS:  # a rollout's steps, each tagged with the versions it ran on
+        if key in o.info:
+            body[key] = o.info[key]
     if TRAJECTORY_LATENTS.name in t:
         body["trajectory"] = {key: tensor_to_body(t[f.name], binary) for key, f in TRAJECTORY_BODY.items()}
     return body
