@@ -6,6 +6,8 @@ built-in family: the workers' own path (tests/family_harness.py) and the router'
 2. A stochastic rollout resumed from another rollout's step-k latent, on a new seed: the trainer's recompute
    (``TrainerPolicy.log_probs``) on the joined trajectory gives both parts' log-probs (1e-5).
 3. A bad ``initial_latents`` (shape, dtype, NaN, not a tensor; on /generate) is a FieldError naming the field.
+4. The denoise worker's stage tags each step a rollout took (a partial answer's and a whole one's) with the weight
+   version and the adapter version it ran on.
 Through the engine (partial answers' per-step weight versions, a weight update in between): tests/test_rollout.py.
 """
 
@@ -138,3 +140,32 @@ def test_bad_initial_latents_are_a_field_error_naming_it():
         to_params(GenerateBody.model_validate({"prompt": "a kite", "initial_latents": tensor_to_body(good, False)}),
                   eng.info, Limits())
     assert e.value.field == "initial_latents"
+
+
+def test_the_denoise_stage_tags_each_step_with_its_weight_and_adapter_versions(tmp_path, tiny_dir):
+    """The worker's own stage: a rollout with an adapter (version 7) cancelled for its partial answer after 2
+    steps, and one run to its end: one weight version and one adapter version per step taken."""
+    from common.protocol.control import LoadLora, LoraTensor
+    from common.protocol.messages import PROTOCOL_VERSION
+    from family_harness import InStage
+    from lora_fixtures import ATTN, lora_state_dict
+
+    st = InStage(_MODELS.engine(tiny_dir), tmp_path)
+    sd, _ = lora_state_dict(tiny_dir, 4, 8, ATTN, seed=1)
+    names = sorted(sd)
+    st.stage.adapters.load(LoadLora(v=PROTOCOL_VERSION, request_id="l", lora_name="pol", version=7, lora_rank=4,
+                                    lora_alpha=8, lora_tensors=[LoraTensor(name=k, shape=list(sd[k].shape))
+                                                                for k in names]),
+                           {"lora.blob": torch.cat([sd[k].reshape(-1) for k in names])})
+    st.stage.weight_version = 3
+    p = _params(st.eng, SIGMAS, 0, "sde", lora_name="pol")
+    st.stage.accept(*st.message("cut", p))
+    for _ in range(2):
+        assert st.stage.work() == []
+    _, cut = st.stage.cancel("cut", partial=True)
+    assert cut.msg.info["steps_done"] == 2
+    assert cut.msg.info["step_weight_versions"] == [3, 3] and cut.msg.info["step_lora_versions"] == [7, 7]
+    whole = st.serve({"whole": (p, None)})["whole"]
+    assert whole.msg.info["step_weight_versions"] == [3] * STEPS and whole.msg.info["step_lora_versions"] == [7] * STEPS
+    serving = st.serve({"plain": (st.eng.params(), None)})["plain"]  # serving answers carry no step tags
+    assert "step_weight_versions" not in serving.msg.info
