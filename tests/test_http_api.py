@@ -241,7 +241,8 @@ BODY_MODELS = {
     "/resume_memory_occupation": {"tags", "reload"},
 }
 BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
-    "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs", "return_partial"}
+    "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs", "return_partial",
+    "initial_latents"}
 
 
 @pytest.fixture(scope="module")
