@@ -119,7 +119,11 @@ def test_bad_initial_latents_are_a_field_error_naming_it():
     eng = _MODELS.engine(ensure_builtin("tiny"))
     p = eng.params()
     good = torch.zeros(eng.family.latents.shape(eng.info, p.height, p.width, 1))
-    assert torch.equal(_router_params(eng.info, initial_latents=tensor_to_body(good, False))["initial_latents"], good)
+    for binary in (False, True):  # base64 in JSON, the raw bytes in msgpack
+        body = tensor_to_body(good + 1, binary)
+        body["data"] = bytes(body["data"]) if binary else body["data"]  # as msgpack decodes it
+        got = _router_params(eng.info, initial_latents=body)["initial_latents"]
+        assert torch.equal(got, good + 1)
     assert _router_params(eng.info) == {}
     nan = good.clone()
     nan.view(-1)[3] = float("nan")
