@@ -140,6 +140,11 @@ def test_bad_initial_latents_are_a_field_error_naming_it():
         with pytest.raises((FieldError, ValueError)) as e:
             _router_params(eng.info, initial_latents=not_a_tensor)
         assert "initial_latents" in str(e.value), e.value
+    for not_resumable in ({"sde_type": "flow_grpo_wan"}, {"rollout": False}, {"ode_solver": "serving"},
+                          {"schedule": "serving"}):
+        with pytest.raises(FieldError) as e:
+            _router_params(eng.info, initial_latents=tensor_to_body(good, False), **not_resumable)
+        assert e.value.field == "initial_latents", not_resumable
     with pytest.raises(FieldError) as e:  # resuming is a rollout's
         to_params(GenerateBody.model_validate({"prompt": "a kite", "initial_latents": tensor_to_body(good, False)}),
                   eng.info, Limits())

@@ -20,6 +20,23 @@ from common.protocol.http_tensors import body_to_tensor
 from common.protocol.messages import INITIAL_LATENTS, GenerationParams
 
 FIELD = INITIAL_LATENTS.name
+# Variants whose step reads the whole schedule (flow_grpo_wan's std spans sigmas[1]..sigmas[-1]): on the
+# remaining sigmas alone they would take another step than the aborted rollout's, so they do not resume.
+SCHEDULE_WIDE = frozenset({"flow_grpo_wan"})
+
+
+def resume_problem(params: GenerationParams) -> str | None:
+    """Why this request cannot start from given latents, or None. Resuming needs the flow-match Euler rollout
+    schedule (a first-order step: the remaining sigmas are the rest of the same run) and a step that depends on
+    its own sigmas only; a multistep serving solver (UniPC, DPM-Solver) would restart its history."""
+    r = params.rollout
+    if r is None or not r.sde_scheduler or r.schedule != "rollout":
+        return "resuming runs on the rollout schedule: rollout true and schedule \"rollout\""
+    if r.sde_type in SCHEDULE_WIDE:
+        return f"sde_type {r.sde_type} steps with the whole schedule's sigmas, which a resumed request lacks"
+    if r.ode_solver != "euler":
+        return "resuming takes ode_solver \"euler\" (the serving solver would restart its history)"
+    return None
 
 
 def latent_shape(info: ModelInfo, params: GenerationParams) -> tuple[int, ...]:
@@ -45,7 +62,11 @@ def from_body(body: Any) -> torch.Tensor:
 
 def checked(latents: torch.Tensor, info: ModelInfo, params: GenerationParams) -> torch.Tensor:
     """``latents`` if they fit the request: a floating dtype, shape [n or 1, *latent] (the family's layout for
-    its size and frames), every value finite; as float32, contiguous."""
+    its size and frames), every value finite; as float32, contiguous. The request must be one that resumes
+    (:func:`resume_problem`)."""
+    why = resume_problem(params)
+    if why:
+        raise FieldError(FIELD, why)
     dtype = DTYPE_NAMES.get(latents.dtype, str(latents.dtype))
     problem = INITIAL_LATENTS.problem(dtype, list(latents.shape))
     if problem:
