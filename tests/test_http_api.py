@@ -242,7 +242,7 @@ BODY_MODELS = {
 }
 BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
     "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs", "return_partial",
-    "initial_latents"}
+    "sde_window_size", "sde_window_range", "ode_solver", "schedule", "initial_latents"}
 
 
 @pytest.fixture(scope="module")
