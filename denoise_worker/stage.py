@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -14,6 +14,7 @@ from common.protocol.control import ReleaseMemory, ReleaseReply, ResumeMemory, R
 from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, check_deadline
 from common.protocol.messages import (
     IMAGE_CONDITION,
+    INITIAL_LATENTS,
     LATENTS,
     NEGATIVE_OF,
     OUTPUT,
@@ -38,7 +39,7 @@ from denoise_worker.forward import Outcome, step_each, step_velocities
 from denoise_worker.joint_step import advance_all
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
 from denoise_worker.ranks import FollowerProcesses, join_group
-from denoise_worker.task import DenoiseTask
+from denoise_worker.task import DenoiseTask, step_versions
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
 from denoise_worker.weight_sync import WeightSync
@@ -59,6 +60,7 @@ class _Active:
     seq: int
     largest_batch: int = 0  # reported with the result: the most samples it shared a step with
     reported_at: float = 0.0  # when the router last heard of its step count
+    step_versions: list[int] = field(default_factory=list)  # the weight version each step it took ran on
 
 
 class DenoiseStage(Stage):
@@ -128,7 +130,8 @@ class DenoiseStage(Stage):
             raise RequestError(f"{self.family.pipeline} needs the image tensors {IMAGE_CONDITION.name}")
         task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p),
-                                  image=None if image is None else image.to(self.device))
+                                  image=None if image is None else image.to(self.device),
+                                  initial_latents=tensors.get(INITIAL_LATENTS.name))
         task.cache = request_cache(task, self.teacache)
         return task
 
@@ -222,6 +225,8 @@ class DenoiseStage(Stage):
         now = time.perf_counter()
         for a, error in zip(batch, advance_all([a.task for a in batch], velocities)):
             a.largest_batch = max(a.largest_batch, samples if shared else a.task.n)
+            if error is None:
+                a.step_versions.append(self.weight_version)
             if error is None and not a.task.done and now - a.reported_at >= PROGRESS_INTERVAL_S:
                 a.reported_at = now
                 self._notices.append(Forward("router", StepProgress(
@@ -259,6 +264,8 @@ class DenoiseStage(Stage):
                 **({"steps_done": task.step} if partial else {})}
         if task.lora is not None:
             info.update(lora_name=task.lora[0].name, lora_version=task.lora[0].version)
+        if msg.params.rollout is not None:  # each step taken, tagged with its versions (one per step, shared)
+            info.update(step_versions(a.step_versions, task.lora))
         extras = task.extras()
         if msg.params.output_type == "latent" or partial:  # a partial answer: latents, never decoded
             out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)

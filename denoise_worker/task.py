@@ -33,6 +33,7 @@ from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
+from common.diffusion.resume import starting_latents
 from common.diffusion.step_cache import RequestCache
 from common.diffusion.step_variants import Ode, StepVariant, step_variant
 
@@ -44,6 +45,15 @@ def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[to
     shape = family.latents.noise_shape(info, height, width, params.num_frames)
     noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
     return family.latents.pack(noise, info, height, width)
+
+
+def step_versions(weight_versions: list[int], lora: tuple[LoraAdapter, float] | None) -> dict[str, list[int]]:
+    """A rollout answer's per-step tags: the weight version each step ran on and, with an adapter, its version
+    (a request keeps the adapter version it started with)."""
+    out = {"step_weight_versions": list(weight_versions)}
+    if lora is not None:
+        out["step_lora_versions"] = [lora[0].version] * len(weight_versions)
+    return out
 
 
 def sde_settings(params: GenerationParams) -> RolloutParams | None:
@@ -82,7 +92,9 @@ class DenoiseTask:
 
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
-               image: torch.Tensor | None = None):
+               image: torch.Tensor | None = None, initial_latents: torch.Tensor | None = None):
+        """``initial_latents``: a resumed rollout's starting latents [1 or n, *latent] (checked by the router,
+        common/diffusion/resume.py), used instead of the drawn noise."""
         sde = sde_settings(params)
         height, width = info.family.latents.size(info, params.height, params.width, params.fields)
         seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
@@ -93,6 +105,8 @@ class DenoiseTask:
             schedulers.check_rollout_schedule(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         latents = initial_noise(info, params, generators).to(device)
+        if initial_latents is not None:  # drawn all the same: the generators stand where a fresh run's do
+            latents = starting_latents(initial_latents, latents)
         task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)

@@ -18,7 +18,9 @@ from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 from common.protocol.errors import RequestError
 from common.protocol.images import image_digest, image_from_array
-from common.protocol.messages import IMAGE, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest
+from common.protocol.messages import (
+    IMAGE, INITIAL_LATENTS, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest,
+)
 from common.runtime.stage import Forward, QueuedBatchStage
 from encoder_worker.prompt_cache import EmbeddingCache
 
@@ -66,8 +68,11 @@ class EncoderStage(QueuedBatchStage):
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
                 continue
-            out.append(self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
-                                     time.perf_counter() - t1))
+            forward = self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
+                                    time.perf_counter() - t1)
+            if INITIAL_LATENTS.name in pixels:  # a resumed rollout's starting latents ride on to the denoise worker
+                forward.tensors[INITIAL_LATENTS.name] = pixels[INITIAL_LATENTS.name]
+            out.append(forward)
         return out
 
     def _key(self, text: str, budget: int, negative: bool) -> tuple[str, int, bool]:

@@ -78,7 +78,11 @@ class EngineClient:
     def rollout(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
         """POST /rollout/generate; per sample: ``log_probs``, ``log_prob_steps`` and, with
         ``return_trajectory=True``, ``trajectory`` {latents, timesteps, sigmas} as torch tensors; with
-        ``return_kl=True``, ``kl`` and ``ref_log_probs`` (docs/rollout.md, KL against a reference)."""
+        ``return_kl=True``, ``kl`` and ``ref_log_probs`` (docs/rollout.md, KL against a reference);
+        ``initial_latents`` (resuming) may be a torch tensor [n or 1, *latent]."""
+        latents = fields.get("initial_latents")
+        if isinstance(latents, torch.Tensor):
+            fields = {**fields, "initial_latents": tensor_to_body(latents.detach().cpu().contiguous(), binary=False)}
         return self._post("/rollout/generate", {"prompt": prompt, **_images(fields)}, request_id)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:

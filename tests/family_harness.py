@@ -76,7 +76,7 @@ class InProcess:
         return {k: t.clone() for k, t in self.images.wire_tensors(image, last_image, p.height, p.width,
                                                                    p.num_frames).items()}
 
-    def task(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:
+    def task(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:
         """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
         with ``image``), then the denoise worker's task."""
         guided = uses_guidance(self.family.guidance.scale(p))
@@ -88,7 +88,8 @@ class InProcess:
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
         uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
         task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
-                                  lora=lora, image=self.family.condition.from_wire(pixels))
+                                  lora=lora, image=self.family.condition.from_wire(pixels),
+                                  initial_latents=initial_latents)
         task.cache = request_cache(task, teacache_settings(self.info))
         return task
 
@@ -106,9 +107,9 @@ class InProcess:
         velocities = step_velocities(self.policy, tasks, MAX_BATCH, before)
         assert advance_all(tasks, velocities) == [None] * len(tasks)
 
-    def run(self, p: GenerationParams, lora=None, image=None, last_image=None) -> DenoiseTask:
-        """Request ``p`` alone, to its last step."""
-        task = self.task(p, lora, image, last_image)
+    def run(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:
+        """Request ``p`` alone, to its last step (``initial_latents``: resumed from them)."""
+        task = self.task(p, lora, image, last_image, initial_latents)
         while not task.done:
             self.step([task])
         return task

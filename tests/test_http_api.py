@@ -241,7 +241,7 @@ BODY_MODELS = {
     "/release_memory_occupation": {"tags", "level", "mode"},
     "/resume_memory_occupation": {"tags", "reload"},
 }
-BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {*ROLLOUT, *WINDOW, "return_partial"}  # (the one list of them)
+BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {*ROLLOUT, *WINDOW, "return_partial", "initial_latents"}
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
         assert own <= set(_body(doc, path)["properties"])
 
 
-ROLLOUT_FIELDS = {*ROLLOUT, *WINDOW, "return_partial"}  # the one list of a rollout's fields, and the router's own
+ROLLOUT_FIELDS = {*ROLLOUT, *WINDOW, "return_partial", "initial_latents"}  # params.py's lists, and the router's own
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):

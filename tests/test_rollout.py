@@ -277,6 +277,54 @@ def test_update_of_missing_expert_is_refused(client):
     assert e.value.status == 400 and e.value.error["field"] == "module"
 
 
+def test_a_partial_rollout_resumed_after_a_weight_update_tags_each_step_with_its_version(client, engine, tiny_dir,
+                                                                                         weights_dir):
+    """Aborted with return_partial: each step taken is tagged with the weight version it ran on; after an update
+    the rollout resumes from its last latent with the remaining sigmas, each step tagged with the new version.
+    Bad initial_latents are 400s naming the field, and the engine serves on."""
+    from common.diffusion.weights import save_weights
+    from common.protocol.http_tensors import body_to_tensor, tensor_to_body
+    from test_cancel import _denoising, _post
+
+    steps = 300
+    sigmas = [1.0 - i / steps for i in range(steps)]
+    body = {**BASE, "n": 2, "sigmas": sigmas, "num_inference_steps": steps, "return_partial": True}
+    with ThreadPoolExecutor(1) as pool:
+        partial = pool.submit(_post, engine, "/rollout/generate", body, "resume-1")
+        _denoising(engine, "resume-1")
+        assert client.abort_request("resume-1") == ["resume-1"]
+        first = partial.result(timeout=60).json()
+    k, v0 = first["steps_done"], first["weight_version"]
+    assert first["partial"] is True and 0 < k < steps
+    for sample in first["samples"]:
+        assert sample["step_weight_versions"] == [v0] * k and "step_lora_versions" not in sample
+    work = weights_dir / "resume"
+    work.mkdir()
+    save_weights(WanTransformer3DModel.from_pretrained(tiny_dir / "transformer"), work / "same.safetensors")
+    v1 = client.update_weights_from_disk(work / "same.safetensors")["weight_version"]
+    assert v1 == v0 + 1
+    head = [{key: body_to_tensor(t) for key, t in sample["trajectory"].items()} for sample in first["samples"]]
+    x_k = torch.stack([h["latents"][k] for h in head])  # each sample's last latent
+    good = tensor_to_body(x_k, binary=False)
+    nan = x_k.clone()
+    nan[1, 0, 0, 0, 0] = float("nan")
+    rest = {**BASE, "n": 2, "seed": 11, "sigmas": sigmas[k:], "num_inference_steps": steps - k}
+    for bad in (tensor_to_body(x_k[:, :, :, :-1], False), tensor_to_body(x_k.to(torch.int32), False),
+                tensor_to_body(nan, False), tensor_to_body(torch.cat([x_k, x_k[:1]]), False), [1.0, 2.0],
+                {**good, "data": good["data"][:-8]}):
+        r = _post(engine, "/rollout/generate", {**rest, "initial_latents": bad}, "resume-bad")
+        assert r.status_code == 400 and r.json()["error"]["field"].startswith("initial_latents"), r.text
+    resumed = client.rollout(**rest, initial_latents=x_k)  # the client's spelling: a torch tensor
+    assert resumed["weight_version"] == v1 and "partial" not in resumed
+    for i, sample in enumerate(resumed["samples"]):
+        assert sample["step_weight_versions"] == [v1] * (steps - k)
+        tail = sample["trajectory"]
+        assert torch.equal(tail["latents"][0], x_k[i])
+        # The remaining sigmas continue the aborted rollout's schedule (the scheduler shifts each one alone).
+        assert abs(tail["sigmas"][0].item() - head[i]["sigmas"][k].item()) <= 1e-6
+        assert tail["latents"].shape[0] == steps - k + 1 and torch.isfinite(sample["log_probs"]).all()
+
+
 # --- two experts -------------------------------------------------------------------------
 
 

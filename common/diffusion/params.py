@@ -30,7 +30,7 @@ WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
                     "seed", "n", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
-                    "timeout_s", "image", "last_image", "return_partial", *ROLLOUT, *WINDOW})
+                    "timeout_s", "image", "last_image", "return_partial", "initial_latents", *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
 
 

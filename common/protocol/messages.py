@@ -84,6 +84,9 @@ IMAGE_TENSORS = (IMAGE_EMBEDS, IMAGE_CONDITION)
 # Latents as the transformer sees them: [n, C, F', H', W'] (video families), [n, C, H', W'] (image families) or
 # packed tokens [n, seq, C * 4] (FLUX, Qwen-Image).
 LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
+# A resumed rollout's starting latents, [n or 1, *latent] in LATENTS' layout, used instead of the drawn noise
+# (router -> encoder -> denoise worker; common/diffusion/resume.py checks them).
+INITIAL_LATENTS = TensorField("initial_latents", FLOAT_DTYPES, (5, 4, 3), required=False)
 OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4, 3))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
@@ -226,7 +229,7 @@ class _Header(_Strict, tag_field="kind", kw_only=True):
 class EncodeRequest(_Header, tag="encode", kw_only=True):
     """The request's images, when it has any (image-to-video), ride along as pixels."""
 
-    carries = REQUEST_IMAGES
+    carries = (*REQUEST_IMAGES, INITIAL_LATENTS)
 
     route: Route
     params: GenerationParams
@@ -239,7 +242,7 @@ class DenoiseRequest(_Header, tag="denoise", kw_only=True):
     ``max_sequence_length`` as diffusers does, which keeps the padding off the wire. SD3's travel whole,
     with the pooled projections. An image-to-video request adds its image tensors (``Binding.condition.fields``)."""
 
-    carries = TEXT_TENSORS + IMAGE_TENSORS
+    carries = (*TEXT_TENSORS, *IMAGE_TENSORS, INITIAL_LATENTS)
 
     route: Route
     params: GenerationParams

@@ -54,6 +54,10 @@ class Sample(Answer):
     kl: TensorBody | None = Field(default=None, description="return_kl: [K] KL against the reference per SDE step")
     ref_log_probs: TensorBody | None = Field(default=None, description="return_kl: [K] log-probs under the reference")
     trajectory: Trajectory | None = None
+    step_weight_versions: list[int] | None = Field(default=None, description="rollouts: the weight version each "
+                                                   "step taken ran on (one per step, partial answers too)")
+    step_lora_versions: list[int] | None = Field(default=None, description="rollouts with an adapter: its "
+                                                 "version at each step taken")
 
 
 class Samples(Answer):

@@ -53,7 +53,7 @@ class Routes:
         return await self._run_samples(await self._sample_body(request, RolloutBody), request)
 
     async def _sample_body(self, request: Request, schema):
-        return schema.model_validate(await parse_body(request, self.engine.sample_body_limit()))
+        return schema.model_validate(await parse_body(request, self.engine.sample_body_limit(schema is RolloutBody)))
 
     async def _body(self, request: Request, schema, limit: int | None = None):
         """The request body as ``schema``; a bad one becomes a 400 naming the field."""

@@ -114,6 +114,7 @@ def encode_response(payload: dict, request: Request) -> Response:
 
 
 # The response's ``trajectory`` object: its keys and the wire tensors they come from.
+STEP_VERSIONS = ("step_weight_versions", "step_lora_versions")  # a rollout's per-step tags (one list per request)
 TRAJECTORY_BODY = {"latents": TRAJECTORY_LATENTS, "timesteps": TRAJECTORY_TIMESTEPS, "sigmas": TRAJECTORY_SIGMAS}
 
 
@@ -141,6 +142,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
+    for key in STEP_VERSIONS:  # a rollout's steps, each tagged with the versions it ran on
+        if key in o.info:
+            body[key] = o.info[key]
     if KL.name in t:  # return_kl: beside log_probs, the same steps
         body["kl"], body["ref_log_probs"] = (tensor_to_body(t[f.name], binary) for f in (KL, REF_LOG_PROBS))
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)

@@ -103,6 +103,9 @@ class RolloutBody(GenerateBody):
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"
+    initial_latents: TensorBlobBody | None = Field(
+        default=None, description="resume: start from these latents [n or 1, *latent] (a partial answer's last "
+        "trajectory latent) instead of the seed's noise; give the remaining sigmas with them")
 
 
 class LoadLoraBody(BaseModel):
@@ -142,6 +145,9 @@ class TensorBlobBody(BaseModel):
         if not isinstance(value, (str, bytes)):
             raise ValueError("must be base64 text (JSON) or the raw bytes (msgpack)")
         return value
+
+
+RolloutBody.model_rebuild()  # its initial_latents is a TensorBlobBody, defined after it
 
 
 class LoadLoraTensorsBody(BaseModel):

@@ -37,7 +37,7 @@ from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
 from router.core.metrics import EngineState, Metrics
 from router.core.progress import InFlight
-from router.core.request_params import to_params
+from router.core.request_params import initial_latents, to_params
 from router.link.cancel import JOB_DELETED, Cancellations
 from router.link.dispatcher import Dispatcher
 from router.link.join import Outcome
@@ -138,12 +138,14 @@ class Engine:
              "defaults": info.defaults, "video": info.family.video,
              "image_input": info.family.condition.image_input(info) or "none", "fps": info.fps}]}
 
-    def sample_body_limit(self) -> int:
-        """A generation body's size limit; on an image-to-video model, larger by its images' base64."""
+    def sample_body_limit(self, rollout: bool = False) -> int:
+        """A generation body's size limit; on an image-to-video model, larger by its images' base64; a rollout's
+        by initial latents of up to --max-image-bytes too (in base64)."""
         limits = self.config.limits
+        extra = 4 * -(-limits.max_image_bytes // 3) if rollout else 0
         if self.info.family.condition.image_input(self.info) is None:
-            return limits.max_body_bytes
-        return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3))
+            return limits.max_body_bytes + extra
+        return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3)) + extra
 
     # --- generating -----------------------------------------------------------------------------------
     def params_for(self, body: GenerateBody) -> GenerationParams:
@@ -173,7 +175,7 @@ class Engine:
         """A generation (a rollout: a :class:`RolloutBody`), its ``n`` samples one unit: checked, admitted (429
         when the engine is full), run, answered; cancelled (499) by :meth:`cancel` or when ``gone()`` returns."""
         params = self.params_for(body)
-        images = await self.images_of(body)
+        images = {**await self.images_of(body), **initial_latents(body, self.info, params)}  # what the encoder gets
         started = time.perf_counter()
         outcome = await self.run(params, request_id, body.timeout_s, images, gone,
                                  partial=getattr(body, "return_partial", False))

@@ -4,9 +4,12 @@ conversion's dict, the media outputs (an mp4 or png file holds frames), and its 
 
 from __future__ import annotations
 
+import torch
+
 from common.diffusion import params as conversion
+from common.diffusion import resume
 from common.diffusion.model_info import ModelInfo
-from common.protocol.messages import CacheParams, GenerationParams
+from common.protocol.messages import INITIAL_LATENTS, CacheParams, GenerationParams
 from router.api.schemas import MEDIA_OUTPUTS, GenerateBody
 from router.core.errors import FieldError
 
@@ -38,3 +41,15 @@ def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | 
         raise FieldError("output_type", f"png holds one frame: set num_frames to 1 (got {params.num_frames}), "
                                         "or ask for mp4")
     return params
+
+
+def initial_latents(body: GenerateBody, info: ModelInfo, params: GenerationParams) -> dict[str, torch.Tensor]:
+    """A resumed rollout's starting latents (``initial_latents``), checked against ``params``' latent layout, as
+    the wire tensor the encoder worker passes on; {} when the body has none."""
+    given = getattr(body, INITIAL_LATENTS.name, None)
+    if given is None:
+        return {}
+    try:
+        return {INITIAL_LATENTS.name: resume.checked(resume.from_body(given), info, params)}
+    except conversion.FieldError as e:
+        raise FieldError(e.field, e.message) from None
