@@ -22,6 +22,8 @@ from common.protocol.control import (
     InitWeightsGroup,
     LoadLora,
     LoraReply,
+    PinReference,
+    PinReply,
     UnloadLora,
     UnloadLoraReply,
     UpdateWeights,
@@ -30,6 +32,7 @@ from common.protocol.control import (
     WeightsReply,
 )
 from common.protocol.errors import Forbidden, RequestError, Sleeping
+from denoise_worker.pinned import Pinned, pinned_copy
 
 if TYPE_CHECKING:
     from denoise_worker.stage import DenoiseStage
@@ -43,7 +46,7 @@ class DenoiseControls:
         return {UpdateWeights: self.update_weights, UpdateWeightsFromTensors: self.update_from_memory,
                 UpdateWeightsFromGroup: self.update_from_memory, Checksum: self.checksum,
                 InitWeightsGroup: self.init_group, DestroyWeightsGroup: self.destroy_group,
-                LoadLora: self.load_lora, UnloadLora: self.unload_lora}
+                LoadLora: self.load_lora, UnloadLora: self.unload_lora, PinReference: self.pin}
 
     # --- weights ------------------------------------------------------------------------
     def update_weights(self, msg: UpdateWeights) -> WeightsReply:
@@ -101,6 +104,21 @@ class DenoiseControls:
             load_into(module, read_weights(path, allowed_roots=roots))
         except WeightsError as e:
             raise RequestError(str(e)) from None
+
+    # --- the pinned KL reference ------------------------------------------------------------
+    def pin(self, msg: PinReference) -> PinReply:
+        """Copy every expert's weights as ``kl_reference: "pinned"`` (replacing an earlier copy)."""
+        stage = self.stage
+        if stage.policy.ranks is not None:  # the copy would have to be laid out over the ranks like the policy
+            raise RequestError("pin_reference: a multi-device denoise worker (ranks > 1) cannot pin a reference")
+        asleep = [name for name, m in stage.memory.modules.items() if not m.present]
+        if asleep:
+            raise Sleeping(f"{', '.join(asleep)}: its weights are released (level {stage.memory.level})")
+        t0 = time.perf_counter()
+        stage.pinned = None  # the old copy goes before the new one is made
+        stage.pinned = Pinned(pinned_copy(stage.policy, stage.fresh_modules), stage.weight_version)
+        return stage.answer(msg, PinReply, weight_version=stage.weight_version, experts=list(stage.policy.experts),
+                            nbytes=stage.pinned.nbytes, pin_s=time.perf_counter() - t0)
 
     # --- the trainer's weights group ------------------------------------------------------
     def init_group(self, msg: InitWeightsGroup) -> GroupReply:

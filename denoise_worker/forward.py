@@ -9,6 +9,7 @@ import torch
 from common.diffusion.policy import ModelInput, Policy
 from denoise_worker.caching import StepPlan, plan_step
 from denoise_worker.packing import forward_parts
+from denoise_worker.pinned import with_pinned
 from denoise_worker.reference import with_reference
 from denoise_worker.task import DenoiseTask
 
@@ -21,7 +22,8 @@ def step_velocities(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
                     before: BeforeForward | None = None) -> list[torch.Tensor]:
     """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps; the rows that
     requests with caching skip take no part in the forwards (denoise_worker/caching.py)."""
-    outcomes = _finish(policy, with_reference(tasks, plan_step(policy, tasks)), max_batch, before)
+    plans = with_pinned(tasks, with_reference(tasks, plan_step(policy, tasks)))
+    outcomes = _finish(policy, plans, max_batch, before)
     for outcome in outcomes:
         if isinstance(outcome, Exception):  # several ranks share this forward: any failure is the worker's
             raise outcome
@@ -41,6 +43,7 @@ def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
     """
     try:
         plans = with_reference(tasks, plan_step(policy, tasks))  # return_kl's rows join the same forwards
+        plans = with_pinned(tasks, plans)  # a pinned reference: a forward of its own on the copy
     except Exception as e:
         if len(tasks) == 1:
             return [e], True

@@ -42,7 +42,7 @@ def stochastic_now(task: DenoiseTask) -> bool:
 
 
 def needs_rows(task: DenoiseTask) -> bool:
-    return wants_kl(task) and task.lora is not None and stochastic_now(task)
+    return wants_kl(task) and task.lora is not None and task.reference is None and stochastic_now(task)
 
 
 def with_reference(tasks: list[DenoiseTask], plans: list[StepPlan]) -> list[StepPlan]:
@@ -66,7 +66,7 @@ def _with_rows(task: DenoiseTask, plan: StepPlan) -> StepPlan:
 def record_kl(task: DenoiseTask, step: SdeStep) -> None:
     """The step's KL and reference log-probs ([n] each) for a task that asks for them; ``step``: its rows of
     the step just taken from ``task.latents`` (before :meth:`DenoiseTask.took`)."""
-    if task.lora is None:  # the reference is the policy
+    if task.lora is None and task.reference is None:  # the reference is the policy
         task.kls.append(torch.zeros_like(step.log_prob))
         task.ref_log_probs.append(step.log_prob)
         return

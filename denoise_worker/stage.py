@@ -38,6 +38,7 @@ from denoise_worker.controls import DenoiseControls, applies_between_steps
 from denoise_worker.forward import Outcome, step_each, step_velocities
 from denoise_worker.joint_step import advance_all
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
+from denoise_worker.pinned import NO_PIN, Pinned
 from denoise_worker.ranks import FollowerProcesses, join_group
 from denoise_worker.task import DenoiseTask, step_versions
 from denoise_worker.texts import TextTable
@@ -91,6 +92,7 @@ class DenoiseStage(Stage):
         self.serving_template = schedulers.load_serving_template(self.info)
         self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.weight_version = 0
+        self.pinned: Pinned | None = None  # kl_reference "pinned" (POST /pin_reference)
         self.max_threads = torch.get_num_threads()
         self.max_batch = max(1, self.config.max_batch_size)
         self.active: list[_Active] = []
@@ -133,6 +135,10 @@ class DenoiseStage(Stage):
                                   image=None if image is None else image.to(self.device),
                                   initial_latents=tensors.get(INITIAL_LATENTS.name))
         task.cache = request_cache(task, self.teacache)
+        if p.rollout is not None and p.rollout.return_kl and p.rollout.kl_reference == "pinned":
+            if self.pinned is None:
+                raise RequestError(NO_PIN)
+            task.reference = self.pinned.policy
         return task
 
     def _text(self, tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -89,6 +89,7 @@ class DenoiseTask:
     ref_log_probs: list[torch.Tensor] = field(default_factory=list)
     ref_velocity: torch.Tensor | None = None
     reference_passes: int = 0
+    reference: object | None = None  # kl_reference "pinned": the pinned Policy it started with (pinned.py)
 
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,

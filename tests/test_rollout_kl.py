@@ -13,6 +13,7 @@ the drawn step's log-prob under it, on every family, in process (tests/family_ha
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from msgspec.structs import replace
 
@@ -25,12 +26,14 @@ from common.config.engine import Limits
 from common.diffusion.lora import build_adapter
 from common.diffusion.lora_format import read_lora
 from common.diffusion.params import FieldError, to_params
-from common.diffusion.policy import ModelInput
+from common.diffusion.policy import ModelInput, Policy
+from common.diffusion.weights import load_into
 from common.protocol.messages import (
     KL, LOG_PROB_STEPS, LOG_PROBS, REF_LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
     GenerationParams, RolloutParams,
 )
-from family_harness import InProcess, ModuleModels, max_diff
+from denoise_worker.pinned import pinned_copy
+from family_harness import CPU, DTYPE, InProcess, ModuleModels, max_diff
 from test_wan_i2v import picture
 
 MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-wan-ti2v"]
@@ -135,17 +138,18 @@ def expected(model: str, sde_type: str, noise_level: float, sigmas: torch.Tensor
     return counted(model, kl).mean(1), counted(model, log_prob(mean(v_ref))).mean(1)
 
 
-def recomputed(m: Made, model: str, task, ex, sde_type: str, noise_level: float):
+def recomputed(m: Made, model: str, task, ex, sde_type: str, noise_level: float, reference=None):
     """Per step of ``log_prob_steps``: the float64 KL and reference log-prob, [n, K] each, from velocities
-    computed here, each request alone (the policy's with the adapter, the reference's without)."""
+    computed here, each request alone (the policy's with the request's adapter, the reference's without; the
+    reference: ``reference``, a pinned copy, else the policy)."""
     eng, p = m.eng, task.params
     traj, sigmas = ex[TRAJECTORY_LATENTS.name], ex[TRAJECTORY_SIGMAS.name]
     kls, refs = [], []
     for i in ex[LOG_PROB_STEPS.name].tolist():
         x, t = traj[:, i], ex[TRAJECTORY_TIMESTEPS.name][i]
         with torch.no_grad():
-            v, v_ref = (eng.policy.velocity(ModelInput.of(eng.info, p, x, t, task.cond, task.uncond, lora, task.image))
-                        for lora in (m.lora(), None))
+            v, v_ref = (policy.velocity(ModelInput.of(eng.info, p, x, t, task.cond, task.uncond, lora, task.image))
+                        for policy, lora in ((eng.policy, task.lora), (reference or eng.policy, None)))
         kl, ref = expected(model, sde_type, noise_level, sigmas, i, x, traj[:, i + 1], v, v_ref)
         kls.append(kl)
         refs.append(ref)
@@ -267,6 +271,68 @@ def test_a_caching_request_computes_its_kl_on_its_sde_steps_and_counts_the_refer
         assert max_diff(cached[name], plain[name]) <= TOL, name
 
 
+# --- a pinned reference -------------------------------------------------------------------------------------
+
+
+def pin(eng: InProcess) -> Policy:
+    """What POST /pin_reference makes on a worker: a copy of the policy's current weights."""
+    return pinned_copy(eng.policy, lambda: Policy.load(eng.info, DTYPE, CPU).experts)
+
+
+def run_pinned(m: Made, p: GenerationParams, reference: Policy, lora=None):
+    task = m.eng.task(p, lora, image=m.image)
+    task.reference = reference  # as the stage gives a request with kl_reference "pinned" its copy
+    while not task.done:
+        m.eng.step([task])
+    return task, task.extras()
+
+
+@contextmanager
+def updated(eng: InProcess, seed: int):
+    """The policy's weights moved as a weight update moves them (load_into every expert), then put back."""
+    g = torch.Generator().manual_seed(seed)
+    before = {name: {k: v.clone() for k, v in e.state_dict().items()} for name, e in eng.policy.experts.items()}
+    for name, state in before.items():
+        load_into(eng.policy.experts[name], {k: v + 0.02 * torch.randn(v.shape, generator=g) if v.is_floating_point()
+                                             else v for k, v in state.items()})
+    try:
+        yield
+    finally:
+        for name, state in before.items():
+            load_into(eng.policy.experts[name], state)
+
+
+def test_a_reference_pinned_from_the_current_weights_gives_kl_zero(tmp_path_factory):
+    m = made("tiny", tmp_path_factory)
+    task, ex = run_pinned(m, params(m), pin(m.eng))
+    assert ex[KL.name].shape == (2, STEPS)
+    assert ex[KL.name].abs().max() <= 1e-6  # the same weights: the same velocity, up to rounding
+    assert max_diff(ex[REF_LOG_PROBS.name], ex[LOG_PROBS.name]) <= TOL
+    # The reference's forwards are counted: its own, one per SDE step and CFG branch.
+    assert task.pass_counts()["transformer_passes"] == [2 * STEPS * 2] * 2
+
+
+@pytest.mark.parametrize("model,adapter", [("tiny", False), ("tiny", True), ("tiny-flux", False),
+                                           ("tiny-wan-ti2v", False)])
+def test_a_pinned_reference_is_the_weights_pinned_before_a_weight_update(model, adapter, tmp_path_factory,
+                                                                         record_property):
+    m = made(model, tmp_path_factory)
+    p = params(m)
+    reference = pin(m.eng)
+    with updated(m.eng, seed=5):
+        task, ex = run_pinned(m, p, reference, m.lora() if adapter else None)
+        want_kl, want_ref = recomputed(m, model, task, ex, "sde", 0.7, reference=reference)
+    kl, ref = ex[KL.name], ex[REF_LOG_PROBS.name]
+    record_property("kl", kl.tolist())
+    record_property("max |kl - recompute| / max(1, |recompute|)", rel_diff(kl, want_kl))
+    assert kl.shape == ref.shape == ex[LOG_PROBS.name].shape == (p.n, STEPS)
+    assert rel_diff(kl, want_kl) <= TOL
+    assert rel_diff(ref, want_ref) <= TOL
+    assert (kl > 0).all() and kl.mean() > 100 * TOL  # the update moved every step's mean
+    # The copy kept the pinned weights: after the update is undone, the same request has kl 0 again.
+    assert run_pinned(m, p, reference)[1][KL.name].abs().max() <= 1e-6
+
+
 # --- the trainer's recompute --------------------------------------------------------------------------------
 
 
@@ -318,8 +384,54 @@ def test_return_kl_needs_the_rollout_scheduler_and_a_known_reference():
     ok = to_params({"prompt": "p", "return_kl": True}, info, Limits())
     assert ok.rollout.return_kl and ok.rollout.kl_reference == "base"
     for fields, name in (({"return_kl": True, "rollout": False}, "return_kl"),
-                         ({"return_kl": True, "kl_reference": "pinned"}, "kl_reference"),
+                         ({"return_kl": True, "kl_reference": "frozen"}, "kl_reference"),
                          ({"return_kl": "yes"}, "return_kl")):
         with pytest.raises(FieldError) as e:
             to_params({"prompt": "p", **fields}, info, Limits())
         assert e.value.field == name
+
+
+def test_the_router_knows_a_pin_only_when_every_worker_pinned():
+    """PinControl over a stand-in for the workers' replies: a pinned request is a 400 naming kl_reference until
+    a pin succeeds on all of them; a pin that failed on one, or a worker's restart, forgets it."""
+    import asyncio
+
+    from common.protocol.control import PinReply
+    from router.control.pin import PinControl
+    from router.control.weights import WeightControl
+    from router.core.errors import EngineError, FieldError as Refused
+
+    fail = []
+
+    async def control(role, kind, **fields):
+        assert role == "denoise" and fields == {}
+        return [EngineError(503, "sleeping", "asleep", "denoise", "") if i in fail else
+                PinReply(v=1, request_id="c", role=role, index=i, weight_version=4, experts=["transformer"],
+                         nbytes=8, pin_s=0.0) for i in range(2)]
+
+    weights = WeightControl(control)
+    weights.version = 4
+    pins = PinControl(weights)
+    info = _MODELS.engine(ensure_builtin("tiny")).info
+    pinned = to_params({"prompt": "p", "return_kl": True, "kl_reference": "pinned"}, info, Limits())
+    pins.check(to_params({"prompt": "p", "return_kl": True}, info, Limits()))  # base needs no pin
+
+    def refused() -> bool:
+        try:
+            pins.check(pinned)
+        except Refused as e:  # the router's 400
+            assert e.status == 400 and e.field == "kl_reference" and "/pin_reference" in e.message
+            return True
+        return False
+
+    assert refused()
+    answer = asyncio.run(pins.pin())
+    assert answer["weight_version"] == 4 and [w["index"] for w in answer["workers"]] == [0, 1]
+    assert not refused()
+    pins.forget()  # a denoise worker restarted
+    assert refused()
+    asyncio.run(pins.pin())
+    fail.append(1)
+    with pytest.raises(EngineError):
+        asyncio.run(pins.pin())
+    assert refused()  # the workers may hold different copies now

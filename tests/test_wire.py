@@ -260,6 +260,8 @@ def _controls() -> list:
         c.GroupDestroyedReply(**answer, group="none"),
         c.ReleaseReply(**answer, level=2, released_bytes=10, before={"rss": 20}, after={"rss": 10}),
         c.ResumeReply(**answer, level=0, after={"rss": 20}, weight_version=4, reloaded=["transformer"]),
+        c.PinReference(**head),
+        c.PinReply(**answer, weight_version=5, experts=["transformer", "transformer_2"], nbytes=64, pin_s=0.1),
     ]
 
 

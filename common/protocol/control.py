@@ -109,6 +109,15 @@ class ResumeReply(_ControlReply, tag="resume_reply", kw_only=True):
     reloaded: list[str] = []  # the modules loaded again from the model directory
 
 
+class PinReply(_ControlReply, tag="pin_reply", kw_only=True):
+    """The weight version now pinned as ``kl_reference: "pinned"``, the experts copied and their bytes."""
+
+    weight_version: int
+    experts: list[str]
+    nbytes: int
+    pin_s: float
+
+
 # --- requests (router -> worker) -------------------------------------------------------------
 
 class _Control(_Header, kw_only=True):
@@ -216,10 +225,17 @@ class ResumeMemory(_Control, tag="resume_memory", kw_only=True):
     version: int | None = None
 
 
+class PinReference(_Control, tag="pin_reference", kw_only=True):
+    """Copy every expert's current weights as the reference of ``kl_reference: "pinned"`` (denoise workers; a
+    later pin replaces the copy)."""
+
+    replies = (PinReply,)
+
+
 ControlRequest = Union[UpdateWeights, Checksum, UpdateWeightsFromTensors, UpdateWeightsFromGroup, InitWeightsGroup,
-                       DestroyWeightsGroup, LoadLora, UnloadLora, ReleaseMemory, ResumeMemory]
+                       DestroyWeightsGroup, LoadLora, UnloadLora, ReleaseMemory, ResumeMemory, PinReference]
 ControlReply = Union[WeightsReply, ChecksumReply, LoraReply, UnloadLoraReply, GroupReply, GroupDestroyedReply,
-                     ReleaseReply, ResumeReply]
+                     ReleaseReply, ResumeReply, PinReply]
 FromMemory = Union[UpdateWeightsFromTensors, UpdateWeightsFromGroup]  # weights, or an adapter, from the trainer
 CONTROL_REQUESTS: tuple[type, ...] = ControlRequest.__args__
 CONTROL_REPLIES: tuple[type, ...] = ControlReply.__args__

@@ -23,7 +23,8 @@ ROLES = ("encoder", "denoise", "decode")
 OutputType = Literal["frames", "latent"]
 SdeType = Literal["sde", "cps", "ode", "flow_grpo_wan", "dance_grpo"]
 OdeSolver = Literal["euler", "serving"]  # the steps after a rollout's last SDE step (DenoiseTask)
-KlReference = Literal["base"]  # the reference of return_kl: the same model with the request's adapter off
+# The reference of return_kl: the same model with the request's adapter off, or the weights POST /pin_reference copied
+KlReference = Literal["base", "pinned"]
 ExpertName = Literal["transformer", "transformer_2"]  # also the modules a weight update names
 RolloutSchedule = Literal["rollout", "serving"]  # a rollout's sigmas: flow-match Euler's, or the serving scheduler's
 CacheMethod = Literal["teacache", "first_block"]  # step caching (common/diffusion/step_cache.py)

@@ -123,6 +123,13 @@ class WeightsUpdated(Answer):
     workers: list[dict[str, Any]]
 
 
+class ReferencePinned(Answer):
+    weight_version: int = Field(description="the weights now pinned as kl_reference: pinned")
+    experts: list[str]
+    seconds: float
+    workers: list[dict[str, Any]] = Field(description="each worker's copy: experts, nbytes, pin_s")
+
+
 class Checksums(Answer):
     module: str
     sha256: str | None

@@ -68,6 +68,9 @@ class Routes:
         body = await self._body(request, UpdateWeightsBody)
         return JSONResponse(await self.engine.update_weights_from_disk(body.module, body.path, body.checksum))
 
+    async def pin_reference(self) -> JSONResponse:
+        return JSONResponse(await self.engine.pin_reference())
+
     async def weights_checksum(self, request: Request) -> JSONResponse:
         # Read by hand like the bodies: a bad value is the router's own 400 (documented in MODULE_QUERY).
         return JSONResponse(await self.engine.weights_checksum(request.query_params.get("module", "transformer")))
@@ -160,6 +163,10 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                       summary="SHA-256 of a module's weights on every denoise worker", openapi_extra=MODULE_QUERY,
                       responses={**ok(answers.Checksums, "checksums, and whether every worker agrees"),
                                  **errors(400, 401, 500, 503, 504)})
+    app.add_api_route("/pin_reference", routes.pin_reference, methods=["POST"],
+                      summary="Copy every denoise worker's weights as the reference of kl_reference: pinned",
+                      responses={**ok(answers.ReferencePinned, "the pinned weight_version and each worker's copy"),
+                                 **errors(400, 401, 403, 500, 503, 504)})
     app.add_api_route("/abort_request", routes.abort_request, methods=["POST"],
                       summary="Cancel a request in flight by its X-Request-Id (rid), or every one (abort_all, admin)",
                       openapi_extra=request_body(AbortBody),

@@ -32,7 +32,8 @@ ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                          "/weight_sync", "/update_weights_from_tensors", "/init_weights_group",
                          "/update_weights_from_distributed", "/destroy_weights_group",
-                         "/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up"})
+                         "/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up",
+                         "/pin_reference"})
 # (method, path) pairs anyone may call: health, and the web page and API docs (static, no data: what they show
 # comes from endpoints that need the key, /openapi.json included).
 OPEN_ENDPOINTS = frozenset({("GET", "/health"), ("GET", "/"), ("GET", "/docs")})

@@ -99,7 +99,8 @@ class RolloutBody(GenerateBody):
                                       "model's own scheduler's: Wan's UniPC, SANA's DPM-Solver, ...)")
     return_kl: bool = Field(default=False, description="per SDE step: kl and ref_log_probs against kl_reference")
     kl_reference: KlReference = Field(default="base", description="base: the same model with the request's "
-                                      "adapter off (without an adapter: kl 0, ref_log_probs = log_probs)")
+                                      "adapter off (without an adapter: kl 0, ref_log_probs = log_probs); "
+                                      "pinned: the weights POST /pin_reference copied, no adapter")
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"

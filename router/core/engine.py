@@ -32,6 +32,7 @@ from router.api.schemas import (
 )
 from router.control.weights import WeightControl
 from router.control.lora import LoraControl
+from router.control.pin import PinControl
 from router.control.sleep import SleepControl, components_of
 from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
@@ -75,6 +76,7 @@ class Engine:
         self.model_id = served_model_id(Path(self.info.path))
         self.weights = WeightControl(dispatcher.control)
         self.loras = LoraControl(dispatcher.control)
+        self.pins = PinControl(self.weights)  # kl_reference "pinned"
         self.memory = MemorySync(config, dispatcher.control, self.weights, self.loras)
         experts = EXPERT_NAMES if self.info.has_transformer_2 else EXPERT_NAMES[:1]
         self.sleep = SleepControl(dispatcher, self.weights, experts)
@@ -111,6 +113,7 @@ class Engine:
         only the trainer's memory held (weights or adapters it pushed) it cannot get: it is stale, not
         routed to, until the trainer pushes each of those again."""
         if worker.role == LoraControl.role:
+            self.pins.forget()  # it holds no pinned copy
             missing = await self.weights.replay(worker) | await self.loras.replay(worker)
             if missing:
                 self.dispatcher.registry.lacks(worker.role, worker.index, missing)
@@ -152,6 +155,7 @@ class Engine:
         """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
         params = to_params(body, self.info, self.config.limits, self.config.cache)
         self.loras.check_name(body.lora_name)
+        self.pins.check(params)
         if params.cache is not None:
             problem = cache_problem(params.cache.method, self.info.family, self.config.workers, self.info)
             if problem:
@@ -275,6 +279,10 @@ class Engine:
     async def destroy_weights_group(self) -> dict:
         self.check_memory_sync_enabled()
         return await self.memory.destroy_group()
+
+    async def pin_reference(self) -> dict:
+        """Every denoise worker's current weights as the reference of ``kl_reference: "pinned"``."""
+        return await self.pins.pin()
 
     # --- LoRA adapters --------------------------------------------------------------------------------
     async def load_lora(self, body: LoadLoraBody | LoadLoraTensorsBody) -> dict:
