@@ -157,11 +157,13 @@ class TrainerPolicy:
 
     def kl(self, trajectory: Trajectory, steps: list[int] | torch.Tensor, params: GenerationParams,
            embeddings: tuple[Conditioning, Conditioning | None] | None = None,
-           image: ImageInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           image: ImageInputs | None = None, reference: "TrainerPolicy | None" = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute ``return_kl``'s answer for each step i in ``steps``: ([K] KL of the policy's step against the
         reference's, [K] log p_ref(x_{i+1} | x_i)), float32, with :mod:`common.diffusion.kl` (the engine's code).
         The reference is this copy with its LoRA adapters (rl/lora.py) disabled, the engine's ``kl_reference:
-        "base"``; arguments as :meth:`log_probs`. Differentiable through the policy's side unless called under
+        "base"``; or ``reference``, another copy holding the weights the engine pinned (``kl_reference:
+        "pinned"``), with its adapters off. Arguments as :meth:`log_probs`. Differentiable through the policy's side unless called under
         ``torch.no_grad()``; the reference's side never is."""
         rollout = params.rollout or RolloutParams()
         variant = step_variant(rollout.sde_type, rollout.noise_level)
@@ -171,8 +173,9 @@ class TrainerPolicy:
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
             v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
-            with torch.no_grad(), adapters_off(self.experts.values()):
-                v_ref = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+            ref = reference or self
+            with torch.no_grad(), adapters_off(ref.experts.values()):
+                v_ref = ref.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
             mask = self.family.condition.log_prob_mask(self.info, x, condition)
             step = step_at(trajectory.sigmas, i, v, x, variant,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device), log_prob_mask=mask)

@@ -94,6 +94,11 @@ class EngineClient:
         """Load new weights into every denoise worker; returns the new ``weight_version``."""
         return self._post("/update_weights_from_disk", {"path": str(path), "module": module, "checksum": checksum})
 
+    def pin_reference(self) -> dict[str, Any]:
+        """Every denoise worker's current weights as ``kl_reference: "pinned"``; returns the pinned
+        ``weight_version``."""
+        return self._post("/pin_reference", {})
+
     def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
         return self._decode(self._http.get("/weights_checksum", params={"module": module}))
 

@@ -325,6 +325,42 @@ def test_a_partial_rollout_resumed_after_a_weight_update_tags_each_step_with_its
         assert tail["latents"].shape[0] == steps - k + 1 and torch.isfinite(sample["log_probs"]).all()
 
 
+def test_a_pinned_reference_is_the_weights_pinned_before_an_update(client, tiny_dir, weights_dir):
+    """kl_reference "pinned": a 400 naming it before any pin; after POST /pin_reference and a weight update from
+    disk, a rollout's kl and ref_log_probs equal the trainer's recompute with one copy holding the new weights
+    and another the pinned ones."""
+    from common.diffusion.weights import load_into
+
+    req = {**BASE, "return_kl": True, "kl_reference": "pinned"}
+    with pytest.raises(EngineHTTPError) as e:
+        client.rollout(**req)
+    assert e.value.status == 400 and e.value.error["field"] == "kl_reference"
+    work = weights_dir / "pinned"
+    work.mkdir()
+    models = {name: _perturbed_transformer(tiny_dir, "transformer", 0.3, seed) for name, seed in (("old", 11),
+                                                                                                   ("new", 12))}
+    models["old"].save_pretrained(work / "old")
+    models["new"].save_pretrained(work / "new")
+    old = client.update_weights_from_disk(work / "old")["weight_version"]
+    pin = client.pin_reference()
+    assert pin["weight_version"] == old and pin["experts"] == ["transformer"]
+    new = client.update_weights_from_disk(work / "new")["weight_version"]
+    sample = client.rollout(**req)["samples"][0]
+    assert sample["weight_version"] == new == old + 1
+    trainers = {}
+    for name, model in models.items():
+        trainers[name] = TrainerPolicy(tiny_dir)
+        load_into(trainers[name].transformer, model.state_dict())
+    trainer = trainers["new"]
+    with torch.no_grad():
+        kl, ref = trainer.kl(Trajectory.from_sample(sample), sample["log_prob_steps"], trainer.params(**req),
+                             reference=trainers["old"])
+    assert kl.shape == sample["kl"].shape == sample["log_probs"].shape
+    assert (kl - sample["kl"]).abs().max() <= RECOMPUTE_TOL * max(1.0, kl.abs().max().item())
+    assert (ref - sample["ref_log_probs"]).abs().max() <= RECOMPUTE_TOL * max(1.0, ref.abs().max().item())
+    assert (sample["kl"] > 0).all()
+
+
 # --- two experts -------------------------------------------------------------------------
 
 
@@ -412,3 +448,7 @@ def test_a_restarted_denoise_worker_gets_the_weight_updates_again(client, engine
     assert ck["sha256"] == state_dict_checksum(new) and ck["weight_version"] == version
     after = client.rollout(**BASE)["samples"][0]
     assert after["weight_version"] == version and torch.equal(after["output"], before["output"])
+    # It holds no pinned reference (test_a_pinned_reference_... pinned one): the router forgot the pin.
+    with pytest.raises(EngineHTTPError) as e:
+        client.rollout(**BASE, return_kl=True, kl_reference="pinned")
+    assert e.value.status == 400 and e.value.error["field"] == "kl_reference"
