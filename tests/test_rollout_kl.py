@@ -313,7 +313,7 @@ def test_a_reference_pinned_from_the_current_weights_gives_kl_zero(tmp_path_fact
 
 
 @pytest.mark.parametrize("model,adapter", [("tiny", False), ("tiny", True), ("tiny-flux", False),
-                                           ("tiny-wan-ti2v", False)])
+                                           ("tiny-wan-ti2v", False), ("tiny-moe", False)])
 def test_a_pinned_reference_is_the_weights_pinned_before_a_weight_update(model, adapter, tmp_path_factory,
                                                                          record_property):
     m = made(model, tmp_path_factory)
@@ -329,6 +329,8 @@ def test_a_pinned_reference_is_the_weights_pinned_before_a_weight_update(model, 
     assert rel_diff(kl, want_kl) <= TOL
     assert rel_diff(ref, want_ref) <= TOL
     assert (kl > 0).all() and kl.mean() > 100 * TOL  # the update moved every step's mean
+    policy = m.eng.policy  # two experts (tiny-moe): the steps run on both, each against its own copy
+    assert {policy.expert_for(t) for t in ex[TRAJECTORY_TIMESTEPS.name]} == set(policy.experts)
     # The copy kept the pinned weights: after the update is undone, the same request has kl 0 again.
     assert run_pinned(m, p, reference)[1][KL.name].abs().max() <= 1e-6
 
