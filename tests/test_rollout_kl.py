@@ -335,6 +335,49 @@ def test_a_pinned_reference_is_the_weights_pinned_before_a_weight_update(model, 
     assert run_pinned(m, p, reference)[1][KL.name].abs().max() <= 1e-6
 
 
+def test_the_worker_pins_on_its_control_and_a_pinned_request_batched_with_others_answers_as_alone(tmp_path,
+                                                                                                  tmp_path_factory):
+    """The denoise worker's own stage (tests/family_harness.py's InStage): a pinned request before any pin is
+    refused naming the missing pin; asleep, the pin is refused (503); PinReference copies the weights at the
+    worker's version; after a weight change a pinned request batched with another rollout answers what it answers
+    alone, with kl > 0; a new pin replaces the copy (kl 0 again)."""
+    from common.protocol.control import PinReference, PinReply, ReleaseMemory, ResumeMemory
+    from common.protocol.errors import RequestError, Sleeping
+    from common.protocol.messages import PROTOCOL_VERSION
+    from family_harness import InStage
+
+    m = made("tiny", tmp_path_factory)
+    st = InStage(m.eng, tmp_path)
+    stage = st.stage
+    head = dict(v=PROTOCOL_VERSION, request_id="c")
+    p = params(m, kl_reference="pinned")
+    with pytest.raises(RequestError, match="no pinned reference"):
+        stage.accept(*st.message("early", p))
+    stage.release_memory(ReleaseMemory(**head, level=1))
+    with pytest.raises(Sleeping):
+        stage.controls.pin(PinReference(**head))
+    stage.resume_memory(ResumeMemory(**head))
+    stage.weight_version = 6
+    reply = stage.controls.pin(PinReference(**head))
+    assert isinstance(reply, PinReply) and reply.weight_version == 6 and reply.experts == ["transformer"]
+    assert reply.nbytes == sum(t.numel() * t.element_size() for t in stage.policy.experts["transformer"].state_dict()
+                               .values())
+    model = stage.policy.experts["transformer"]
+    g = torch.Generator().manual_seed(2)
+    load_into(model, {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()})
+    other = params(m, seed=8, n=1, kl_reference="base")
+    both = st.serve({"a": (p, None), "b": (other, None)})
+    alone = st.serve({"a": (p, None)})["a"]
+    assert both["a"].msg.info["batch"] == 3 and alone.msg.info["batch"] == 2  # the steps were shared
+    kl = both["a"].tensors[KL.name]
+    assert kl.shape == (2, STEPS) and (kl > 0).all()
+    for name in (KL.name, REF_LOG_PROBS.name, LOG_PROBS.name):
+        assert max_diff(both["a"].tensors[name], alone.tensors[name]) <= TOL, name
+    assert torch.equal(both["b"].tensors[KL.name], torch.zeros(1, STEPS))  # base, no adapter: the policy itself
+    stage.controls.pin(PinReference(**head))  # the moved weights are now the reference
+    assert st.serve({"a": (p, None)})["a"].tensors[KL.name].abs().max() <= 1e-6
+
+
 # --- the trainer's recompute --------------------------------------------------------------------------------
 
 
