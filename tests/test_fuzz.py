@@ -36,7 +36,8 @@ LIMITS = ["--max-height", "48", "--max-width", "48", "--max-num-frames", "9", "-
 REFERENCE = {"prompt": "a fox at dawn", "seed": 5, "num_inference_steps": 3, "output_type": "latent"}
 CONTROL = frozenset({"/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up",
                      "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_weights_from_disk",
-                     "/update_weights_from_tensors", "/update_weights_from_distributed", "/destroy_weights_group"})
+                     "/update_weights_from_tensors", "/update_weights_from_distributed", "/destroy_weights_group",
+                     "/pin_reference"})
 # The workers would dial whatever address the fuzzer writes into it: a test calls only its own loopback.
 NOT_FUZZED = frozenset({"/init_weights_group"})
 DOCUMENTED_5XX = (503, 504)
