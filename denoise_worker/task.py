@@ -32,6 +32,7 @@ from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
 from common.diffusion.step_cache import RequestCache
 from common.diffusion.step_variants import Ode, StepVariant, step_variant
+from denoise_worker import branching
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -63,6 +64,7 @@ class DenoiseTask:
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
     variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
+    branch_at: int = 0  # share_prefix: the step where its one row becomes n (denoise_worker/branching.py)
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -79,17 +81,33 @@ class DenoiseTask:
         if sde is not None:
             schedulers.check_flow_match_convention(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
-        latents = initial_noise(info, params, generators).to(device)
-        task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
+        shared = branching.shared_noise_seed(params)
+        branch_at = branching.branch_step(params, len(scheduler.timesteps))
+        if shared is None:
+            latents = initial_noise(info, params, generators)
+        else:  # one draw for every sample; the samples' generators keep their whole stream for the SDE noise
+            latents = branching.noise_rows(
+                initial_noise(info, params, [torch.Generator("cpu").manual_seed(shared)]), params.n, branch_at)
+        task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), sde, lora, image,
+                   branch_at=branch_at)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)
         if task.wants_trajectory:
-            task.trajectory.append(latents)
+            task.trajectory.append(task.latents)
         return task
 
     @property
     def n(self) -> int:
+        """The rows it brings to a forward: its samples, or one during a shared prefix."""
         return self.latents.shape[0]
+
+    @property
+    def samples(self) -> int:
+        return self.params.n
+
+    def step_generators(self) -> list[torch.Generator]:
+        """One generator per row: during a shared prefix the step is deterministic and draws nothing."""
+        return self.generators[:self.n]
 
     @property
     def wants_trajectory(self) -> bool:
@@ -127,7 +145,8 @@ class DenoiseTask:
 
     def output_latents(self) -> torch.Tensor:
         """The final latents as the family's pipeline returns them."""
-        return self.info.family.condition.final_latents(self.info, self.latents, self.image)
+        latents = branching.per_sample(self.latents, self.samples)  # (a partial answer inside a shared prefix)
+        return self.info.family.condition.final_latents(self.info, latents, self.image)
 
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""
@@ -142,14 +161,22 @@ class DenoiseTask:
         if self.wants_trajectory:
             self.trajectory.append(latents)
         self.step += 1
+        if self.step == self.branch_at:  # the shared prefix ends: each sample goes on from its own row
+            self.latents = branching.per_sample(self.latents, self.samples)
 
-    def pass_counts(self) -> dict[str, list[int]]:
-        """Per sample: full transformer forwards (summed over its CFG branches) and reused row-steps."""
+    def pass_counts(self) -> dict[str, list[int] | int]:
+        """Per sample: full transformer forwards of its own rows (summed over its CFG branches) and reused
+        row-steps; with a shared prefix also ``prefix_transformer_passes``, the group's once."""
         if self.cache is not None:
             return {"transformer_passes": list(self.cache.transformer_passes),
                     "cached_steps": list(self.cache.cached_steps)}
-        passes = self.step * (1 if self.uncond is None else 2)
-        return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
+        branches = 1 if self.uncond is None else 2
+        shared = min(self.step, self.branch_at)
+        out = {"transformer_passes": [(self.step - shared) * branches] * self.samples,
+               "cached_steps": [0] * self.samples}
+        if self.params.rollout is not None and self.params.rollout.share_prefix:
+            out["prefix_transformer_passes"] = shared * branches
+        return out
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""
@@ -159,10 +186,11 @@ class DenoiseTask:
             return out
         if self.sde is not None and r.return_log_probs:
             out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
-                                   else torch.zeros(self.n, 0))
+                                   else torch.zeros(self.samples, 0))
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
-            out[TRAJECTORY_LATENTS.name] = torch.stack([x.float() for x in self.trajectory], dim=1)
+            out[TRAJECTORY_LATENTS.name] = torch.stack(
+                [branching.per_sample(x.float(), self.samples) for x in self.trajectory], dim=1)
             out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps[:self.step].float()
             out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas[:self.step + 1].float()
         return out

@@ -166,6 +166,12 @@ class RolloutParams(_Strict):
     sde_step_indices: list[int] | None = None  # None: every step
     return_trajectory: bool = False
     return_log_probs: bool = True
+    # Every sample's initial noise from this seed (the same noise for all); sample i's generator (seed + i)
+    # then draws only its SDE noise. None: each sample's from its own generator.
+    initial_noise_seed: int | None = None
+    # A group (n > 1) whose samples share the initial noise of ``seed`` and the deterministic steps before the
+    # first SDE step, computed once on one row, then branch (denoise_worker/branching.py).
+    share_prefix: bool = False
 
 
 FieldValue = Union[bool, int, float, str]
