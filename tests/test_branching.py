@@ -198,3 +198,22 @@ def test_the_engine_default_cache_leaves_a_shared_prefix_alone():
     p = to_params(RolloutBody(prompt="a fox", n=2, share_prefix=True), info, Limits(), default)
     assert p.cache is None and p.rollout.share_prefix and p.rollout.initial_noise_seed is None
     assert to_params(RolloutBody(prompt="a fox", n=2), info, Limits(), default).cache == default
+
+
+def test_through_the_engine_a_branched_group_answers_each_samples_solo_run(shared_engine):
+    """The HTTP path end to end: the answer's samples, their forwards, and each one as its own request."""
+    from router.client import EngineClient
+
+    body = dict(prompt="a heron in the reeds", negative_prompt="blurry", seed=40, num_inference_steps=5,
+                guidance_scale=4.0, output_type="latent", sde_step_indices=[K, K + 1], return_trajectory=True)
+    with EngineClient(shared_engine("tiny").url) as client:
+        group = client._post("/rollout/generate", {**body, "n": N, "share_prefix": True})["samples"]
+        assert [s["seed"] for s in group] == [40 + i for i in range(N)]
+        assert all(s["prefix_transformer_passes"] == 2 * K and s["transformer_passes"] == 2 * (5 - K)
+                   for s in group)
+        for i in (0, N - 1):
+            alone = client._post("/rollout/generate", {**body, "seed": 40 + i, "initial_noise_seed": 40})["samples"][0]
+            assert "prefix_transformer_passes" not in alone and alone["transformer_passes"] == 10
+            for key in ("output", "log_probs"):
+                assert (group[i][key] - alone[key]).abs().max().item() <= TOL
+            assert (group[i]["trajectory"]["latents"] - alone["trajectory"]["latents"]).abs().max().item() <= TOL

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common.diffusion import params as conversion
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from conftest import pid_alive
@@ -240,8 +241,7 @@ BODY_MODELS = {
     "/release_memory_occupation": {"tags", "level", "mode"},
     "/resume_memory_occupation": {"tags", "reload"},
 }
-BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {
-    "rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs", "return_partial"}
+BODY_MODELS["/rollout/generate"] = BODY_MODELS["/generate"] | {*conversion.ROLLOUT, "return_partial"}
 
 
 @pytest.fixture(scope="module")

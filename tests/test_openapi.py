@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from common.diffusion import params as conversion
 from common.config.engine import EngineConfig, Limits
 from common.config.topology import parse_topology
 from common.families import read_model
@@ -99,8 +100,7 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
         assert own <= set(_body(doc, path)["properties"])
 
 
-ROLLOUT_FIELDS = {"rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-                  "return_partial"}
+ROLLOUT_FIELDS = {*conversion.ROLLOUT, "return_partial"}  # the rollout fields the conversion reads
 
 
 def test_the_adapter_body_from_memory_and_the_form_bodies_are_documented(served):
