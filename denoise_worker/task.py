@@ -3,10 +3,11 @@
 A :class:`DenoiseTask` holds everything that changes while a request's ``n``
 samples are denoised: its scheduler (rebuilt for it, shared by its samples,
 which always stand at the same step), one generator per sample (seeded from
-``seed + i``: initial noise first, then the SDE noise), the stacked latents
-[n, ...], its step index, and what it returns (trajectory, log-probs). The
-worker only asks a task for its model input and hands it the guided model
-output; nothing of one request lives on a shared object. Each sample gets
+``seed + i``: initial noise first, then the SDE noise; only the SDE noise when
+the request shares one initial noise, denoise_worker/branching.py), the stacked
+latents [n, ...] (one row during a shared prefix), its step index, and what it
+returns (trajectory, log-probs). The worker only asks a task for its model input
+and hands it the guided model output; nothing of one request lives on a shared object. Each sample gets
 exactly the noise it gets alone, so a group equals its samples run one by one.
 """
 
