@@ -200,17 +200,28 @@ def test_the_engine_default_cache_leaves_a_shared_prefix_alone():
     assert to_params(RolloutBody(prompt="a fox", n=2), info, Limits(), default).cache == default
 
 
+def _computed_rows(engine) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = engine.http.get("/metrics")
+    return sum(s.value for family in text_string_to_metric_families(r.text) for s in family.samples
+               if s.name == "disagg_denoise_row_steps_total" and s.labels.get("kind") == "computed")
+
+
 def test_through_the_engine_a_branched_group_answers_each_samples_solo_run(shared_engine):
     """The HTTP path end to end: the answer's samples, their forwards, and each one as its own request."""
     from router.client import EngineClient
 
     body = dict(prompt="a heron in the reeds", negative_prompt="blurry", seed=40, num_inference_steps=5,
                 guidance_scale=4.0, output_type="latent", sde_step_indices=[K, K + 1], return_trajectory=True)
-    with EngineClient(shared_engine("tiny").url) as client:
+    engine = shared_engine("tiny")
+    with EngineClient(engine.url) as client:
+        before = _computed_rows(engine)
         group = client._post("/rollout/generate", {**body, "n": N, "share_prefix": True})["samples"]
         assert [s["seed"] for s in group] == [40 + i for i in range(N)]
         assert all(s["prefix_transformer_passes"] == 2 * K and s["transformer_passes"] == 2 * (5 - K)
                    for s in group)
+        assert _computed_rows(engine) - before == 2 * K + N * 2 * (5 - K)  # the prefix counted once
         for i in (0, N - 1):
             alone = client._post("/rollout/generate", {**body, "seed": 40 + i, "initial_noise_seed": 40})["samples"][0]
             assert "prefix_transformer_passes" not in alone and alone["transformer_passes"] == 10
