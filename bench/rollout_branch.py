@@ -131,6 +131,15 @@ def bench(model: Model, n: int, steps: int, start: int, size: int, repeats: int)
     return out
 
 
+def _row(r: dict) -> str:
+    cells = [r["model"], f"{r['window'][0]}..{r['window'][-1]} of {r['steps']}",
+             f"{r['rows_shared_noise']} -> {r['rows_share_prefix']}", f"{r['rows_saved']:.1%}"]
+    for kind in ("s", "cpu_s"):
+        cells += [f"{r[f'{kind}_shared_noise']:.3f} -> {r[f'{kind}_share_prefix']:.3f}", f"{r[f'{kind}_saved']:.1%}",
+                  f"{r[f'{kind}_saved_over_rows_saved']:.2f}"]
+    return "| " + " | ".join(cells + [f"{r['max_diff']:.2g}"]) + " |"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["tiny", "small-sd3"], help="built-in models")
@@ -144,22 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print("| model | window | rows | rows saved | wall s | wall saved | / rows saved | CPU s | CPU saved "
+          "| / rows saved | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     out = []
     for name in args.model:
         model = Model(name, args.max_batch_size)
         for w in args.windows:
             start, size = (int(v) for v in w.split(":"))
             out.append(bench(model, args.n, args.steps, start, size, args.repeats))
-    print(f"\n| model | window | rows | rows saved | wall s | wall saved | / rows saved | CPU s | CPU saved "
-          f"| / rows saved | max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in out:
-        cells = [r["model"], f"{r['window'][0]}..{r['window'][-1]} of {r['steps']}",
-                 f"{r['rows_shared_noise']} -> {r['rows_share_prefix']}", f"{r['rows_saved']:.1%}"]
-        for kind in ("s", "cpu_s"):
-            cells += [f"{r[f'{kind}_shared_noise']:.3f} -> {r[f'{kind}_share_prefix']:.3f}", f"{r[f'{kind}_saved']:.1%}",
-                      f"{r[f'{kind}_saved_over_rows_saved']:.2f}"]
-        print("| " + " | ".join(cells + [f"{r['max_diff']:.2g}"]) + " |")
+            print(_row(out[-1]), flush=True)  # as each finishes: the small models take minutes
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
