@@ -49,7 +49,7 @@ def _sde_step_together(tasks: list[DenoiseTask], velocities: list[torch.Tensor])
     out = step_at(first.scheduler.sigmas, first.step,
                   velocities[0] if one else torch.cat(velocities),
                   first.latents if one else torch.cat([t.latents for t in tasks]),
-                  first.step_variant_now(), generator=[g for t in tasks for g in t.generators], log_prob_mask=mask)
+                  first.step_variant_now(), generator=[g for t in tasks for g in t.step_generators()], log_prob_mask=mask)
     start = 0
     for task in tasks:
         rows = slice(start, start + task.n)

@@ -158,7 +158,7 @@ class DenoiseStage(Stage):
         self.active.append(_Active(msg, self.new_task(msg, tensors), now, next(self._seq), reported_at=now))
 
     def can_accept(self) -> bool:
-        return sum(a.task.n for a in self.active) < 4 * self.max_batch
+        return sum(a.task.samples for a in self.active) < 4 * self.max_batch  # (a shared prefix grows to n)
 
     def has_work(self) -> bool:
         return bool(self.active)

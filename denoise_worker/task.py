@@ -3,10 +3,11 @@
 A :class:`DenoiseTask` holds everything that changes while a request's ``n``
 samples are denoised: its scheduler (rebuilt for it, shared by its samples,
 which always stand at the same step), one generator per sample (seeded from
-``seed + i``: initial noise first, then the SDE noise), the stacked latents
-[n, ...], its step index, and what it returns (trajectory, log-probs). The
-worker only asks a task for its model input and hands it the guided model
-output; nothing of one request lives on a shared object. Each sample gets
+``seed + i``: initial noise first, then the SDE noise; only the SDE noise when
+the request shares one initial noise, denoise_worker/branching.py), the stacked
+latents [n, ...] (one row during a shared prefix), its step index, and what it
+returns (trajectory, log-probs). The worker only asks a task for its model input
+and hands it the guided model output; nothing of one request lives on a shared object. Each sample gets
 exactly the noise it gets alone, so a group equals its samples run one by one.
 """
 
@@ -36,6 +37,7 @@ from common.diffusion.policy import ModelInput, sigma_max
 from common.diffusion.resume import starting_latents
 from common.diffusion.step_cache import RequestCache
 from common.diffusion.step_variants import Ode, StepVariant, step_variant
+from denoise_worker import branching
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -79,6 +81,7 @@ class DenoiseTask:
     # ode_solver "serving": the serving scheduler that steps from ``after_from`` (the step after the last SDE step)
     after: object | None = None
     after_from: int | None = None
+    branch_at: int = 0  # share_prefix: the step where its one row becomes n (denoise_worker/branching.py)
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
@@ -105,10 +108,17 @@ class DenoiseTask:
         if sde is not None:
             schedulers.check_rollout_schedule(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
-        latents = initial_noise(info, params, generators).to(device)
+        shared = branching.shared_noise_seed(params)
+        branch_at = branching.branch_step(params, len(scheduler.timesteps))
+        if shared is None:
+            latents = initial_noise(info, params, generators)
+        else:  # one draw for every sample; the samples' generators keep their whole stream for the SDE noise
+            latents = branching.noise_rows(
+                initial_noise(info, params, [torch.Generator("cpu").manual_seed(shared)]), params.n, branch_at)
         if initial_latents is not None:  # drawn all the same: the generators stand where a fresh run's do
-            latents = starting_latents(initial_latents, latents)
-        task = cls(params, info, cond, uncond, scheduler, generators, latents, sde, lora, image)
+            latents = starting_latents(initial_latents, latents.to(device))
+        task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), sde, lora, image,
+                   branch_at=branch_at)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)
             last = last_sde_step(sde.sde_step_indices)
@@ -116,12 +126,21 @@ class DenoiseTask:
                 task.after_from = last + 1
                 task.after = serving_after(serving_template, scheduler, last + 1)
         if task.wants_trajectory:
-            task.trajectory.append(latents)
+            task.trajectory.append(task.latents)
         return task
 
     @property
     def n(self) -> int:
+        """The rows it brings to a forward: its samples, or one during a shared prefix."""
         return self.latents.shape[0]
+
+    @property
+    def samples(self) -> int:
+        return self.params.n
+
+    def step_generators(self) -> list[torch.Generator]:
+        """One generator per row: during a shared prefix the step is deterministic and draws nothing."""
+        return self.generators[:self.n]
 
     @property
     def wants_trajectory(self) -> bool:
@@ -165,7 +184,8 @@ class DenoiseTask:
 
     def output_latents(self) -> torch.Tensor:
         """The final latents as the family's pipeline returns them."""
-        return self.info.family.condition.final_latents(self.info, self.latents, self.image)
+        latents = branching.per_sample(self.latents, self.samples)  # (a partial answer inside a shared prefix)
+        return self.info.family.condition.final_latents(self.info, latents, self.image)
 
     @property
     def past_window(self) -> bool:
@@ -186,15 +206,23 @@ class DenoiseTask:
         if self.wants_trajectory:
             self.trajectory.append(latents)
         self.step += 1
+        if self.step == self.branch_at:  # the shared prefix ends: each sample goes on from its own row
+            self.latents = branching.per_sample(self.latents, self.samples)
 
-    def pass_counts(self) -> dict[str, list[int]]:
-        """Per sample: full transformer forwards (summed over its CFG branches) and reused row-steps."""
+    def pass_counts(self) -> dict[str, list[int] | int]:
+        """Per sample: full transformer forwards of its own rows (summed over its CFG branches) and reused
+        row-steps; with a shared prefix also ``prefix_transformer_passes``, the group's once."""
         ref = self.reference_passes  # return_kl's reference rows
         if self.cache is not None:
             return {"transformer_passes": [p + ref for p in self.cache.transformer_passes],
                     "cached_steps": list(self.cache.cached_steps)}
-        passes = self.step * (1 if self.uncond is None else 2) + ref
-        return {"transformer_passes": [passes] * self.n, "cached_steps": [0] * self.n}
+        branches = 1 if self.uncond is None else 2
+        shared = min(self.step, self.branch_at)
+        out = {"transformer_passes": [(self.step - shared) * branches + ref] * self.samples,
+               "cached_steps": [0] * self.samples}
+        if self.params.rollout is not None and self.params.rollout.share_prefix:
+            out["prefix_transformer_passes"] = shared * branches
+        return out
 
     def window_info(self) -> dict[str, list[int]]:
         """The answer's ``sde_window`` [start, stop) when the request's window was picked from its seed."""
@@ -208,14 +236,15 @@ class DenoiseTask:
             return out
         if self.sde is not None and r.return_log_probs:
             out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
-                                   else torch.zeros(self.n, 0))
+                                   else torch.zeros(self.samples, 0))
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if self.sde is not None and r.return_kl:  # [n, K] beside log_probs, the same steps
             for f, values in ((KL, self.kls), (REF_LOG_PROBS, self.ref_log_probs)):
                 out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
-            out[TRAJECTORY_LATENTS.name] = torch.stack([x.float() for x in self.trajectory], dim=1)
+            out[TRAJECTORY_LATENTS.name] = torch.stack(
+                [branching.per_sample(x.float(), self.samples) for x in self.trajectory], dim=1)
             out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps[:self.step].float()
             out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas[:self.step + 1].float()
         return out

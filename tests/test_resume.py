@@ -141,7 +141,7 @@ def test_bad_initial_latents_are_a_field_error_naming_it():
             _router_params(eng.info, initial_latents=not_a_tensor)
         assert "initial_latents" in str(e.value), e.value
     for not_resumable in ({"sde_type": "flow_grpo_wan"}, {"rollout": False}, {"ode_solver": "serving"},
-                          {"schedule": "serving"}):
+                          {"schedule": "serving"}, {"share_prefix": True, "n": 2}, {"initial_noise_seed": 3}):
         with pytest.raises(FieldError) as e:
             _router_params(eng.info, initial_latents=tensor_to_body(good, False), **not_resumable)
         assert e.value.field == "initial_latents", not_resumable

@@ -24,7 +24,7 @@ from common.protocol.messages import (
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "ode_solver", "schedule", "return_kl", "kl_reference")
+           "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix")
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
@@ -241,6 +241,7 @@ def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams
         r.sde_step_indices = sorted(idx)
     _resolve_window(request, r, steps)
     _check_kl(r)
+    _check_branching(r, request)
     return r
 
 
@@ -271,6 +272,18 @@ def _check_kl(r: RolloutParams) -> None:
         raise FieldError("return_kl", f"must be true or false, got {r.return_kl!r}")
     if r.return_kl and not r.sde_scheduler:
         raise FieldError("return_kl", "needs the rollout scheduler's SDE steps (rollout: true)")
+
+
+def _check_branching(r: RolloutParams, request: dict) -> None:
+    """``initial_noise_seed`` and ``share_prefix`` (denoise_worker/branching.py)."""
+    if r.initial_noise_seed is not None and not 0 <= r.initial_noise_seed <= MAX_SEED:
+        raise FieldError("initial_noise_seed", "must fit in a signed 64-bit integer, at least 0")
+    if not r.share_prefix:
+        return
+    if not r.sde_scheduler:
+        raise FieldError("share_prefix", "needs the rollout's SDE scheduler (rollout: true)")
+    if request.get("cache") is not None:  # the prefix's one row would need a cache state per branch
+        raise FieldError("cache", "step caching does not combine with share_prefix")
 
 
 def cache_params(request: dict, default: CacheParams | None) -> CacheParams | None:
@@ -325,5 +338,6 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         lora_name=request.get("lora_name"),
         lora_scale=request.get("lora_scale", 1.0),
         max_sequence_length=length,
-        cache=cache_params(request, cache),
+        # A shared prefix runs without the engine's default step caching (a request's own is refused).
+        cache=None if rollout and request.get("share_prefix") else cache_params(request, cache),
     )

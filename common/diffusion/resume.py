@@ -36,6 +36,8 @@ def resume_problem(params: GenerationParams) -> str | None:
         return f"sde_type {r.sde_type} steps with the whole schedule's sigmas, which a resumed request lacks"
     if r.ode_solver != "euler":
         return "resuming takes ode_solver \"euler\" (the serving solver would restart its history)"
+    if r.share_prefix or r.initial_noise_seed is not None:  # given latents replace the initial noise they name
+        return "given latents are the start: share_prefix and initial_noise_seed do not apply"
     return None
 
 

@@ -182,6 +182,12 @@ class RolloutParams(_Strict):
     schedule: RolloutSchedule = "rollout"  # whose sigmas and timesteps the SDE steps follow
     return_kl: bool = False  # per SDE step: KL against kl_reference and the log-prob under it
     kl_reference: KlReference = "base"
+    # Every sample's initial noise from this seed (the same noise for all); sample i's generator (seed + i)
+    # then draws only its SDE noise. None: each sample's from its own generator.
+    initial_noise_seed: int | None = None
+    # A group (n > 1) whose samples share the initial noise of ``seed`` and the deterministic steps before the
+    # first SDE step, computed once on one row, then branch (denoise_worker/branching.py).
+    share_prefix: bool = False
 
 
 FieldValue = Union[bool, int, float, str]

@@ -45,6 +45,8 @@ class Sample(Answer):
     batch: int | None = Field(default=None, description="the most requests it shared a denoise forward with")
     transformer_passes: list[int] | int | None = Field(default=None, description="full forwards per CFG branch")
     cached_steps: list[int] | int | None = Field(default=None, description="row-steps that reused an output")
+    prefix_transformer_passes: int | None = Field(default=None, description="share_prefix: the forwards of the "
+                                                  "group's shared prefix, run once for all its samples")
     lora_name: str | None
     lora_version: int | None
     log_probs: TensorBody | None = Field(default=None, description="rollouts: [K] per SDE step")

@@ -138,6 +138,8 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     for key in PER_SAMPLE_INFO:  # its full transformer forwards (per CFG branch) and its reused row-steps
         if key in o.info:
             body[key] = o.info[key]
+    if "prefix_transformer_passes" in o.info:  # share_prefix: the group's shared forwards, counted once
+        body["prefix_transformer_passes"] = o.info["prefix_transformer_passes"]
     body["lora_name"], body["lora_version"] = o.info.get("lora_name"), o.info.get("lora_version")
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)

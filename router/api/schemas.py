@@ -101,6 +101,10 @@ class RolloutBody(GenerateBody):
     kl_reference: KlReference = Field(default="base", description="base: the same model with the request's "
                                       "adapter off (without an adapter: kl 0, ref_log_probs = log_probs); "
                                       "pinned: the weights POST /pin_reference copied, no adapter")
+    initial_noise_seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="every sample's initial "
+                                           "noise from this seed (the same for all); seed + i draws the SDE noise")
+    share_prefix: bool = Field(default=False, description="a group shares the initial noise of seed (unless "
+                               "initial_noise_seed) and the steps before its first SDE step, computed once")
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"

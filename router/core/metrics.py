@@ -55,6 +55,7 @@ class Metrics:
         for kind, key in (("computed", "transformer_passes"), ("cached", "cached_steps")):
             if isinstance(info.get(key), list):
                 self.row_steps.labels(kind).inc(sum(info[key]))
+        self.row_steps.labels("computed").inc(info.get("prefix_transformer_passes") or 0)  # a shared prefix's, once
         self.samples.inc(samples)
         self.reruns.inc(info.get("attempts", 1) - 1)
 
