@@ -36,7 +36,9 @@ from common.diffusion.model_info import ModelInfo
 from common.diffusion.policy import ModelInput, sigma_max
 from common.diffusion.resume import starting_latents
 from common.diffusion.step_cache import RequestCache
+from common.diffusion.sde import check_schedule
 from common.diffusion.step_variants import Ode, StepVariant, step_variant
+from common.protocol.errors import RequestError
 from denoise_worker import branching
 
 
@@ -121,6 +123,7 @@ class DenoiseTask:
                    branch_at=branch_at)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             task.variant = step_variant(sde.sde_type, sde.noise_level)
+            task._check_schedule()
             last = last_sde_step(sde.sde_step_indices)
             if sde.ode_solver == "serving" and last is not None and last + 1 < len(scheduler.timesteps):
                 task.after_from = last + 1
@@ -168,6 +171,16 @@ class DenoiseTask:
         """This step's variant: the request's inside its window of SDE steps, the Euler step outside it."""
         windowed = self.sde.sde_step_indices is not None and self.step not in self.sde.sde_step_indices
         return Ode(self.variant.noise_level) if windowed else self.variant
+
+    def _check_schedule(self) -> None:
+        """Every step's variant is defined on the request's schedule (caller sigmas may make one undefined, e.g.
+        ``sde`` at two sigmas of 1): a 400 now rather than a failure at that step."""
+        s, steps = self.scheduler.sigmas, range(len(self.scheduler.timesteps))
+        sde_steps = set(steps if self.sde.sde_step_indices is None else self.sde.sde_step_indices)
+        try:
+            check_schedule([self.variant if i in sde_steps else Ode() for i in steps], s, float(sigma_max(s)))
+        except ValueError as e:
+            raise RequestError(f"the rollout's schedule: {e}") from None
 
     def step_key(self) -> tuple | None:
         """What an SDE step depends on besides the tensors: tasks with equal keys take this step in one

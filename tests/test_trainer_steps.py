@@ -31,6 +31,7 @@ from common.builtin import ensure_builtin
 from common.config.engine import Limits
 from common.diffusion import schedulers
 from common.diffusion.params import FieldError, to_params
+from common.protocol.errors import RequestError
 from common.diffusion.policy import step_at
 from common.diffusion.sde import log_prob_of, sde_step
 from common.diffusion.step_variants import DanceGrpo, FlowGrpoWan
@@ -252,6 +253,18 @@ def test_unknown_schedule_or_sde_type_and_a_serving_scheduler_without_flow_sigma
     assert to_params({**base, "schedule": "serving"}, info, Limits()).rollout.schedule == "serving"
     with pytest.raises(msgspec.ValidationError, match="schedule"):  # the wire decodes strictly
         msgspec.convert({"schedule": "fastest"}, RolloutParams)
+    for field, rising in (("sigmas", [0.5, 0.9, 0.2]), ("timesteps", [0.06, 911.0, 400.0])):  # no SDE step up
+        with pytest.raises(FieldError) as e:
+            to_params({"prompt": "a fox", "rollout": True, field: rising}, info, Limits())
+        assert e.value.field == field
+        assert to_params({"prompt": "a fox", "rollout": False, field: rising}, info, Limits()).rollout is not None
+
+
+def test_a_schedule_a_step_cannot_take_fails_the_request_before_its_first_step():
+    eng = _MODELS.engine(ensure_builtin("tiny"))
+    with pytest.raises(RequestError, match="sigma == 1"):  # sde's std divides by 1 - sigmas[1]
+        eng.task(eng.params(sigmas=[1.0, 1.0, 0.5], rollout=RolloutParams(sde_type="sde")))
+    eng.task(eng.params(sigmas=[1.0, 1.0, 0.5], rollout=RolloutParams(sde_type="cps", noise_level=0.5)))
 
 
 def test_the_serving_schedule_of_an_euler_family_is_checked_and_is_the_rollout_one():

@@ -239,6 +239,11 @@ def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams
         if any(i < 0 or i >= steps for i in idx):
             raise FieldError("sde_step_indices", f"indices must be within 0..{steps - 1}")
         r.sde_step_indices = sorted(idx)
+    if r.sde_scheduler:  # an SDE step goes from sigma down to sigma_next: a rising schedule has none
+        for name in ("sigmas", "timesteps"):
+            values = request.get(name)
+            if values is not None and any(b > a for a, b in zip(values, values[1:])):
+                raise FieldError(name, "a rollout's values must not increase from one step to the next")
     _resolve_window(request, r, steps)
     _check_kl(r)
     _check_branching(r, request)

@@ -181,6 +181,17 @@ def _mean_square(x_next: torch.Tensor, mean: torch.Tensor, mask: torch.Tensor | 
     return (sq * keep).flatten(1).sum(1) / keep.flatten(1).sum(1)
 
 
+def check_schedule(variants, sigmas: torch.Tensor, sigma_max: SigmaLike) -> None:
+    """``ValueError`` when a step of the schedule ``sigmas`` is one its variant cannot take (sigmas out of
+    order or range, a formula undefined there); ``variants``: each step's. A rollout fails before its first
+    step, not in the middle."""
+    sigmas = torch.as_tensor(sigmas).detach().to("cpu", torch.float32)
+    s_min = _per_sample("sigma_min", sigmas[-1], 1)
+    for i, variant in enumerate(variants):
+        s, s_next, s_max = _sigmas(sigmas[i], sigmas[i + 1], sigma_max, 1)
+        _coefficients(variant, s, s_next, s_max, s_min)
+
+
 def sde_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
