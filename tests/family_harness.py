@@ -209,3 +209,13 @@ class ModuleModels:
     def clear(self) -> None:
         for made in (self.engines, self.pipes, self.trainers):
             made.clear()
+
+    def module_scope(self, *also: dict):
+        """The body of a test module's autouse fixture (``yield from models.module_scope(...)``): torch's thread
+        count as it was (the workers' sizing changes it), then these models and the ``also`` caches dropped."""
+        threads = torch.get_num_threads()
+        yield
+        torch.set_num_threads(threads)
+        for made in also:
+            made.clear()
+        self.clear()

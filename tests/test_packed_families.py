@@ -88,11 +88,7 @@ SCHEDULERS = {"qwen-x": dict(base_image_seq_len=8, max_image_seq_len=64, max_shi
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_state():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    _DIRS.clear()
-    _MODELS.clear()
+    yield from _MODELS.module_scope(_DIRS)
 
 
 _DIRS: dict[str, Path] = {}

@@ -61,11 +61,7 @@ _MODELS = ModuleModels()
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_state():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    _DIRS.clear()
-    _MODELS.clear()
+    yield from _MODELS.module_scope(_DIRS)
 
 
 @pytest.fixture(scope="module")

@@ -52,10 +52,7 @@ _MODELS = ModuleModels()
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_state():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    _MODELS.clear()
+    yield from _MODELS.module_scope()
 
 
 # --- float64 transcriptions of the trainers' formulas -------------------------------------------------------
