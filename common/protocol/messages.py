@@ -80,8 +80,16 @@ IMAGE_EMBEDS = TensorField("image_embeds", FLOAT_DTYPES, 3, required=False)  # [
 # The condition latents: [4 + C, F', H', W'] (mask and latents, concatenated to the noise) or [C, 1, H', W']
 # (frame 0's latent, expand_timesteps models).
 IMAGE_CONDITION = TensorField("image_condition", FLOAT_DTYPES, 4, required=False)
-REQUEST_IMAGES = (IMAGE, LAST_IMAGE)
-IMAGE_TENSORS = (IMAGE_EMBEDS, IMAGE_CONDITION)
+# Image editing: the second and third reference images of a request that gives several (``image`` as a list).
+IMAGE_2 = TensorField("image.2", frozenset({"uint8"}), 3, required=False)
+IMAGE_3 = TensorField("image.3", frozenset({"uint8"}), 3, required=False)
+EDIT_IMAGES = (IMAGE, IMAGE_2, IMAGE_3)  # a request's reference images, in order
+# What an edit model's image side makes of them: every reference's packed latent tokens, concatenated [T, C],
+# and each reference's token grid (rows, columns) [k, 2] (common/diffusion/parts/reference.py).
+REFERENCE_LATENTS = TensorField("reference_latents", FLOAT_DTYPES, 2, required=False)
+REFERENCE_GRIDS = TensorField("reference_grids", INT_DTYPES, 2, required=False)
+REQUEST_IMAGES = (IMAGE, LAST_IMAGE, IMAGE_2, IMAGE_3)
+IMAGE_TENSORS = (IMAGE_EMBEDS, IMAGE_CONDITION, REFERENCE_LATENTS, REFERENCE_GRIDS)
 # Latents as the transformer sees them: [n, C, F', H', W'] (video families), [n, C, H', W'] (image families) or
 # packed tokens [n, seq, C * 4] (FLUX, Qwen-Image).
 LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))

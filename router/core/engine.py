@@ -167,7 +167,7 @@ class Engine:
         :meth:`params_for` against what the model takes. ``names``: what the caller calls a field (errors)."""
         limits, out = self.config.limits, {}
         for field in REQUEST_IMAGES:
-            value = getattr(body, field.name)
+            value = getattr(body, field.name, None)  # (image.2, image.3: from a list, below)
             if value is not None:
                 name = (names or {}).get(field.name, field.name)
                 pixels = await asyncio.to_thread(decode_image, value, name, max_bytes=limits.max_image_bytes,
