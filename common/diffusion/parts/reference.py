@@ -61,13 +61,14 @@ class ReferenceTokens(NoCondition):
     """Reference images as tokens after the noise tokens (see the module docstring)."""
 
     loader: ConditionerLoader | None = None
+    required: bool = True  # False: the model also generates from text alone (FLUX.1 Kontext)
     max_images: int = 1  # how many images a request may give (``image`` as a list beyond 1)
     images_in_text: bool = False  # the text encoder sees the request's images too (a vision-language model)
     size_from_images: SizeFromImages | None = None
     fields: tuple[TensorField, ...] = (REFERENCE_LATENTS, REFERENCE_GRIDS)
 
     def image_input(self, info):
-        return "required"
+        return "required" if self.required else "optional"
 
     def images_allowed(self, info) -> int:
         return self.max_images
