@@ -84,7 +84,11 @@ def _images(sizes) -> list:
     return [picture(h, w, seed) for seed, (h, w) in enumerate(sizes)]
 
 
-@pytest.mark.parametrize("case", ["edit", "plus-2", pytest.param("plus-3", marks=pytest.mark.heavy)])
+# Plus's cases are heavy: tests/test_qwen_image_edit.py's serving parity covers both sides end to end.
+PLUS = [pytest.param(c, marks=pytest.mark.heavy) for c in ("plus-2", "plus-3")]
+
+
+@pytest.mark.parametrize("case", ["edit", *PLUS])
 def test_text_side_equals_encode_prompt(case):
     name, encoder_cls, _, sizes = CASES[case]
     images = _images(sizes)
@@ -100,7 +104,7 @@ def test_text_side_equals_encode_prompt(case):
     assert other.shape == got[0]["prompt_embeds"].shape and not torch.allclose(other, got[0]["prompt_embeds"])
 
 
-@pytest.mark.parametrize("case", ["edit", "plus-2", pytest.param("plus-3", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("case", ["edit", *PLUS])
 def test_image_side_equals_prepare_latents(case):
     name, _, conditioner_cls, sizes = CASES[case]
     images = _images(sizes)
