@@ -7,6 +7,8 @@
     python bench/serve.py --preset small-flux               # FLUX (embedded guidance); small-qwen-image (true CFG)
     python bench/serve.py --preset small-wan-i2v            # Wan2.1 I2V-like: requests with an image, c=1 and 4
     python bench/serve.py --preset tiny-wan-i2v --images 8  # image to video, many small requests, 8 distinct images
+    python bench/serve.py --preset small-qwen-image-edit    # image editing (also small-flux-kontext): a picture each
+    python bench/serve.py --model tiny-qwen-image-edit-plus --pictures 2  # two pictures per request, as a list
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -22,24 +24,30 @@ What it does, in this order:
    and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
    model's default size, ``--steps`` from the preset, CFG on with guidance 5.0 (SD3 presets: 4.5),
    ``--output-type frames``). Image families (SD3) are sent no ``num_frames``: they answer one frame.
-   Image-to-video models (those that require an ``image``: ``WanImageToVideoPipeline``) get a picture too:
-   ``--images`` distinct seeded synthetic RGB pictures of 96x160 (another size and aspect than the video's, so
-   the resize and CLIP's crop run), request ``i`` taking picture ``i mod --images``, sent as base64 PNG; the
-   warm-up requests have pictures of their own. The first request with a picture makes the encoder worker
-   encode it; later ones are answered from its cache.
+   Image-to-video and edit models (those that require an ``image``: ``WanImageToVideoPipeline``,
+   ``QwenImageEditPipeline``; ``FluxKontextPipeline``, which takes one optionally, when the preset or
+   ``--images`` asks) get a picture too: ``--images`` distinct seeded synthetic RGB pictures of 96x160
+   (another size and aspect than the output's, so the resize and CLIP's crop run), request ``i`` taking
+   picture ``i mod --images``, sent as base64 PNG; the warm-up requests have pictures of their own.
+   ``--pictures K`` > 1 (Qwen-Image-Edit-Plus) sends K pictures per request as a list, the second on a
+   160x96. The first request with a picture makes the encoder worker encode it; later ones are answered
+   from its cache.
 3. Sends ``--warmup`` requests (not counted), then, per load level, the first ``--requests`` requests of the mix:
    - ``--concurrency N ...``: closed loop, N requests in flight at all times;
    - ``--rate R ...``: open loop, Poisson arrivals at R req/s for ``--duration`` seconds (or ``--requests``
      arrivals); latency counts from the scheduled arrival, so a backlog shows up as latency.
    Per level: throughput (req/s, samples/s), latency p50/p90/p99, mean per-stage time from each response's
    ``timings`` (encode_s, denoise_s, decode_s; total_s is the router's wall time for the request), errors.
-   With images, the encoder's ``image_encode_s`` (CLIP and VAE encoding of the picture, apart from the text's
-   encode_s): median and p90 over the requests whose picture was new to the engine, and the most any repeat of
+   With images, the encoder's ``image_encode_s`` (the image side: CLIP and VAE encoding of the picture for
+   image to video, the VAE encoding of the references for edits; apart from the text's encode_s, which for
+   Qwen-Image-Edit includes the VL encoder's look at the picture): median and p90 over the requests whose picture was new to the engine, and the most any repeat of
    a picture took (its cache lookup).
 4. While the engine sits idle, runs the same requests (same prompts, seeds, sizes, steps, guidance) through
    the served family's diffusers pipeline (``WanPipeline``, ``StableDiffusion3Pipeline``,
-   ``WanImageToVideoPipeline`` given the same PIL picture as ``image``: the binding's ``pipeline``) loaded in
-   this process from the same directory in ``--dtype`` on ``--device``,
+   ``WanImageToVideoPipeline``, ``QwenImageEditPipeline``, ``FluxKontextPipeline`` given the same PIL
+   picture(s) as ``image``: the binding's ``pipeline``) loaded in this process from the same directory in
+   ``--dtype`` on ``--device`` (the Qwen edit pipelines get the engine's processor loader's ``processor``,
+   common/families/qwen_image/processor.py, as transformers' own does not load without torchvision),
    one after another, with ``torch.set_num_threads(os.cpu_count())``: all cores for the one in-process
    pipeline, the fair sequential baseline on a CPU (the engine's workers share the same cores between them).
    One untimed warm-up call first; on a GPU each request's time ends with a device synchronisation.
@@ -141,9 +149,24 @@ PRESETS = {
     "small-wan-i2v": dict(model="small-wan-i2v", height=128, width=128, num_frames=9, steps=10, guidance=5.0,
                           concurrency=[1, 4], requests=5, warmup=1, images=3, target_p50_ratio=1.05,
                           tolerance=1e-3),
+    # Image editing (QwenImageEditPipeline, FluxKontextPipeline): every request carries a picture of another
+    # size and aspect than the 256x256 output. The pipelines take each reference at a 1024x1024 area whatever
+    # the output size (Kontext: the preferred resolution nearest the picture's aspect), so a request holds
+    # ~16x more reference tokens than noise tokens and VAE-encodes a ~1-megapixel picture: the step counts
+    # and request counts keep a run to a few minutes on 2 CPU cores. One request at a time against
+    # diffusers in-process (target: engine p50 <= 1.05x diffusers'); 2 distinct pictures over 3 requests:
+    # the first 2 are encoded, the third comes from the encoder's cache.
+    # Qwen-Image-Edit: the picture goes to the VL text encoder too; true CFG 4.0 with the empty negative prompt.
+    "small-qwen-image-edit": dict(model="small-qwen-image-edit", height=256, width=256, num_frames=None, steps=6,
+                                  guidance=None, true_cfg=4.0, concurrency=[1], requests=3, warmup=1, images=2,
+                                  target_p50_ratio=1.05),
+    # FLUX.1 Kontext-like: embedded guidance 2.5 (FLUX.1-Kontext-dev's), no true CFG.
+    "small-flux-kontext": dict(model="small-flux-kontext", height=256, width=256, num_frames=None, steps=6,
+                               guidance=2.5, concurrency=[1], requests=3, warmup=1, images=2,
+                               target_p50_ratio=1.05),
 }
 # Used where a preset does not say.
-PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4, "images": 4}
+PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4, "images": 4, "pictures": 1}
 # The pictures of image-to-video requests: height x width, another size and aspect than any preset's video.
 IMAGE_SIZE = (96, 160)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -167,6 +190,7 @@ class Workload:
     video: bool = True  # False: an image family, sent no num_frames (it answers one frame)
     true_cfg: float | None = None  # FLUX / Qwen-Image: true CFG with the empty negative prompt
     images: int = 0  # image to video: distinct pictures in the mix (request i takes picture i mod images)
+    pictures: int = 1  # pictures per request (an edit model taking several: ``image`` as a list)
 
     def body(self, i: int) -> dict:
         """Request ``i`` of the mix (deterministic from the workload seed)."""
@@ -182,19 +206,28 @@ class Workload:
         if self.true_cfg is not None:
             body["true_cfg_scale"] = self.true_cfg
         if self.images:
-            body["image"] = _picture_field(self._picture_key(i))
+            body["image"] = self._image_field(self._picture_key(i))
         return body
 
     def warmup_body(self, j: int) -> dict:
         """Warm-up request ``j``: outside the mix (its own prompt, seed and picture)."""
         body = {**self.body(j), "prompt": "warm-up", "seed": 2**40 + j}
         if self.images:
-            body["image"] = _picture_field(self._picture_key(j, warmup=True))
+            body["image"] = self._image_field(self._picture_key(j, warmup=True))
         return body
 
     def image(self, i: int, warmup: bool = False):
-        """The picture (PIL, RGB) whose PNG request ``i`` (warm-up request ``i``) carries; None without images."""
-        return _picture(self._picture_key(i, warmup)) if self.images else None
+        """The picture (PIL, RGB) whose PNG request ``i`` (warm-up request ``i``) carries (a list of them with
+        several pictures per request); None without images."""
+        if not self.images:
+            return None
+        key = self._picture_key(i, warmup)
+        return _picture(key) if self.pictures == 1 else [_picture((*key, k)) for k in range(self.pictures)]
+
+    def _image_field(self, key: tuple[int, ...]):
+        # Picture k > 0 of a request: its own key, and the transposed size (a second size and aspect).
+        return _picture_field(key) if self.pictures == 1 else [_picture_field((*key, k))
+                                                                 for k in range(self.pictures)]
 
     def _picture_key(self, i: int, warmup: bool = False) -> tuple[int, int, int]:
         return (self.seed, int(warmup), i if warmup else i % self.images)
@@ -202,12 +235,12 @@ class Workload:
 
 @functools.lru_cache(maxsize=None)
 def _picture(key: tuple[int, ...]):
-    """A seeded synthetic RGB picture of IMAGE_SIZE: smooth colour fields (a coarse random grid upscaled
-    bicubically) with fine noise on top."""
+    """A seeded synthetic RGB picture of IMAGE_SIZE (transposed for a request's pictures k > 0, ``key[3]``):
+    smooth colour fields (a coarse random grid upscaled bicubically) with fine noise on top."""
     import numpy as np
     from PIL import Image
 
-    height, width = IMAGE_SIZE
+    height, width = IMAGE_SIZE if len(key) < 4 or key[3] == 0 else IMAGE_SIZE[::-1]
     rng = np.random.default_rng(list(key))
     coarse = Image.fromarray(rng.integers(0, 256, (height // 16, width // 16, 3), dtype=np.uint8), "RGB")
     smooth = np.asarray(coarse.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
@@ -293,7 +326,8 @@ class Sender:
         body = body or self.work.body(i)
         new_image = None
         if "image" in body:
-            key = (body["image"], body["height"], body["width"], body.get("num_frames"))
+            image = body["image"]
+            key = (tuple(image) if isinstance(image, list) else image, body["height"], body["width"], body.get("num_frames"))
             new_image = key not in self.seen
             self.seen.add(key)
         t0 = time.perf_counter() if t_start is None else t_start
@@ -444,6 +478,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     """The first ``count`` requests of the mix through the family's diffusers pipeline (WanPipeline,
     StableDiffusion3Pipeline, WanImageToVideoPipeline with the request's picture, ...), one after another, on
     all cores."""
+    import inspect
+
     import diffusers
     import diffusers.utils.logging as dlog
     import torch
@@ -462,7 +498,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     info = read_model(model_dir)
     family = info.family
     t_load = time.perf_counter()
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev)
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                               **_components(model_dir, family.pipeline)).to(dev)
     pipe.set_progress_bar_config(disable=True)
     sync()
     load_s = time.perf_counter() - t_load
@@ -470,7 +507,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     # The engine's text length is the model's default, which may not be the pipeline's (SD3: 256 in the
     # pipeline, 32 in tiny-sd3's serving defaults); Wan's 512 is both.
     fixed = ({"max_sequence_length": info.defaults["max_sequence_length"]}
-             if "max_sequence_length" in family.fields and "max_sequence_length" in info.defaults else {})
+             if "max_sequence_length" in inspect.signature(pipe.__call__).parameters
+             and "max_sequence_length" in info.defaults else {})
 
     def one(body: dict, image) -> list:
         outs = []
@@ -509,6 +547,21 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
            "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
     return res, outputs
+
+
+def _components(model_dir: Path, pipeline: str) -> dict:
+    """Components to hand ``from_pretrained`` rather than let it load them: a Qwen-VL ``processor`` (the edit
+    pipelines') as the engine loads it, since transformers' own class does not load without torchvision."""
+    import inspect
+
+    import diffusers
+
+    takes = inspect.signature(getattr(diffusers, pipeline).__init__).parameters
+    if "processor" in takes and (model_dir / "processor").is_dir():
+        from common.families.qwen_image.processor import load_processor
+
+        return {"processor": load_processor(model_dir)}
+    return {}
 
 
 def compare(engine_outputs: dict[str, dict[int, list]], reference: dict[int, list], tolerance: float) -> dict:
@@ -552,7 +605,8 @@ def print_report(res: dict) -> None:
     frames = f"{cfg['num_frames']} frames" if cfg.get("video", True) else "image"
     images = cfg.get("images", 0)
     size = "x".join(map(str, cfg.get("image_size", ())))
-    pictures = (f", an image each: {min(images, cfg['requests_per_level'])} distinct {size} RGB pictures "
+    each = "an image each" if cfg.get("pictures", 1) == 1 else f"{cfg['pictures']} images each"
+    pictures = (f", {each}: {min(images, cfg['requests_per_level'])} distinct {size} RGB pictures "
                 f"(request i: picture i mod {images}; warm-up: its own)" if images else "")
     print(f"requests: {cfg['height']}x{cfg['width']}, {frames}, {cfg['steps']} steps, "
           f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
@@ -575,8 +629,8 @@ def print_report(res: dict) -> None:
     print("(encode/denoise/decode/total: mean seconds per request from the response timings; "
           "thr/diff: engine req/s / diffusers req/s; p50/diff: engine p50 latency / diffusers p50 latency)")
     if images:
-        print("(img p50/p90: the encoder's image_encode_s, CLIP and VAE encoding of the picture apart from the "
-              "text's encode, median and p90 over the requests whose picture was new to the engine)")
+        print("(img p50/p90: the encoder's image_encode_s, the image side's encoding of the picture (CLIP and "
+              "VAE; an edit's reference VAE encodes) apart from the text's encode, median and p90 over the requests whose picture was new to the engine)")
         print("image encodes: " + "; ".join(
             f"{_label(lv)} {lv.get('images_encoded', 0)} encoded, {lv.get('images_cached', 0)} from the encoder's cache"
             + (f" (at most {lv['image_encode_cached_max_s']:.5f} s)" if lv.get("images_cached") else "")
@@ -719,9 +773,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, help="uncounted warm-up requests (preset tiny, tiny-wan-i2v: 4; small, "
                                                "wan-1.3b, small-wan-i2v: 1)")
     ap.add_argument("--images", type=int,
-                    help="image-to-video models: distinct pictures in the mix, request i taking picture i mod "
-                         "this (preset tiny-wan-i2v: 8, small-wan-i2v: 3, others: 4); a picture's first request "
-                         "makes the encoder encode it, later ones hit its cache")
+                    help="image-to-video and edit models: distinct pictures in the mix, request i taking picture "
+                         "i mod this (preset tiny-wan-i2v: 8, small-wan-i2v: 3, small-qwen-image-edit, "
+                         "small-flux-kontext: 2, others: 4); a picture's first request makes the encoder encode "
+                         "it, later ones hit its cache. A model that takes an image optionally (FLUX.1 Kontext) "
+                         "gets pictures only when this or its preset asks")
+    ap.add_argument("--pictures", type=int,
+                    help="pictures per request, sent as a list beyond 1 (an edit model taking several, "
+                         "Qwen-Image-Edit-Plus: up to 3; default 1); picture k > 0 is 160x96")
     ap.add_argument("--seed", type=int, default=0, help="request mix and arrival times")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline and the check")
     ap.add_argument("--diffusers-requests", type=int, help="requests for the baseline (default: --requests)")
@@ -755,7 +814,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.dtype is not None and args.dtype != extra_dtype:
             ap.error(f"--dtype {args.dtype} disagrees with --extra's --dtype {extra_dtype}")
         args.dtype = extra_dtype
-    for key in ("device", "dtype", "tolerance", "images"):
+    args.images_asked = args.images is not None or "images" in preset
+    for key in ("device", "dtype", "tolerance", "images", "pictures"):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, PRESET_FALLBACKS[key]))
     args.launch_flags = extra if extra_dtype is not None else [*extra, "--dtype", args.dtype]
@@ -764,9 +824,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.check = max(0, min(args.check, args.diffusers_requests))
     if any(c < 1 for c in args.concurrency) or any(r <= 0 for r in args.rate or []):
         ap.error("concurrency levels must be >= 1 and rates > 0")
-    if args.requests < 1 or args.n < 1 or args.images < 1:
-        ap.error("--requests, --n and --images must be >= 1")
+    if args.requests < 1 or args.n < 1 or args.images < 1 or args.pictures < 1:
+        ap.error("--requests, --n, --images and --pictures must be >= 1")
     return args
+
+
+def _images(args, info) -> int:
+    """Distinct pictures in the mix: image-to-video and edit models that require an image get them; a model that
+    takes one optionally (FLUX.1 Kontext) when the preset or ``--images`` asks."""
+    condition = info.family.condition
+    takes = condition.image_input(info)
+    if takes is None or (takes == "optional" and not args.images_asked):
+        return 0
+    if args.pictures > condition.images_allowed(info):
+        raise SystemExit(f"--pictures {args.pictures}: {info.family.pipeline} takes at most "
+                         f"{condition.images_allowed(info)} images per request")
+    return args.images
 
 
 def _gpu_name(device: str) -> str | None:
@@ -801,7 +874,7 @@ def main(argv: list[str] | None = None) -> dict:
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
                         output_type=args.output_type, n=args.n, seed=args.seed, video=video,
                         true_cfg=PRESETS[args.preset].get("true_cfg"),
-                        images=args.images if info.family.condition.image_input(info) == "required" else 0)
+                        images=_images(args, info), pictures=args.pictures)
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)
@@ -810,7 +883,8 @@ def main(argv: list[str] | None = None) -> dict:
             "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
                        "num_frames": work.num_frames, "video": work.video, "family": info.family.family,
                        "steps": work.steps, "guidance": work.guidance,
-                       **({"images": work.images, "image_size": list(IMAGE_SIZE)} if work.images else {}),
+                       **({"images": work.images, "image_size": list(IMAGE_SIZE), "pictures": work.pictures}
+                          if work.images else {}),
                        "output_type": work.output_type, "n": work.n, "seed": work.seed,
                        "requests_per_level": args.requests, "warmup": args.warmup, "check": args.check,
                        "concurrency": args.concurrency, "rate": args.rate, "duration": args.duration,
