@@ -9,7 +9,7 @@ import torch
 from common.diffusion import params as conversion
 from common.diffusion import resume
 from common.diffusion.model_info import ModelInfo
-from common.protocol.messages import INITIAL_LATENTS, CacheParams, GenerationParams
+from common.protocol.messages import EDIT_IMAGES, INITIAL_LATENTS, CacheParams, GenerationParams
 from router.api.schemas import MEDIA_OUTPUTS, GenerateBody
 from router.core.errors import FieldError
 
@@ -28,10 +28,44 @@ def request_of(body: GenerateBody) -> dict:
     return request
 
 
+def max_images(info: ModelInfo) -> int:
+    """How many images ``image`` may hold on this model: its condition part's ``max_images`` where it has one,
+    else one where it takes an image at all (image-to-video), else none."""
+    condition = info.family.condition
+    if hasattr(condition, "max_images"):
+        return condition.max_images(info)
+    return 1 if condition.image_input(info) is not None else 0
+
+
+def image_items(image) -> list[tuple[str, str]]:
+    """``image`` (one, or a list) as (wire tensor name, the name a refusal gives it) per image, in order:
+    ``image``, ``image.2``, ``image.3`` on the wire; ``image`` or ``image[i]`` in errors."""
+    if image is None:
+        return []
+    if isinstance(image, str):
+        return [(EDIT_IMAGES[0].name, "image")]
+    return [(field.name, f"image[{i}]") for i, field in enumerate(EDIT_IMAGES[:len(image)])]
+
+
+def _check_image_list(request: dict, info: ModelInfo) -> None:
+    """What a list adds to the model's own image rule (``check_images``): no ``last_image`` beside it, and no
+    more images than the wire carries to this model."""
+    image = request.get("image")
+    if not isinstance(image, list):
+        return
+    if request.get("last_image") is not None:
+        raise FieldError("last_image", "goes with one image (the first frame), not with a list of images")
+    most = max_images(info)
+    if len(image) > most:
+        raise FieldError("image", f"this {info.family.pipeline} model takes at most {most} image"
+                                  f"{'s' if most != 1 else ''}, got a list of {len(image)}")
+
+
 def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None) -> GenerationParams:
     """Every check of a request body on this model (``info``) and engine (``limits``, ``cache``: its default
     step caching), images included; a bad field raises :class:`FieldError`."""
     request = request_of(body)
+    _check_image_list(request, info)
     try:
         conversion.check_images(request, info)
         params = conversion.to_params(request, info, limits, cache)
