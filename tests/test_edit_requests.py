@@ -94,7 +94,7 @@ def test_the_body_limit_grows_with_the_images_a_model_takes():
     def limit(takes: int, last: bool) -> int:
         condition = SimpleNamespace(image_input=lambda info: "required" if takes else None,
                                     last_image_input=lambda info: "optional" if last else None,
-                                    max_images=lambda info: takes)
+                                    images_allowed=lambda info: takes)
         fake = SimpleNamespace(config=SimpleNamespace(limits=limits),
                                info=SimpleNamespace(family=SimpleNamespace(condition=condition)))
         return RouterEngine.sample_body_limit(fake)

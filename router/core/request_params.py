@@ -29,12 +29,8 @@ def request_of(body: GenerateBody) -> dict:
 
 
 def max_images(info: ModelInfo) -> int:
-    """How many images ``image`` may hold on this model: its condition part's ``max_images`` where it has one,
-    else one where it takes an image at all (image-to-video), else none."""
-    condition = info.family.condition
-    if hasattr(condition, "max_images"):
-        return condition.max_images(info)
-    return 1 if condition.image_input(info) is not None else 0
+    """How many images ``image`` may hold on this model (0: none; more than 1: a list of up to that)."""
+    return info.family.condition.images_allowed(info)
 
 
 def image_items(image) -> list[tuple[str, str]]:
@@ -47,28 +43,17 @@ def image_items(image) -> list[tuple[str, str]]:
     return [(field.name, f"image[{i}]") for i, field in enumerate(EDIT_IMAGES[:len(image)])]
 
 
-def _check_image_list(request: dict, info: ModelInfo) -> None:
-    """What a list adds to the model's own image rule (``check_images``): no ``last_image`` beside it, and no
-    more images than the wire carries to this model."""
-    image = request.get("image")
-    if not isinstance(image, list):
-        return
-    if request.get("last_image") is not None:
-        raise FieldError("last_image", "goes with one image (the first frame), not with a list of images")
-    most = max_images(info)
-    if len(image) > most:
-        raise FieldError("image", f"this {info.family.pipeline} model takes at most {most} image"
-                                  f"{'s' if most != 1 else ''}, got a list of {len(image)}")
-
-
-def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None) -> GenerationParams:
+def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None,
+              images: dict[str, torch.Tensor] | None = None) -> GenerationParams:
     """Every check of a request body on this model (``info``) and engine (``limits``, ``cache``: its default
-    step caching), images included; a bad field raises :class:`FieldError`."""
+    step caching), images included; a bad field raises :class:`FieldError`. ``images``: the request's decoded
+    pixels by wire name, where the output size may follow them (image editing)."""
     request = request_of(body)
-    _check_image_list(request, info)
+    sizes = [(int(images[f.name].shape[1]), int(images[f.name].shape[0])) for f in EDIT_IMAGES
+             if images and f.name in images]
     try:
         conversion.check_images(request, info)
-        params = conversion.to_params(request, info, limits, cache)
+        params = conversion.to_params(request, info, limits, cache, sizes)
     except conversion.FieldError as e:
         raise FieldError(e.field, e.message) from None
     if body.output_type == "png" and params.num_frames != 1:

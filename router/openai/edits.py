@@ -81,8 +81,9 @@ async def edit_images(api, request: Request) -> JSONResponse:
     # auto (or left out): the model's size for these images (an edit model's from the image, else its default).
     width, height = (None, None) if body.size in (None, "auto") else parse_size(body.size, api.info.defaults)
     gen = api._generate_body(body, width, height, 1, body.n, "png")
-    params = api._params(gen, image_name="image")
-    images = await engine.images_of(gen)
+    # Decoded first: an edit model's default size follows the images (a model that takes none refuses them).
+    images = await engine.images_of(gen) if api.info.family.condition.image_input(api.info) else {}
+    params = api._params(gen, image_name="image", images=images)
     outcome = await engine.run(params, rid, body.timeout_s, images, gone=gone_of(request))
     pngs = await asyncio.to_thread(
         lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])

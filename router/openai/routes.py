@@ -52,13 +52,15 @@ class OpenAIRoutes:
         if model is not None and model != self.model_id:
             raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
 
-    def _params(self, gen: GenerateBody, from_seconds: bool = False, image_name: str = INPUT_REFERENCE["image"]):
-        """The request's parameters; a bound that ``size`` (or ``seconds``) broke names that OpenAI field, an
-        image error ``image_name`` (the endpoint's name for it)."""
+    def _params(self, gen: GenerateBody, from_seconds: bool = False, image_name: str = INPUT_REFERENCE["image"],
+                images: dict | None = None):
+        """The request's parameters (``images``: its decoded pixels, which an edit's default size follows); a
+        bound that ``size`` (or ``seconds``) broke names that OpenAI field, an image error ``image_name`` (the
+        endpoint's name for it)."""
         renames = {"width": "size", "height": "size", "image": image_name,
                    **({"num_frames": "seconds"} if from_seconds else {})}
         try:
-            return self.engine.params_for(gen)
+            return self.engine.params_for(gen, images)
         except FieldError as e:
             if e.field in renames and renames[e.field] != e.field:
                 raise FieldError(renames[e.field], f"{e.field} {str(e).removeprefix(e.field + ': ')}") from None
