@@ -5,7 +5,8 @@
 In process: the body schema's one-or-a-list rule, each item of a list decoded to its wire tensor under its
 own name, the body limit growing with the images a model takes. Launched (one shared engine per model; each
 model in ``MODELS`` is a parameter): the edit's PNG equals ``/generate``'s for the same fields and seed, the
-same refusals as ``/generate``'s ``image`` for uploaded files, and a text-to-video model refusing an edit.
+same refusals as ``/generate``'s ``image`` for uploaded files, a text-to-video model refusing an edit, and
+``disagg generate --image`` writing ``/generate``'s pixels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.api.schemas import MAX_IMAGES, GenerateBody
 from router.client import EngineClient, image_field
 from router.core.engine import Engine as RouterEngine
 from router.core.errors import FieldError
+from test_cli import disagg, failed_with
 from test_images import REFUSED
 from test_wan_i2v import picture
 
@@ -203,3 +205,24 @@ def test_a_model_without_image_input_refuses_an_edit(text_only):
         with pytest.raises(openai.BadRequestError) as e:
             client.images.edit(image=("in.png", _png(PICTURES[0]), "image/png"), prompt=PROMPT)
     assert e.value.body["field"] == "image" and "takes no image" in e.value.body["message"]
+
+
+def test_the_cli_sends_its_images(served, tmp_path):
+    """``disagg generate --image in.png -o out.png``: /generate's pixels for that image; --image again makes a
+    list (refused by a model that takes one, with the engine's message); a missing file is a usage error."""
+    name, engine = served
+    fields = MODELS[name][1]
+    src = tmp_path / "in.png"
+    src.write_bytes(_png(PICTURES[1]))
+    out = tmp_path / "out.png"
+    flags = ["--url", engine.url, "--seed", "4", "--steps", str(fields["num_inference_steps"]), "--negative-prompt",
+             fields["negative_prompt"], "--guidance", str(fields["guidance_scale"])]
+    run = disagg("generate", PROMPT, "--image", str(src), "-o", str(out), *flags, key=None)
+    assert run.returncode == 0, run.stderr
+    [ref] = _generate_png(engine, image=image_field(PICTURES[1]), seed=4, **fields)
+    assert np.array_equal(_pixels(out.read_bytes()), ref)
+    extra = ["--image", str(src)] * MODELS[name][0]
+    run = disagg("generate", PROMPT, "--image", str(src), *extra, "-o", str(out), *flags, key=None)
+    failed_with(run, "image")
+    run = disagg("generate", PROMPT, "--image", str(tmp_path / "missing.png"), "-o", str(out), *flags, key=None)
+    failed_with(run, "--image")
