@@ -13,7 +13,6 @@ import torch
 from common.protocol.control import ReleaseMemory, ReleaseReply, ResumeMemory, ResumeReply
 from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, check_deadline
 from common.protocol.messages import (
-    IMAGE_CONDITION,
     INITIAL_LATENTS,
     LATENTS,
     NEGATIVE_OF,
@@ -129,7 +128,8 @@ class DenoiseStage(Stage):
         image = self.family.condition.from_wire({f.name: tensors[f.name] for f in self.family.condition.fields
                                                 if f.name in tensors})
         if image is None and self.family.condition.image_input(self.info) == "required":
-            raise RequestError(f"{self.family.pipeline} needs the image tensors {IMAGE_CONDITION.name}")
+            raise RequestError(f"{self.family.pipeline} needs the image tensors "
+                               f"{', '.join(f.name for f in self.family.condition.fields)}")
         task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=self.adapters.choice(p),
                                   image=None if image is None else image.to(self.device),
@@ -166,16 +166,17 @@ class DenoiseStage(Stage):
     def _next_batch(self) -> list[_Active]:
         """The oldest request plus others that can share its forward, up to ``max_batch`` samples in all.
 
-        Sharing needs the same latent shape, size (packed latents of two sizes may share a shape), expert and
+        Sharing needs the same latent shape, size (packed latents of two sizes may share a shape), expert,
         texts the transformer takes together (``Binding.text.key``: texts of one length, unless it masks
-        padding); each request keeps its own timestep, text embeddings and guidance scale. A request
+        padding) and image layout (``Binding.condition.batch_key``: edits with references of other sizes
+        run apart); each request keeps its own timestep, text embeddings and guidance scale. A request
         larger than ``max_batch`` runs alone, its forward in parts.
         """
         def key(a: _Active):
             p, task = a.task.params, a.task
             texts = [t for t in (task.cond, task.uncond) if t is not None]
             return (tuple(task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(task.timestep),
-                    self.family.text.key(texts))
+                    self.family.text.key(texts), self.family.condition.batch_key(task.image))
 
         oldest = min(self.active, key=lambda a: a.seq)
         batch, samples = [], 0

@@ -1,5 +1,5 @@
 """Encoder stage: the queued requests' prompts through the family's text encoder(s), and their images through
-its image side (image-to-video), with a cache of both.
+its image side (image-to-video, image editing), with a cache of both.
 
 The text encoder runs on ``--text-encoder-device`` when given (the host, for a GPU too small for it beside the
 rest), in that device's default dtype unless ``--dtype`` says; the image side stays on the worker's device.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from PIL import Image
 
 from common.config.engine import torch_dtype_for
 from common.diffusion import text_roles
@@ -19,7 +20,7 @@ from common.families import read_model
 from common.protocol.errors import RequestError
 from common.protocol.images import image_digest, image_from_array
 from common.protocol.messages import (
-    IMAGE, INITIAL_LATENTS, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest,
+    EDIT_IMAGES, INITIAL_LATENTS, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest,
 )
 from common.runtime.stage import Forward, QueuedBatchStage
 from encoder_worker.prompt_cache import EmbeddingCache
@@ -43,18 +44,21 @@ class EncoderStage(QueuedBatchStage):
 
     def process_batch(self, items: list[tuple[EncodeRequest, dict]]) -> list[Forward]:
         """Every distinct prompt and negative prompt of the queued requests, in one encoder call per token
-        budget (``max_sequence_length``) for those not in the cache."""
+        budget (``max_sequence_length``) for those not in the cache. An encoder that sees images (image
+        editing) encodes a text with its request's images: the images are part of the text's key."""
         t0 = time.perf_counter()
-        texts: set[tuple[str, int, bool]] = set()
-        for msg, _ in items:
-            p = msg.params
-            texts.add(self._key(p.prompt, p.max_sequence_length, False))
+        texts: set[tuple] = set()
+        images: dict[str, Image.Image] = {}  # by digest: the images the text encoder takes
+        for msg, pixels in items:
+            p, seen = msg.params, self._text_images(pixels, images)
+            texts.add(self._key(p.prompt, p.max_sequence_length, False, seen))
             if uses_guidance(self.family.guidance.scale(p)):
-                texts.add(self._key(p.negative_prompt, p.max_sequence_length, True))
+                texts.add(self._key(p.negative_prompt, p.max_sequence_length, True, seen))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
-        for budget in sorted({length for (_, length, _), e in embeds.items() if e is None}):
+        for budget in sorted({key[1] for key, e in embeds.items() if e is None}):
             missing = [t for t, e in embeds.items() if e is None and t[1] == budget]
-            wires = text_roles.encode(self.text_encoder, [(t, negative) for t, _, negative in missing], budget)
+            seen = [[images[d] for d in key[3]] for key in missing] if self.text_sees_images else None
+            wires = text_roles.encode(self.text_encoder, [(key[0], key[2]) for key in missing], budget, seen)
             for key, wire in zip(missing, wires):
                 # Their own storage, not views that pin the whole batch.
                 embeds[key] = {name: t.clone() for name, t in wire.items()}
@@ -68,44 +72,64 @@ class EncoderStage(QueuedBatchStage):
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
                 continue
+            seen = tuple(image_digest(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels) \
+                if self.text_sees_images else ()
             forward = self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
-                                    time.perf_counter() - t1)
+                                    time.perf_counter() - t1, seen)
             if INITIAL_LATENTS.name in pixels:  # a resumed rollout's starting latents ride on to the denoise worker
                 forward.tensors[INITIAL_LATENTS.name] = pixels[INITIAL_LATENTS.name]
             out.append(forward)
         return out
 
-    def _key(self, text: str, budget: int, negative: bool) -> tuple[str, int, bool]:
-        """A text's cache key: its role counts only where the encoder encodes a negative prompt apart."""
-        return text, budget, negative and text_roles.negative_apart(self.text_encoder)
+    @property
+    def text_sees_images(self) -> bool:
+        return self.family.condition.text_sees_images()
+
+    def _text_images(self, pixels: dict[str, torch.Tensor], images: dict) -> tuple[str, ...]:
+        """The digests of a request's images its texts are encoded with (none unless the encoder sees
+        images), each image put in ``images`` by digest."""
+        if not self.text_sees_images:
+            return ()
+        digests = []
+        for f in EDIT_IMAGES:
+            if f.name in pixels:
+                digest = image_digest(pixels[f.name])
+                images.setdefault(digest, image_from_array(pixels[f.name]))
+                digests.append(digest)
+        return tuple(digests)
+
+    def _key(self, text: str, budget: int, negative: bool, images: tuple[str, ...] = ()) -> tuple:
+        """A text's cache key: its role counts only where the encoder encodes a negative prompt apart; the
+        images it is encoded with (their digests) where the encoder sees them."""
+        return text, budget, negative and text_roles.negative_apart(self.text_encoder), images
 
     def _image_tensors(self, msg: EncodeRequest, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A request's image tensors for the denoise worker (none without an image), cached by the pixels and
-        the request's size: a group, and a re-run, encode their image once."""
-        if IMAGE.name not in pixels:
+        what of the request they depend on: a group, and a re-run, encode their images once."""
+        given = [pixels[f.name] for f in EDIT_IMAGES if f.name in pixels]
+        if not given:
             return {}
         if self.images is None:  # the router refuses this first
             raise RequestError("image: this model takes no image")
-        p = msg.params
+        condition, p = self.family.condition, msg.params
         last = pixels.get(LAST_IMAGE.name)
-        key = ("image", image_digest(pixels[IMAGE.name]), None if last is None else image_digest(last), p.height,
-               p.width, p.num_frames)
+        key = ("image", tuple(image_digest(x) for x in given), None if last is None else image_digest(last),
+               condition.cache_key(p))
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.images.wire_tensors(image_from_array(pixels[IMAGE.name]),
-                                           None if last is None else image_from_array(last),
-                                           p.height, p.width, p.num_frames)
+            hit = condition.wire_tensors(self.images, [image_from_array(x) for x in given],
+                                         None if last is None else image_from_array(last), p)
             hit = {name: t.clone() for name, t in hit.items()}
             self.cache.put(key, hit)
         return hit
 
     def _forward(self, msg: EncodeRequest, embeds: dict, elapsed: float, guided: bool, image: dict,
-                 image_s: float) -> Forward:
+                 image_s: float, seen: tuple[str, ...]) -> Forward:
         p = msg.params
-        tensors = dict(embeds[self._key(p.prompt, p.max_sequence_length, False)])
+        tensors = dict(embeds[self._key(p.prompt, p.max_sequence_length, False, seen)])
         tensors.update(image)
         if guided:
-            negative = embeds[self._key(p.negative_prompt, p.max_sequence_length, True)]
+            negative = embeds[self._key(p.negative_prompt, p.max_sequence_length, True, seen)]
             tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
                              timings={**msg.timings, "encode_s": elapsed,

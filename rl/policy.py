@@ -11,7 +11,7 @@ the schedule), so that rollout and recompute agree to float32 rounding.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ class ImageInputs:
 
     wire: dict[str, torch.Tensor]
     condition: torch.Tensor | None
+    images: list = field(default_factory=list)  # the PIL images (an edit model's text encoder sees them too)
 
 
 class TrainerPolicy:
@@ -75,27 +76,22 @@ class TrainerPolicy:
         fields among ``fields``); a field this model takes no value of, or a bad value, raises
         :class:`common.diffusion.params.FieldError` naming it. A rollout's fields (``sde_type``,
         ``noise_level``, ...) make it a rollout's params."""
-        return to_params({"prompt": prompt, "negative_prompt": negative_prompt, **fields}, self.info, self.limits)
+        request = {"prompt": prompt, "negative_prompt": negative_prompt, **fields}
+        images = _pil_list(request.get("image"))
+        return to_params(request, self.info, self.limits, image_sizes=[x.size for x in images])
 
     def image(self, params: GenerationParams, image, last_image=None) -> ImageInputs:
-        """An image-to-video request's image tensors, as the encoder worker makes them for ``params`` (its size
-        and frames): ``image`` and ``last_image`` are PIL images or uint8 [H, W, 3] RGB pixels (what the router
-        decodes from the request's base64)."""
-        from common.protocol.images import image_from_array
-
+        """A request's image tensors, as the encoder worker makes them for ``params`` (its size and frames):
+        ``image`` (one, or a list for an edit model that takes several) and ``last_image`` are PIL images or
+        uint8 [H, W, 3] RGB pixels (what the router decodes from the request's base64)."""
         if self._images is None:
             self._images = self.family.condition.load(self.info, self.dtype, self.device, self.vae_tiling)
             settle_held(images=self._images)
-
-        def pil(x):
-            return None if x is None or hasattr(x, "convert") else image_from_array(x)
-
-        first = pil(image) or image
-        last = pil(last_image) or last_image
+        images, last = _pil_list(image), _pil_list(last_image)
         with torch.no_grad():
-            wire = self._images.wire_tensors(first, last, params.height, params.width, params.num_frames)
+            wire = self.family.condition.wire_tensors(self._images, images, last[0] if last else None, params)
         condition = self.family.condition.from_wire(wire)
-        return ImageInputs(wire, None if condition is None else condition.to(self.device))
+        return ImageInputs(wire, None if condition is None else condition.to(self.device), images)
 
     @property
     def experts(self) -> dict[str, torch.nn.Module]:
@@ -115,8 +111,9 @@ class TrainerPolicy:
             if uses_guidance(self.family.guidance.scale(params)) else [(params.prompt, False)]
         beside = {} if image is None else {k: t for k, t in image.wire.items()
                                            if k in self.family.condition.text_fields}
+        seen = [image.images] * len(texts) if image is not None and self.family.condition.text_sees_images() else None
         conds = [cond_to(self.family.text.conditioning({**w, **beside}, length), self.device, self.policy.dtype)
-                 for w in text_roles.encode(self.text_encoder, texts, length)]
+                 for w in text_roles.encode(self.text_encoder, texts, length, seen)]
         return conds[0], conds[1] if len(conds) > 1 else None
 
     def velocity(self, latents, t, cond, uncond, params: GenerationParams,
@@ -204,3 +201,12 @@ def adapters_off(models):
             m.enable_adapters(True)
         for p, wanted in grads:
             p.requires_grad_(wanted)
+
+
+def _pil_list(value) -> list:
+    """``value`` (None, one image, or a list of them; PIL images or uint8 [H, W, 3] pixels) as a list of PIL images."""
+    from common.protocol.images import image_from_array
+
+    if value is None:
+        return []
+    return [x if hasattr(x, "convert") else image_from_array(x) for x in (value if isinstance(value, list) else [value])]

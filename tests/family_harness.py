@@ -69,20 +69,24 @@ class InProcess:
                                 fields={k: v for k, v in own.items() if k not in GenerationParams.__struct_fields__})
 
     def image_wire(self, p: GenerationParams, image, last_image=None) -> dict[str, torch.Tensor]:
-        """The encoder worker's image tensors for a request with ``image`` (PIL images as the router's pixels
-        rebuild them; none: {})."""
+        """The encoder worker's image tensors for a request with ``image`` (a PIL image, or a list of them for an
+        edit model; as the router's pixels rebuild them; none: {})."""
         if image is None:
             return {}
-        return {k: t.clone() for k, t in self.images.wire_tensors(image, last_image, p.height, p.width,
-                                                                   p.num_frames).items()}
+        images = image if isinstance(image, list) else [image]
+        return {k: t.clone() for k, t in self.family.condition.wire_tensors(self.images, images, last_image,
+                                                                             p).items()}
 
     def task(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:
         """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
         with ``image``), then the denoise worker's task."""
         guided = uses_guidance(self.family.guidance.scale(p))
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
+        seen = None  # an edit model's text encoder sees the request's images
+        if image is not None and self.family.condition.text_sees_images():
+            seen = [image if isinstance(image, list) else [image]] * len(texts)
         wires = [{k: t.clone() for k, t in w.items()} for w in text_roles.encode(self.encoder, texts,
-                                                                                  p.max_sequence_length)]
+                                                                                  p.max_sequence_length, seen)]
         pixels = self.image_wire(p, image, last_image)
         beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
         cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)

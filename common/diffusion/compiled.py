@@ -128,9 +128,10 @@ def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch
         try:
             with torch.no_grad():
                 policy.share_text()  # its processors now, or their later install would recompile
-                extra = dict(grid=parts.latents.token_grid(info, d["height"], d["width"]),
-                             image=parts.condition.example(info, tuple(latent_shape), g, device, dtype),
-                             embedded_guidance=parts.guidance.embedded(info, d["guidance_scale"]))
+                image = parts.condition.example(info, tuple(latent_shape), g, device, dtype)
+                extra = dict(grid=parts.condition.token_layout(parts.latents.token_grid(info, d["height"], d["width"]),
+                                                               image),
+                             image=image, embedded_guidance=parts.guidance.embedded(info, d["guidance_scale"]))
                 policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
                 if batch > 1:
                     policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])

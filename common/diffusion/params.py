@@ -94,15 +94,29 @@ def check_model_fields(request: dict, info: ModelInfo) -> None:
 
 
 def check_images(request: dict, info: ModelInfo) -> None:
-    """``image`` and ``last_image`` as the model directory takes them: refused where it takes none, required
-    where it cannot run without one (the images themselves: the router's)."""
-    family, takes, last = info.family, info.family.condition.image_input(info), info.family.condition.last_image_input(info)
+    """``image`` (one, or a list on models that take several) and ``last_image`` as the model directory takes
+    them: refused where it takes none, required where it cannot run without one (the images themselves: the
+    router's)."""
+    family, condition = info.family, info.family.condition
+    takes, last, most = condition.image_input(info), condition.last_image_input(info), condition.images_allowed(info)
     image, last_image = request.get("image"), request.get("last_image")
+    if isinstance(image, list):
+        if not image:
+            raise FieldError("image", "an empty list: give one image, or a list of images")
+        if len(image) > 1 and most <= 1:
+            raise FieldError("image", f"this {family.pipeline} model takes one image, got a list of {len(image)}")
+        if len(image) > most:
+            raise FieldError("image", f"this {family.pipeline} model takes at most {most} images, got {len(image)}")
+        if last_image is not None:
+            raise FieldError("last_image", "goes with one image, not a list")
     if image is None and takes == "required":
-        raise FieldError("image", f"this {family.pipeline} model makes videos from an image: give image "
-                                  "(a base64 PNG, JPEG or WEBP, or a data: URL)")
+        what = "edits images: give image" if condition.text_sees_images() or most > 1 or not family.video \
+            else "makes videos from an image: give image"
+        raise FieldError("image", f"this {family.pipeline} model {what} (a base64 PNG, JPEG or WEBP, or a "
+                                  "data: URL)")
     if image is not None and takes is None:
-        raise FieldError("image", f"this {family.pipeline} model takes no image (it is not an image-to-video model)")
+        raise FieldError("image", f"this {family.pipeline} model takes no image (it makes {'videos' if family.video else 'images'} "
+                                  "from text)")
     if last_image is None and last == "required" and image is not None:
         raise FieldError("last_image", f"this {family.pipeline} model makes videos between two frames: give "
                                        "last_image too")
@@ -306,18 +320,23 @@ def cache_params(request: dict, default: CacheParams | None) -> CacheParams | No
     return CacheParams(method=method, threshold=threshold)
 
 
-def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None = None) -> GenerationParams:
+def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None = None,
+              image_sizes: list[tuple[int, int]] | None = None) -> GenerationParams:
     """``request`` (field -> value) as the params every stage reads, every check done (in the order of the
     module docstring). A rollout is a request with any of the rollout fields; ``cache``: the engine's default
-    step caching. ``output_type`` is the wire's (frames or latent)."""
+    step caching. ``output_type`` is the wire's (frames or latent). ``image_sizes``: the request's images'
+    (width, height), in order, where the model's output size follows them (image editing)."""
     check_family_fields(request, info)
     check_model_fields(request, info)
+    fields = family_values(request, info)
     d = {"num_frames": 1, **info.defaults}
+    from_images = info.family.condition.default_size(info, image_sizes or [], fields)
+    if from_images is not None:  # each of height and width the request leaves out, as the edit pipelines
+        d["height"], d["width"] = from_images
     v = {name: d[name] if request.get(name) is None else request[name] for name in FILLED}
     for name in ("prompt", "negative_prompt"):
         if len(request.get(name) or "") > limits.max_prompt_chars:
             raise FieldError(name, f"longer than {limits.max_prompt_chars} characters")
-    fields = family_values(request, info)
     _check_video(v, info, limits, fields)
     _check_sampling(v, request, limits)
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)

@@ -56,9 +56,11 @@ class ModelInput:
     guidance_scale: float  # classifier-free guidance's (the family's cfg field: Binding.guidance.scale)
     guidance_scale_2: float | None = None
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
-    grid: tuple[int, int] = (0, 0)  # packed families: the token grid (rows, columns), which [seq, C] hides
+    # Packed families: the token grid (rows, columns), which [seq, C] hides; with reference images their
+    # TokenLayout (Binding.condition.token_layout).
+    grid: tuple[int, int] = (0, 0)
     embedded_guidance: float | None = None  # guidance-distilled transformers' guidance input (FLUX.1-dev)
-    image: torch.Tensor | None = None  # image-to-video: the request's latent-side condition [1, ...] (Binding)
+    image: torch.Tensor | None = None  # the request's latent-side image condition (Binding.condition.from_wire)
     # One branch of a request's guidance run on its own (step caching): ``cond`` is its negative prompt, and
     # with CFG parallel its rows go with the unconditional ones.
     unconditional: bool = False
@@ -70,10 +72,9 @@ class ModelInput:
         """A request's input as its params (``GenerationParams``) ask, read through the family's parts: the
         denoise worker's and a trainer's alike."""
         family = info.family
+        grid = family.latents.token_grid(info, *family.latents.size(info, params.height, params.width, params.fields))
         return cls(latents, timestep, cond, uncond, family.guidance.scale(params),
-                   field_value(params, GUIDANCE_SCALE_2.name), lora,
-                   family.latents.token_grid(info, *family.latents.size(info, params.height, params.width,
-                                                                        params.fields)),
+                   field_value(params, GUIDANCE_SCALE_2.name), lora, family.condition.token_layout(grid, image),
                    family.guidance.embedded(info, params.guidance_scale), image)
 
     @property

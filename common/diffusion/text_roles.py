@@ -13,8 +13,14 @@ def negative_apart(encoder) -> bool:
     return bool(getattr(encoder, "negative_apart", False))
 
 
-def encode(encoder, texts: list[tuple[str, bool]], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
-    """Each ``(text, negative)``'s wire tensors, in order."""
+def encode(encoder, texts: list[tuple[str, bool]], max_sequence_length: int,
+           images: list[list] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Each ``(text, negative)``'s wire tensors, in order. ``images``: the PIL images each text is encoded with,
+    for an encoder that sees images (an edit model's vision-language encoder); None for the others."""
+    if images is not None:
+        if negative_apart(encoder):
+            raise ValueError("an encoder that sees images encodes every role alike")
+        return encoder.wire_tensors([t for t, _ in texts], max_sequence_length, images)
     if not negative_apart(encoder):
         return encoder.wire_tensors([t for t, _ in texts], max_sequence_length)
     out: list = [None] * len(texts)

@@ -151,9 +151,10 @@ class Engine:
         return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3)) + extra
 
     # --- generating -----------------------------------------------------------------------------------
-    def params_for(self, body: GenerateBody) -> GenerationParams:
-        """The request's parameters, every check done (a bad field raises :class:`FieldError`)."""
-        params = to_params(body, self.info, self.config.limits, self.config.cache)
+    def params_for(self, body: GenerateBody, images: dict[str, torch.Tensor] | None = None) -> GenerationParams:
+        """The request's parameters, every check done (a bad field raises :class:`FieldError`); ``images``: its
+        decoded pixels (:meth:`images_of`), which an edit model's default output size follows."""
+        params = to_params(body, self.info, self.config.limits, self.config.cache, images)
         self.loras.check_name(body.lora_name)
         self.pins.check(params)
         if params.cache is not None:
@@ -178,8 +179,9 @@ class Engine:
     async def generate(self, body: GenerateBody, request_id: str, gone: Gone | None = None) -> Generated:
         """A generation (a rollout: a :class:`RolloutBody`), its ``n`` samples one unit: checked, admitted (429
         when the engine is full), run, answered; cancelled (499) by :meth:`cancel` or when ``gone()`` returns."""
-        params = self.params_for(body)
-        images = {**await self.images_of(body), **initial_latents(body, self.info, params)}  # what the encoder gets
+        pixels = await self.images_of(body) if self.info.family.condition.image_input(self.info) else {}
+        params = self.params_for(body, pixels)
+        images = {**pixels, **initial_latents(body, self.info, params)}  # what the encoder gets
         started = time.perf_counter()
         outcome = await self.run(params, request_id, body.timeout_s, images, gone,
                                  partial=getattr(body, "return_partial", False))

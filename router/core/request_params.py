@@ -9,7 +9,7 @@ import torch
 from common.diffusion import params as conversion
 from common.diffusion import resume
 from common.diffusion.model_info import ModelInfo
-from common.protocol.messages import INITIAL_LATENTS, CacheParams, GenerationParams
+from common.protocol.messages import EDIT_IMAGES, INITIAL_LATENTS, CacheParams, GenerationParams
 from router.api.schemas import MEDIA_OUTPUTS, GenerateBody
 from router.core.errors import FieldError
 
@@ -28,13 +28,17 @@ def request_of(body: GenerateBody) -> dict:
     return request
 
 
-def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None) -> GenerationParams:
+def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None,
+              images: dict[str, torch.Tensor] | None = None) -> GenerationParams:
     """Every check of a request body on this model (``info``) and engine (``limits``, ``cache``: its default
-    step caching), images included; a bad field raises :class:`FieldError`."""
+    step caching), images included; a bad field raises :class:`FieldError`. ``images``: the request's decoded
+    pixels by wire name, where the output size may follow them (image editing)."""
     request = request_of(body)
+    sizes = [(int(images[f.name].shape[1]), int(images[f.name].shape[0])) for f in EDIT_IMAGES
+             if images and f.name in images]
     try:
         conversion.check_images(request, info)
-        params = conversion.to_params(request, info, limits, cache)
+        params = conversion.to_params(request, info, limits, cache, sizes)
     except conversion.FieldError as e:
         raise FieldError(e.field, e.message) from None
     if body.output_type == "png" and params.num_frames != 1:

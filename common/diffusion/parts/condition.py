@@ -44,9 +44,31 @@ class NoCondition:
         """The same for ``last_image`` (first-last-frame conditioning)."""
         return None
 
+    def images_allowed(self, info: "ModelInfo") -> int:
+        """How many images ``image`` may hold (a list beyond one: image editing with several references)."""
+        return 0 if self.image_input(info) is None else 1
+
+    def text_sees_images(self) -> bool:
+        """Whether the text encoder takes the request's images too (a vision-language encoder)."""
+        return False
+
     def load(self, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         """The image side's conditioner (its VAE encode tiles as ``tiling`` says)."""
         raise NotImplementedError("this model takes no image")
+
+    def wire_tensors(self, conditioner, images: list, last_image, params) -> dict[str, torch.Tensor]:
+        """A request's image tensors for the denoise worker from its PIL images (``images``: ``image``, or its
+        list; ``last_image`` or None) and its ``GenerationParams``, by the loaded ``conditioner``."""
+        return conditioner.wire_tensors(images[0], last_image, params.height, params.width, params.num_frames)
+
+    def cache_key(self, params) -> tuple:
+        """What of ``params`` an image's tensors depend on (the encoder worker's cache key, beside the pixels)."""
+        return params.height, params.width, params.num_frames
+
+    def default_size(self, info: "ModelInfo", sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int] | None:
+        """The output's (height, width) a request without them gets from its images' (width, height), or None:
+        the model's defaults."""
+        return None
 
     def from_wire(self, wire: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The latent-side condition of a request's image wire tensors ([1, ...]), or None (text only)."""
@@ -60,6 +82,15 @@ class NoCondition:
     def model_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """The transformer's ``hidden_states`` from a request's latents [n, ...] and its condition."""
         return latents
+
+    def token_layout(self, grid: tuple[int, int], image):
+        """What the transformer part gets as ``grid`` for a request with this condition: the latents' token grid,
+        or with reference images a :class:`~common.diffusion.parts.reference.TokenLayout`."""
+        return grid
+
+    def batch_key(self, image):
+        """What rows of one forward must share besides their size (None: nothing)."""
+        return None
 
     def row_timesteps(self, info: "ModelInfo", timestep: torch.Tensor, latents: torch.Tensor,
                       image: torch.Tensor | None) -> torch.Tensor:
