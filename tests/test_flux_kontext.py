@@ -6,6 +6,13 @@
 2. The image side: ``reference_latents`` equal the pipeline's packed ``image_latents`` and ``reference_grids``
    its image ids' grid, on images of other sizes and aspects, with and without ``auto_resize``, on the
    built-in and on a configuration of other VAE widths.
+3. The output size: the pipeline's ``max_area`` at the asked aspect (the model's serving default, or the
+   request's ``max_area``); bad ``max_area`` / ``auto_resize`` values are a 400 naming the field.
+4. Serving (the workers' path, tests/family_harness.py) equals ``FluxKontextPipeline`` on the same directory,
+   image, prompt and seed within 1e-4 (packed latents and frames): auto-resize on and off, images of other
+   sizes and aspects, a non-square output, true CFG on and off, a configuration other than the built-in, and
+   a request without an image (the pipeline's text-to-image path); the reference tokens' position ids are the
+   pipeline's (first coordinate 1).
 """
 
 from __future__ import annotations
@@ -135,3 +142,108 @@ def test_reference_tokens_equal_the_pipelines(dirs, which, auto_resize, size):
     assert (ids[:, 1].max().item() + 1, ids[:, 2].max().item() + 1) == (rows, cols)
     if not auto_resize:  # the image's own size, rounded down to whole tokens
         assert (rows, cols) == (size[0] // 16, size[1] // 16)
+
+
+# --- 3. the output size ------------------------------------------------------------------------------------------
+
+def test_output_size_is_max_area_at_the_asked_aspect(dirs):
+    from common.families.flux.kontext_size import kontext_size
+
+    eng = _MODELS.engine(dirs("tiny-flux-kontext"))
+    size = eng.family.latents.size
+    assert size(eng.info, 1024, 1024, {}) == (64, 64)  # the serving default's 64x64 area, whatever the size asked
+    assert size(eng.info, 48, 96, {}) == (32, 80)  # round(sqrt(4096 * 2)) = 91 -> 80, round(sqrt(2048)) = 45 -> 32
+    assert size(eng.info, 64, 64, {"max_area": 128 * 128}) == (128, 128)
+    pipe = kontext_pipe(dirs("tiny-flux-kontext"))
+    for h, w, area in ((48, 96, 4096), (100, 37, 9000)):  # the pipeline's noise token count at each
+        out = pipe(prompt="x", height=h, width=w, max_area=area, num_inference_steps=1, max_sequence_length=8,
+                   output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        rows, cols = size(eng.info, h, w, {"max_area": area})
+        assert out.shape[1] == (rows // 16) * (cols // 16) and (rows, cols) == kontext_size(h, w, area, 16)
+
+
+@pytest.mark.parametrize("body, field", [({"max_area": 100}, "max_area"), ({"max_area": 2.5}, "max_area"),
+                                         ({"auto_resize": "yes"}, "auto_resize"), ({"max_area": 20, "height": 64}, "max_area")])
+def test_bad_fields_are_400s_naming_them(dirs, body, field):
+    from common.config.engine import Limits
+    from router.api.schemas import FieldError, GenerateBody
+    from router.core.request_params import to_params
+
+    eng = _MODELS.engine(dirs("tiny-flux-kontext"))
+    with pytest.raises(FieldError) as e:
+        to_params(GenerateBody(prompt="x", **body), eng.info, Limits())
+    assert e.value.field == field
+
+
+def test_fields_reach_the_params(dirs):
+    from common.config.engine import Limits
+    from router.api.schemas import GenerateBody
+    from router.core.request_params import to_params
+
+    eng = _MODELS.engine(dirs("tiny-flux-kontext"))
+    p = to_params(GenerateBody(prompt="x", max_area=9000, auto_resize=False), eng.info, Limits())
+    assert p.fields["max_area"] == 9000 and p.fields["auto_resize"] is False
+    p = to_params(GenerateBody(prompt="x"), eng.info, Limits())
+    assert p.fields["max_area"] == SPECS["tiny-flux-kontext"].max_area and p.fields["auto_resize"] is True
+
+
+# --- 4. serving against the pipeline -----------------------------------------------------------------------------
+
+# (model, image size or None, request fields): every case differs from the built-in's default request somewhere.
+PARITY = {
+    "auto-resize": ("tiny-flux-kontext", (75, 130), {}),
+    "own-size-wide-output": ("tiny-flux-kontext", (200, 90), dict(auto_resize=False, height=48, width=96)),
+    "x-true-cfg": ("kontext-x", (90, 60), dict(true_cfg_scale=4.0, negative_prompt="blurry", height=80, width=48)),
+    "x-own-size-area": ("kontext-x", (130, 75), dict(auto_resize=False, max_area=64 * 64, height=64, width=96)),
+    "no-image": ("tiny-flux-kontext", None, dict(height=64, width=32)),
+}
+
+
+def pipeline_output(model_dir, p, image, output_type: str):
+    f = p.fields
+    guided = f.get("true_cfg_scale", 1.0) > 1
+    torch.set_num_threads(_MODELS.engine(model_dir).max_threads)  # as the engine's image encode (see below)
+    out = kontext_pipe(model_dir)(
+        image=image, prompt=p.prompt, negative_prompt=p.negative_prompt if guided else None,
+        true_cfg_scale=f.get("true_cfg_scale", 1.0), guidance_scale=p.guidance_scale, height=p.height, width=p.width,
+        max_area=f.get("max_area", SPECS["tiny-flux-kontext"].max_area if "tiny" in str(model_dir) else KONTEXT_X.max_area),
+        _auto_resize=f.get("auto_resize", True), num_inference_steps=p.num_inference_steps,
+        max_sequence_length=p.max_sequence_length, generator=torch.Generator("cpu").manual_seed(p.seed),
+        output_type=output_type).images
+    return out if output_type == "latent" else torch.from_numpy(np.asarray(out))
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_serving_equals_the_pipeline(case, dirs, record_property):
+    which, size, over = PARITY[case]
+    path = dirs(which)
+    eng = _MODELS.engine(path)
+    p = eng.params(**over)
+    image = None if size is None else picture(*size, seed=3)
+    # The same thread count for both image encodes: a 1 MP reference's VAE encode rounds differently on
+    # another (1.7e-3 on the tiny VAE), and the workers' forwards leave the count at theirs.
+    torch.set_num_threads(eng.max_threads)
+    task = eng.run(p, image=image)
+    made = eng.family.latents.size(eng.info, p.height, p.width, p.fields)
+    assert task.latents.shape == (1, (made[0] // 16) * (made[1] // 16), 64)  # the noise tokens only
+    frames = eng.frames(task.latents, p)
+    ref_latents, ref_frames = pipeline_output(path, p, image, "latent"), pipeline_output(path, p, image, "np")
+    assert frames.shape == (1, 1, *made, 3) and ref_frames.shape == (1, *made, 3)
+    d_lat, d_img = max_diff(task.latents, ref_latents), max_diff(frames[:, 0], ref_frames)
+    record_property("max_diff", {"latents": d_lat, "frames": d_img})
+    print(f"\n[{case}] {made} latents {d_lat:.3g} frames {d_img:.3g}")
+    assert frames.std() > 1e-3 and d_lat <= TOL and d_img <= TOL
+
+
+def test_the_reference_changes_the_output_and_its_ids_are_the_pipelines(dirs):
+    from common.diffusion.parts.reference import TokenLayout
+    from common.families.flux.kontext import layout_ids
+
+    path = dirs("tiny-flux-kontext")
+    eng = _MODELS.engine(path)
+    p = eng.params(auto_resize=False)
+    a, b = eng.run(p, image=picture(64, 96, seed=1)).latents, eng.run(p, image=picture(64, 96, seed=2)).latents
+    assert max_diff(a, b) > 1e-3  # the reference tokens are attended to
+    ref = pipeline_reference(path, picture(75, 130), False, height=64, width=64, max_area=64 * 64)
+    ids = layout_ids(TokenLayout((4, 4), ((75 // 16, 130 // 16),)), torch.device("cpu"), DTYPE)
+    assert torch.equal(ids, torch.cat([ref["latent_ids"], ref["image_ids"]]))
