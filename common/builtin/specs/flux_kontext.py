@@ -16,10 +16,6 @@ from dataclasses import dataclass
 from common.builtin.specs import flux
 from common.builtin.specs.flux import TinyFluxSpec
 
-# FluxKontextPipeline.__call__'s max_area: the output's area at the requested aspect.
-PIPELINE_MAX_AREA = 1024 ** 2
-
-
 @dataclass(frozen=True, kw_only=True)
 class TinyFluxKontextSpec(TinyFluxSpec):
     """One tiny FLUX.1 Kontext configuration: :class:`~common.builtin.specs.flux.TinyFluxSpec`'s sizes plus the
