@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 # names for it, as the real checkpoint does: transformers' PIL image processor is built (CLIPImageProcessor
 # itself is the torchvision one when torchvision is installed) so the saved files do not depend on whether
 # it is; loading CLIPImageProcessor reads them.
-SAVED_AS = {"CLIPImageProcessorPil": ("transformers", "CLIPImageProcessor")}
+SAVED_AS = {"CLIPImageProcessorPil": ("transformers", "CLIPImageProcessor"),
+            # Qwen2VLProcessor without its (torchvision) video processor: common/families/qwen_image/processor.py.
+            "ImageTextProcessor": ("transformers", "Qwen2VLProcessor")}
 
 
 def component_seed(spec, component: str) -> int:

@@ -13,13 +13,14 @@ from common.diffusion.model_info import ModelInfo, read_index
 from common.families.flux.binding import FLUX
 from common.families.flux.kontext import FLUX_KONTEXT
 from common.families.qwen_image.binding import QWEN_IMAGE
+from common.families.qwen_image.edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from common.families.sana.binding import SANA
 from common.families.sd3.binding import SD3
 from common.families.wan.binding import WAN
 from common.families.wan.i2v import WAN_I2V
 
-BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE, SANA)}
-BINDINGS[FLUX_KONTEXT.pipeline] = FLUX_KONTEXT
+BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE, SANA,
+                                                        QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, FLUX_KONTEXT)}
 
 
 class UnknownFamily(ValueError):
