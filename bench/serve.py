@@ -74,6 +74,7 @@ import os
 import random
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,16 +156,20 @@ PRESETS = {
     # ~16x more reference tokens than noise tokens and VAE-encodes a ~1-megapixel picture: the step counts
     # and request counts keep a run to a few minutes on 2 CPU cores. One request at a time against
     # diffusers in-process (target: engine p50 <= 1.05x diffusers'); 2 distinct pictures over 3 requests:
-    # the first 2 are encoded, the third comes from the encoder's cache.
+    # the first 2 are encoded, the third comes from the encoder's cache. The encoder worker gets every core
+    # (encoder_threads; its default is one thread): the reference's VAE encode is a large share of a request,
+    # and one request at a time never runs it beside the denoiser; on as many threads as diffusers' in-process
+    # encode it also rounds as that does (a 1-megapixel encode on another thread count differs by ~1e-3).
     # Qwen-Image-Edit: the picture goes to the VL text encoder too; true CFG 4.0 with the empty negative prompt.
     "small-qwen-image-edit": dict(model="small-qwen-image-edit", height=256, width=256, num_frames=None, steps=6,
                                   guidance=None, true_cfg=4.0, concurrency=[1], requests=3, warmup=1, images=2,
-                                  target_p50_ratio=1.05),
+                                  encoder_threads="all", target_p50_ratio=1.05),
     # FLUX.1 Kontext-like: embedded guidance 2.5 (FLUX.1-Kontext-dev's), no true CFG.
     "small-flux-kontext": dict(model="small-flux-kontext", height=256, width=256, num_frames=None, steps=6,
                                guidance=2.5, concurrency=[1], requests=3, warmup=1, images=2,
-                               target_p50_ratio=1.05),
+                               encoder_threads="all", target_p50_ratio=1.05),
 }
+DEFAULT_TOPOLOGY = "encoder=1,denoise=1,decode=1"
 # Used where a preset does not say.
 PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4, "images": 4, "pictures": 1}
 # The pictures of image-to-video requests: height x width, another size and aspect than any preset's video.
@@ -504,11 +509,12 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     sync()
     load_s = time.perf_counter() - t_load
     output_type = "latent" if work.output_type == "latent" else "np"
-    # The engine's text length is the model's default, which may not be the pipeline's (SD3: 256 in the
-    # pipeline, 32 in tiny-sd3's serving defaults); Wan's 512 is both.
-    fixed = ({"max_sequence_length": info.defaults["max_sequence_length"]}
-             if "max_sequence_length" in inspect.signature(pipe.__call__).parameters
-             and "max_sequence_length" in info.defaults else {})
+    # The engine's defaults of the family's own fields are the model's, which may not be the pipeline's (SD3's
+    # text length: 256 in the pipeline, 32 in tiny-sd3's serving defaults; FLUX.1 Kontext's max_area: 1024x1024
+    # in the pipeline, 256x256 in small-flux-kontext's); Wan's 512 is both.
+    takes = inspect.signature(pipe.__call__).parameters
+    fixed = {f.name: info.defaults[f.name] for f in family.request_fields
+             if f.name in takes and f.name in info.defaults}
 
     def one(body: dict, image) -> list:
         outs = []
@@ -517,7 +523,7 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
             kw = dict(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
                       width=body["width"], num_inference_steps=body["num_inference_steps"],
                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k), output_type=output_type,
-                      **fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale") if k2 in body})
+                      **{**fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale") if k2 in body}})
             if image is not None:  # the PIL picture whose PNG the engine was sent
                 kw["image"] = image
             if family.video:
@@ -713,7 +719,7 @@ def plot(res: dict, path: Path) -> None:
             ax.legend(fontsize=8)
     size = f"{cfg['height']}x{cfg['width']}" + (f"x{cfg['num_frames']}" if cfg.get("video", True) else "")
     fig.suptitle(f"{cfg['model']}: {size}, {cfg['steps']} steps, "
-                 f"CFG {cfg['guidance']:g}, {cfg['output_type']}; topology {res['engine']['topology']}; "
+                 f"guidance {cfg['guidance']}, {cfg['output_type']}; topology {res['engine']['topology']}; "
                  f"{os.cpu_count()} CPU cores{_gpu_note(cfg)}; {cfg['dtype']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -746,7 +752,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "distinct pictures (default: tiny)")
     ap.add_argument("--url", help="a running engine; default: start one with --model/--topology/--extra")
     ap.add_argument("--model", help="model to start (launch.py --model); default: the preset's")
-    ap.add_argument("--topology", default="encoder=1,denoise=1,decode=1")
+    ap.add_argument("--topology", help="launch.py --topology (default encoder=1,denoise=1,decode=1; the edit "
+                                       "presets give the encoder worker every core, see PRESETS)")
     ap.add_argument("--extra", action="append", default=[],
                     help="more launch.py flags, shell-quoted, repeatable: --extra='--max-batch-size 4'")
     ap.add_argument("--device", help="device of the diffusers baseline, cpu or cuda[:N] (default: the preset's; "
@@ -815,6 +822,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--dtype {args.dtype} disagrees with --extra's --dtype {extra_dtype}")
         args.dtype = extra_dtype
     args.images_asked = args.images is not None or "images" in preset
+    args.encoder_threads = preset.get("encoder_threads") if args.topology is None else None
+    args.topology = args.topology or DEFAULT_TOPOLOGY
     for key in ("device", "dtype", "tolerance", "images", "pictures"):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, PRESET_FALLBACKS[key]))
@@ -842,6 +851,17 @@ def _images(args, info) -> int:
     return args.images
 
 
+def _topology_file(args, folder: str) -> str:
+    """The default topology with the encoder worker on ``args.encoder_threads`` CPU threads ("all": every core)
+    instead of its default one, as a topology file; ``args.topology`` becomes its description."""
+    threads = (os.cpu_count() or 1) if args.encoder_threads == "all" else int(args.encoder_threads)
+    entries = [{"role": "encoder", "threads": threads}, {"role": "denoise"}, {"role": "decode"}]
+    path = Path(folder) / "topology.json"
+    path.write_text(json.dumps(entries))
+    args.topology = f"{DEFAULT_TOPOLOGY} (encoder threads {threads})"
+    return str(path)
+
+
 def _gpu_name(device: str) -> str | None:
     if not device.startswith("cuda"):
         return None
@@ -856,11 +876,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Other work on the machine skews every number here; the load averages are recorded to tell.
     load_start = os.getloadavg()
     engine = None
+    tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
     if args.url:
         url = args.url.rstrip("/")
     else:
+        topology = _topology_file(args, tmp.name) if args.encoder_threads else args.topology
         print(f"starting engine: --model {args.model} --topology {args.topology} {' '.join(extra)}", flush=True)
-        engine = EngineProcess(args.model, args.topology, extra)
+        engine = EngineProcess(args.model, topology, extra)
         url = engine.url
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
@@ -919,6 +941,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if engine is not None:
             engine.stop()
+        tmp.cleanup()
     res["config"]["loadavg_at_end"] = os.getloadavg()
     print_report(res)
     if args.json:
