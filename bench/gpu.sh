@@ -6,8 +6,9 @@
 # --compile, and Ulysses 2 / CFG parallel where there are several GPUs), then releasing and resuming the
 # workers' weights (bench/sleep.py: times, and each worker's torch.cuda.memory_allocated / memory_reserved
 # before, released and resumed), then step caching on the small -smooth models (bench/cache.py: teacache and
-# first_block against uncached requests, one at a time and 16 at once). Sized for one H100/H200-class GPU in
-# about 13 minutes.
+# first_block against uncached requests, one at a time and 16 at once), then one image edit at a time against
+# diffusers' QwenImageEditPipeline in-process (bench/serve.py --preset small-qwen-image-edit: the reference's
+# image encode and its tokens beside the noise tokens). Sized for one H100/H200-class GPU in about 14 minutes.
 #
 #   bash bench/gpu.sh wheels            # on a machine with PyPI: fetch the Python packages a bare CUDA image
 #                                       # lacks into .cache/gpu-wheels (CPython 3.12, x86-64); take that folder along
@@ -20,8 +21,9 @@
 #   DISAGG_DIFFUSION_CACHE  model cache (default ~/.cache/disagg-diffusion); the only thing written outside
 #                           the repository apart from the engine's temporary directories
 #   TEST_TIMEOUT, TRANSFER_TIMEOUT, GEN_TIMEOUT, SERVE_TIMEOUT, WSYNC_TIMEOUT, LAYOUT_TIMEOUT, SLEEP_TIMEOUT,
-#   CACHE_TIMEOUT           seconds per step (default 90, 60, 120, 300, 300, 420, 240, 300; typical runs take
-#                           far less)
+#   CACHE_TIMEOUT, EDIT_TIMEOUT
+#                           seconds per step (default 90, 60, 120, 300, 300, 420, 240, 300, 150; typical runs
+#                           take far less)
 #   SERVE_ARGS              more bench/serve.py flags, e.g. SERVE_ARGS='--requests 4'
 #
 # Wheels found in .cache/gpu-wheels are installed (offline, no dependencies) into .cache/gpu-site, which goes
@@ -141,6 +143,7 @@ if [ "$DRY" = 1 ]; then
     LAYOUTS=(--preset tiny --device cpu --repeats 1 --rows diffusers one compile cfg2)
     SLEEP=(--model tiny --repeats 1)
     CACHE=(--models tiny-smooth --steps 6 --requests 1 --concurrency 2 --thresholds 0.08)
+    EDIT=(--preset small-qwen-image-edit --model tiny-qwen-image-edit --device cpu --steps 2 --requests 2)
 else
     MODEL=wan2.1-1.3b
     SERVE=(--preset wan-1.3b --device cuda --dtype bfloat16)
@@ -151,6 +154,8 @@ else
     # The 1.3B model has no -smooth variant (a random time MLP makes TeaCache's signal meaningless): the small
     # ones at their Wan default size, 50 steps.
     CACHE=(--models small-smooth small-flux-smooth --height 128 --width 128 --num-frames 9 --requests 3)
+    # float32 as on the CPU (the parity check's 1e-4); the workers on the GPU (the compact topology).
+    EDIT=(--preset small-qwen-image-edit --device cuda)
     if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         LAYOUTS+=(ulysses2 cfg2)  # each of those denoise workers takes two GPUs of the compact topology's round
     fi
@@ -195,6 +200,8 @@ if step model "${GEN_TIMEOUT:-120}" "$PY" -m common.builtin "$MODEL"; then
 fi
 # ---- 8. step caching: teacache and first_block against uncached requests (built-in models, generated here) ----
 step cache "${CACHE_TIMEOUT:-300}" "$PY" bench/cache.py "${CACHE[@]}" --json "$OUT/cache-gpu.json"
+# ---- 9. image editing: one request at a time against QwenImageEditPipeline, the reference's image encode ------
+step serve-edit "${EDIT_TIMEOUT:-150}" "$PY" bench/serve.py "${EDIT[@]}" --json "$OUT/serve-edit-gpu.json"
 
 echo "== results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 if [ ${#failed[@]} -gt 0 ]; then

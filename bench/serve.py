@@ -162,11 +162,11 @@ PRESETS = {
     # encode it also rounds as that does (a 1-megapixel encode on another thread count differs by ~1e-3).
     # Qwen-Image-Edit: the picture goes to the VL text encoder too; true CFG 4.0 with the empty negative prompt.
     "small-qwen-image-edit": dict(model="small-qwen-image-edit", height=256, width=256, num_frames=None, steps=6,
-                                  guidance=None, true_cfg=4.0, concurrency=[1], requests=3, warmup=1, images=2,
+                                  guidance=None, true_cfg=4.0, concurrency=[1], requests=4, warmup=1, images=3,
                                   encoder_threads="all", target_p50_ratio=1.05),
     # FLUX.1 Kontext-like: embedded guidance 2.5 (FLUX.1-Kontext-dev's), no true CFG.
     "small-flux-kontext": dict(model="small-flux-kontext", height=256, width=256, num_frames=None, steps=6,
-                               guidance=2.5, concurrency=[1], requests=3, warmup=1, images=2,
+                               guidance=2.5, concurrency=[1], requests=4, warmup=1, images=3,
                                encoder_threads="all", target_p50_ratio=1.05),
 }
 DEFAULT_TOPOLOGY = "encoder=1,denoise=1,decode=1"
@@ -822,11 +822,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--dtype {args.dtype} disagrees with --extra's --dtype {extra_dtype}")
         args.dtype = extra_dtype
     args.images_asked = args.images is not None or "images" in preset
-    args.encoder_threads = preset.get("encoder_threads") if args.topology is None else None
-    args.topology = args.topology or DEFAULT_TOPOLOGY
     for key in ("device", "dtype", "tolerance", "images", "pictures"):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, PRESET_FALLBACKS[key]))
+    # (On a GPU the compact default places the workers; the threads are a CPU run's concern.)
+    args.encoder_threads = (preset.get("encoder_threads")
+                            if args.topology is None and args.device.startswith("cpu") else None)
+    args.topology = args.topology or DEFAULT_TOPOLOGY
     args.launch_flags = extra if extra_dtype is not None else [*extra, "--dtype", args.dtype]
     if args.diffusers_requests is None:
         args.diffusers_requests = args.requests
