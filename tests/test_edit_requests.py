@@ -36,7 +36,8 @@ from test_wan_i2v import picture
 
 # The models whose edits are checked against /generate: name -> (the images it takes, fields every request
 # gives). tiny-wan-i2v makes one frame with num_frames=1, so its edit is an image.
-MODELS = {"tiny-wan-i2v": (1, {"num_inference_steps": 3, "negative_prompt": "blurry", "guidance_scale": 4.0})}
+MODELS = {"tiny-qwen-image-edit-plus": (3, {"num_inference_steps": 2, "negative_prompt": "blurry", "true_cfg_scale": 4.0}),
+          "tiny-flux-kontext": (1, {"num_inference_steps": 2, "guidance_scale": 2.5})}
 TEXT_ONLY = "tiny"  # a text-to-video model: no image anywhere
 PICTURES = [picture(40, 24, 1), picture(24, 40, 2), picture(36, 36, 3)]
 PROMPT = "the same scene at night"
@@ -215,8 +216,10 @@ def test_the_cli_sends_its_images(served, tmp_path):
     src = tmp_path / "in.png"
     src.write_bytes(_png(PICTURES[1]))
     out = tmp_path / "out.png"
-    flags = ["--url", engine.url, "--seed", "4", "--steps", str(fields["num_inference_steps"]), "--negative-prompt",
-             fields["negative_prompt"], "--guidance", str(fields["guidance_scale"])]
+    flags = ["--url", engine.url, "--seed", "4", "--steps", str(fields["num_inference_steps"])]
+    flags += ["--negative-prompt", fields["negative_prompt"]] if "negative_prompt" in fields else []
+    flags += ["--guidance", str(fields["guidance_scale"])] if "guidance_scale" in fields else []
+    fields = {k: v for k, v in fields.items() if k != "true_cfg_scale"}  # (the CLI has no flag: the model's default)
     run = disagg("generate", PROMPT, "--image", str(src), "-o", str(out), *flags, key=None)
     assert run.returncode == 0, run.stderr
     [ref] = _generate_png(engine, image=image_field(PICTURES[1]), seed=4, **fields)
