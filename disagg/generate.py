@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--frames", type=int, help="video models: the frame count (.mp4 only)")
     p.add_argument("--negative-prompt")
     p.add_argument("--guidance", type=float, help="guidance scale")
-    p.add_argument("--image", type=Path, help="image-to-video models: the first frame (a PNG or JPEG)")
+    p.add_argument("--image", type=Path, action="append", help="image-to-video models: the first frame (a PNG, "
+                   "JPEG or WEBP); edit models: the image to edit (again for each of several, in order)")
     p.add_argument("--lora", help="a loaded LoRA adapter's name")
     p.add_argument("--lora-scale", type=float)
     p.add_argument("-v", "--verbose", action="store_true", help="say which engine and processes serve it")
@@ -72,11 +73,14 @@ def request_fields(args: argparse.Namespace, kind: str) -> dict:
         if fields.get("num_frames", 1) != 1:
             args.parser.error("a .png holds one frame: leave out --frames, or write a .mp4")
         fields["num_frames"] = 1
-    if args.image is not None:
+    images = []
+    for path in args.image or ():
         try:
-            fields["image"] = base64.b64encode(args.image.read_bytes()).decode("ascii")
+            images.append(base64.b64encode(path.read_bytes()).decode("ascii"))
         except OSError as e:
-            args.parser.error(f"--image: {e.strerror}: {args.image}")
+            args.parser.error(f"--image: {e.strerror}: {path}")
+    if images:  # one --image is the one image; several are a list (models that take several)
+        fields["image"] = images[0] if len(images) == 1 else images
     return fields
 
 

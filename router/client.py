@@ -70,9 +70,19 @@ class EngineClient:
     def health(self) -> dict[str, Any]:
         return self._http.get("/health").json()
 
+    def model(self) -> dict[str, Any]:
+        """The served model (GET /v1/models' entry): its family, defaults, ``image_input`` and ``max_images``
+        (how many images ``image`` may hold)."""
+        return self._decode(self._http.get("/v1/models"))["data"][0]
+
+    def max_images(self) -> int:
+        """How many images the served model takes in ``image`` (0: none, 1: one, more: a list of up to that)."""
+        return self.model()["max_images"]
+
     def generate(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
         """POST /generate; ``samples[i]["output"]`` is a torch tensor. ``image`` / ``last_image``
-        (image-to-video) may be a PIL image, an image file's bytes or path, or a base64 string."""
+        (image-to-video, edits) may be a PIL image, an image file's bytes or path, or a base64 string;
+        ``image`` a list of those too (models that take several: :meth:`max_images`)."""
         return self._post("/generate", {"prompt": prompt, **_images(fields)}, request_id)
 
     def rollout(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
@@ -260,4 +270,7 @@ def image_field(image: Any) -> str:
 
 
 def _images(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: image_field(v) if k in ("image", "last_image") and v is not None else v for k, v in fields.items()}
+    def field(v):
+        return [image_field(i) for i in v] if isinstance(v, (list, tuple)) else image_field(v)
+
+    return {k: field(v) if k in ("image", "last_image") and v is not None else v for k, v in fields.items()}

@@ -6,6 +6,7 @@ A video model (the built-in ``tiny``): the form starts from the model's defaults
 ``<progress>`` bar, the MP4 plays and its download link serves it, recent jobs list their prompts as text (a
 prompt of markup never runs), a bad size shows the engine's message; an engine with an API key asks for it;
 ``/docs`` renders its operations. An image model (``tiny-sd3``, heavy): the image, its progress, its list.
+An edit model (heavy): the uploads go to ``/v1/images/edits`` as data: URLs in ``image``.
 
 ``DISAGG_WEB_SCREENSHOT=path.png`` saves the page after a finished generation (docs/web-page.png is one).
 """
@@ -291,3 +292,51 @@ def test_static_files_ship_with_the_package():
     for name in ("index.html", "app.js", "key.js", "docs.js", "style.css"):
         text = (static / name).read_text()
         assert "http://" not in text and "https://" not in text, name
+
+
+@pytest.mark.heavy
+def test_an_edit_model_sends_its_uploads_as_image(web, shared_engine, tmp_path):
+    """An image model that takes up to three images (tiny-wan-i2v's /v1/models entry seen as one: its edits
+    are one frame): the upload takes several files, sent to /v1/images/edits as data: URLs in image; one
+    upload shows /generate's pixels for the fields sent, three the engine's refusal."""
+    import json
+
+    from PIL import Image
+
+    eng = shared_engine("tiny-wan-i2v")
+    page = web.page()
+
+    def as_edit_model(route):
+        r = route.fetch()
+        body = r.json()
+        body["data"][0].update(video=False, max_images=3)
+        route.fulfill(response=r, json=body)
+
+    page.route("**/v1/models", as_edit_model)
+    sent = []
+    page.on("request", lambda req: sent.append(json.loads(req.post_data))
+            if req.url.endswith("/v1/images/edits") else None)
+    page.goto(eng.url + "/")
+    page.wait_for_selector("#submit:not([disabled])", timeout=WAIT_MS)
+    assert page.get_attribute("#image", "multiple") is not None
+    assert page.text_content("label[for=image]") == "Input images (up to 3, required)"
+    files = []
+    for i, color in enumerate([(200, 40, 30), (30, 200, 40), (40, 30, 200)]):
+        files.append(tmp_path / f"in{i}.png")
+        Image.new("RGB", (40, 24), color).save(files[-1])
+    fill(page, "the same at night", num_inference_steps=2, seed=5)
+    page.set_input_files("#image", [str(files[0])])
+    page.click("#submit")
+    page.wait_for_function("() => { const i = document.getElementById('picture');"
+                           " return !i.hidden && i.complete && i.naturalWidth > 0; }", timeout=WAIT_MS)
+    body = sent[-1]
+    assert body["image"].startswith("data:image/png;base64,")
+    width, height = map(int, body.pop("size").split("x"))
+    ref = eng.http.post("/generate", json={**body, "width": width, "height": height, "num_frames": 1,
+                                           "output_type": "png"})
+    assert ref.status_code == 200, ref.text
+    assert downloaded(page) == ref.content  # the same PNG encoder over the same pixels
+    page.set_input_files("#image", [str(f) for f in files])
+    page.click("#submit")
+    page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
+    assert len(sent[-1]["image"]) == 3 and "takes one image" in page.text_content("#error")

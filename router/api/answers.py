@@ -212,6 +212,8 @@ class ModelCard(Answer):
     defaults: dict[str, Any]
     video: bool
     image_input: str
+    max_images: int = Field(description="how many images the image field may hold (a list: edit models that "
+                            "take several); 0: none")
     fps: int
 
 

@@ -18,6 +18,7 @@ from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
 from router.core.engine import served_model_id
+from router.core.request_params import max_images
 from common.diffusion.params import OWN_SLOTS, size_multiple
 from router.api.openapi import constrain
 
@@ -38,6 +39,13 @@ def _sizes(multiple: int, config: EngineConfig) -> dict:
     if len(widths) * len(heights) <= MAX_ENUM:
         return {"enum": [f"{w}x{h}" for h in heights for w in widths]}
     return {"pattern": "^[1-9][0-9]*[xX][1-9][0-9]*$"}
+
+
+def _edit_sizes(sizes: dict) -> dict:
+    """An edit's ``size``: one of ``sizes``, or auto (the model's size for the images)."""
+    if "enum" in sizes:
+        return {"enum": ["auto", *sizes["enum"]]}
+    return {"pattern": "^(auto|[1-9][0-9]*[xX][1-9][0-9]*)$"}
 
 
 def _seconds(info: ModelInfo, frames: list[int]) -> dict:
@@ -68,6 +76,8 @@ def _generation(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
         facts["mu"] = NULL_ONLY
     if family.condition.image_input(info) is None:
         facts["image"] = NULL_ONLY
+    else:
+        facts["image"] = {"maxItems": max_images(info)}  # a list: as many as the model takes
     if family.condition.last_image_input(info) is None:
         facts["last_image"] = NULL_ONLY
     facts["num_frames"] = {"enum": _frames(config, info)}
@@ -108,6 +118,7 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
     facts = {"GenerateBody": {"properties": native, "added": added},
              "RolloutBody": {"properties": {**native, "sde_step_indices": steps, **window}, "added": added},
              "ImagesBody": {"properties": openai, "added": added},
+             "EditsBody": {"properties": {**openai, "size": _edit_sizes(openai["size"])}, "added": added},
              "VideoBody": {"properties": {**openai, "seconds": _seconds(info, common["num_frames"]["enum"])},
                            "added": added},
              "LoadLoraTensorsBody": rank, "LoraFromMemoryBody": rank}

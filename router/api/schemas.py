@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from common.protocol.messages import (
-    EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, OdeSolver, RolloutSchedule, SdeType,
+    EDIT_IMAGES, EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, OdeSolver, RolloutSchedule, SdeType,
 )
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
@@ -21,6 +21,7 @@ MAX_SEED = 2**63 - 1
 # What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.
 HttpOutputType = Literal["frames", "latent", "mp4", "png"]
 MEDIA_OUTPUTS = ("mp4", "png")
+MAX_IMAGES = len(EDIT_IMAGES)  # the most images a request's image list may hold (the wire's image, image.2, ...)
 
 
 
@@ -68,9 +69,24 @@ class GenerateBody(BaseModel):
     cache: CacheBody | None = Field(default=None, description="step caching: reuse a transformer output between "
                                     "close steps (never on a rollout's SDE steps); left out: the engine's --cache, "
                                     "null: off")
-    image: str | None = Field(default=None, description="image-to-video models: the first frame, a base64 PNG, "
-                              "JPEG or WEBP or a data: URL (the engine fetches no URL)")
+    image: str | Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)] | None = Field(
+        default=None, description="image-to-video models: the first frame; edit models: the image to edit, or a "
+        f"list of up to {MAX_IMAGES} (GET /v1/models: max_images); each a base64 PNG, JPEG or WEBP or a data: URL "
+        "(the engine fetches no URL)")
     last_image: str | None = Field(default=None, description="first-last-frame models: the last frame, as image")
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, value):
+        # Checked here, not by the union, so that a mistake reads "image: ..." rather than one line per branch.
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not 1 <= len(value) <= MAX_IMAGES:
+            raise ValueError(f"must be an image (a base64 string or data: URL) or a list of 1..{MAX_IMAGES} of them")
+        bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)
+        if bad is not None:
+            raise ValueError(f"item {bad} must be a string (a base64 image or data: URL)")
+        return value
 
 
 class RolloutBody(GenerateBody):

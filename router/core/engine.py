@@ -24,7 +24,7 @@ from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from common.builtin import BUILTINS
-from common.protocol.messages import EXPERT_NAMES, REQUEST_IMAGES, GenerationParams
+from common.protocol.messages import EXPERT_NAMES, LAST_IMAGE, GenerationParams
 from router.api.images import decode_image
 from router.api.schemas import (
     GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, UpdateWeightsFromDistributedBody,
@@ -38,7 +38,7 @@ from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
 from router.core.metrics import EngineState, Metrics
 from router.core.progress import InFlight
-from router.core.request_params import initial_latents, to_params
+from router.core.request_params import image_items, initial_latents, max_images, to_params
 from router.link.cancel import JOB_DELETED, Cancellations
 from router.link.dispatcher import Dispatcher
 from router.link.join import Outcome
@@ -132,23 +132,26 @@ class Engine:
 
     def models(self) -> dict:
         """The served model, as OpenAI's model list. Engine extensions (the web page starts from them): the
-        request fields' serving defaults, whether it makes videos or images, whether it takes an input image,
-        and its videos' frame rate."""
+        request fields' serving defaults, whether it makes videos or images, whether it takes an input image
+        and how many (``max_images``), and its videos' frame rate."""
         info = self.info
         return {"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
              "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
              "defaults": info.defaults, "video": info.family.video,
-             "image_input": info.family.condition.image_input(info) or "none", "fps": info.fps}]}
+             "image_input": info.family.condition.image_input(info) or "none", "max_images": max_images(info),
+             "fps": info.fps}]}
 
     def sample_body_limit(self, rollout: bool = False) -> int:
-        """A generation body's size limit; on an image-to-video model, larger by its images' base64; a rollout's
-        by initial latents of up to --max-image-bytes too (in base64)."""
-        limits = self.config.limits
-        extra = 4 * -(-limits.max_image_bytes // 3) if rollout else 0
-        if self.info.family.condition.image_input(self.info) is None:
+        """A generation body's size limit; on a model that takes images, larger by their base64 (as many as it
+        takes, and a last frame); a rollout's by initial latents of up to --max-image-bytes too (in base64)."""
+        limits, condition = self.config.limits, self.info.family.condition
+        one = 4 * -(-limits.max_image_bytes // 3)
+        extra = one if rollout else 0
+        if condition.image_input(self.info) is None:
             return limits.max_body_bytes + extra
-        return limits.max_body_bytes + 2 * (4 * -(-limits.max_image_bytes // 3)) + extra
+        images = max(2, max_images(self.info) + (condition.last_image_input(self.info) is not None))
+        return limits.max_body_bytes + images * one + extra
 
     # --- generating -----------------------------------------------------------------------------------
     def params_for(self, body: GenerateBody, images: dict[str, torch.Tensor] | None = None) -> GenerationParams:
@@ -164,16 +167,20 @@ class Engine:
         return params
 
     async def images_of(self, body: GenerateBody, names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-        """The request's images as RGB pixels (decoded off the event loop), by field; checked already by
-        :meth:`params_for` against what the model takes. ``names``: what the caller calls a field (errors)."""
-        limits, out = self.config.limits, {}
-        for field in REQUEST_IMAGES:
-            value = getattr(body, field.name, None)  # (image.2, image.3: from a list, below)
-            if value is not None:
-                name = (names or {}).get(field.name, field.name)
-                pixels = await asyncio.to_thread(decode_image, value, name, max_bytes=limits.max_image_bytes,
-                                                 max_pixels=limits.max_image_pixels)
-                out[field.name] = torch.from_numpy(pixels)
+        """The request's images as RGB pixels (decoded off the event loop), by wire tensor: ``image`` as one
+        image or a list (``image``, ``image.2``, ...), ``last_image``; checked already by :meth:`params_for`
+        against what the model takes. ``names``: what the caller calls a field (errors)."""
+        limits, names = self.config.limits, names or {}
+        given = body.image if isinstance(body.image, list) else [body.image]
+        items = [(wire, names.get("image", "image") + name.removeprefix("image"), value)
+                 for (wire, name), value in zip(image_items(body.image), given)]
+        if body.last_image is not None:
+            items.append((LAST_IMAGE.name, names.get(LAST_IMAGE.name, LAST_IMAGE.name), body.last_image))
+        out = {}
+        for wire, name, value in items:
+            pixels = await asyncio.to_thread(decode_image, value, name, max_bytes=limits.max_image_bytes,
+                                             max_pixels=limits.max_image_pixels)
+            out[wire] = torch.from_numpy(pixels)
         return out
 
     async def generate(self, body: GenerateBody, request_id: str, gone: Gone | None = None) -> Generated:

@@ -28,6 +28,21 @@ def request_of(body: GenerateBody) -> dict:
     return request
 
 
+def max_images(info: ModelInfo) -> int:
+    """How many images ``image`` may hold on this model (0: none; more than 1: a list of up to that)."""
+    return info.family.condition.images_allowed(info)
+
+
+def image_items(image) -> list[tuple[str, str]]:
+    """``image`` (one, or a list) as (wire tensor name, the name a refusal gives it) per image, in order:
+    ``image``, ``image.2``, ``image.3`` on the wire; ``image`` or ``image[i]`` in errors."""
+    if image is None:
+        return []
+    if isinstance(image, str):
+        return [(EDIT_IMAGES[0].name, "image")]
+    return [(field.name, f"image[{i}]") for i, field in enumerate(EDIT_IMAGES[:len(image)])]
+
+
 def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | None = None,
               images: dict[str, torch.Tensor] | None = None) -> GenerationParams:
     """Every check of a request body on this model (``info``) and engine (``limits``, ``cache``: its default

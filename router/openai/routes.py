@@ -1,4 +1,5 @@
-"""OpenAI-style endpoints over the engine: ``/v1/models``, ``/v1/images/generations`` and ``/v1/videos`` jobs.
+"""OpenAI-style endpoints over the engine: ``/v1/models``, ``/v1/images/generations``, ``/v1/images/edits``
+(router/openai/edits.py) and ``/v1/videos`` jobs.
 
 Shapes as OpenAI's API defines them, so that the official ``openai`` package
 works unchanged (``base_url=".../v1"``). An image is a one-frame generation
@@ -27,13 +28,17 @@ from router.core.engine import Engine
 from router.core.errors import FieldError
 from router.openai.job_store import JobRow
 from router.openai.jobs import IMAGE, VIDEO, Runner, Started
-from router.openai.schemas import EngineFields, ImagesBody, VideoBody, family_fields, frames_for, parse_size, seconds_of
+from router.openai.edits import edit_images
+from router.openai.schemas import EditsBody, EngineFields, ImagesBody, VideoBody, family_fields, frames_for, parse_size, seconds_of
 
 # OpenAI's name for the engine's image field: errors about the image name what the caller sent.
 INPUT_REFERENCE = {"image": "input_reference"}
 POLL_AFTER_MS = 250  # what a polling client is told to wait between retrieves
 # /v1/videos as multipart form fields: input_reference is an image file there; in JSON {"image_url": "data:..."}.
 VIDEO_FORM_FILES = {"input_reference": {**BINARY, "description": "image-to-video models: the first frame"}}
+# /v1/images/edits as multipart: the image file(s); in JSON, image is base64 or data: URLs.
+EDIT_FORM_FILES = {"image": {"anyOf": [BINARY, {"type": "array", "items": BINARY}],
+                             "description": "the image to edit (image[] for each of several)"}}
 
 
 class OpenAIRoutes:
@@ -47,14 +52,17 @@ class OpenAIRoutes:
         if model is not None and model != self.model_id:
             raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
 
-    def _params(self, gen: GenerateBody, from_seconds: bool = False):
-        """The request's parameters; a bound that ``size`` (or ``seconds``) broke names that OpenAI field."""
-        renames = {"width": "size", "height": "size", **INPUT_REFERENCE,
+    def _params(self, gen: GenerateBody, from_seconds: bool = False, image_name: str = INPUT_REFERENCE["image"],
+                images: dict | None = None):
+        """The request's parameters (``images``: its decoded pixels, which an edit's default size follows); a
+        bound that ``size`` (or ``seconds``) broke names that OpenAI field, an image error ``image_name`` (the
+        endpoint's name for it)."""
+        renames = {"width": "size", "height": "size", "image": image_name,
                    **({"num_frames": "seconds"} if from_seconds else {})}
         try:
-            return self.engine.params_for(gen)
+            return self.engine.params_for(gen, images)
         except FieldError as e:
-            if e.field in renames:
+            if e.field in renames and renames[e.field] != e.field:
                 raise FieldError(renames[e.field], f"{e.field} {str(e).removeprefix(e.field + ': ')}") from None
             raise
 
@@ -85,6 +93,10 @@ class OpenAIRoutes:
         await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
         return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
                              "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
+
+    # --- POST /v1/images/edits -------------------------------------------------------
+    async def edit_images(self, request: Request) -> JSONResponse:
+        return await edit_images(self, request)
 
     # --- /v1/videos -----------------------------------------------------------------------
     async def _video_fields(self, request: Request) -> dict:
@@ -202,6 +214,11 @@ def add_openai_routes(app: FastAPI, api: OpenAIRoutes) -> None:
     app.add_api_route("/v1/images/generations", api.images, methods=["POST"],
                       summary="Images (one-frame generations) as base64 PNGs (OpenAI-style)",
                       openapi_extra={**request_body(ImagesBody), "parameters": [REQUEST_ID_PARAMETER]},
+                      responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
+    app.add_api_route("/v1/images/edits", api.edit_images, methods=["POST"],
+                      summary="Edited images as base64 PNGs (OpenAI-style; multipart form or JSON)",
+                      openapi_extra={**request_body(EditsBody, form=EDIT_FORM_FILES),
+                                     "parameters": [REQUEST_ID_PARAMETER]},
                       responses={**ok(answers.Images), **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/v1/videos", api.create_video, methods=["POST"],
                       summary="Create a video job (OpenAI-style; multipart form or JSON)",

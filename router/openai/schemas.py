@@ -1,22 +1,22 @@
-"""Bodies of the OpenAI-style endpoints (``/v1/images/generations``, ``/v1/videos``), and the OpenAI fields'
-translation into a :class:`~router.api.schemas.GenerateBody`.
+"""Bodies of the OpenAI-style endpoints (``/v1/images/generations``, ``/v1/images/edits``, ``/v1/videos``),
+and the OpenAI fields' translation into a :class:`~router.api.schemas.GenerateBody`.
 
-OpenAI's own fields keep their meaning; the engine's own come as extra body fields. A video
-job's body arrives as multipart form fields (what the official client sends) or
-JSON: its values may be strings ("4"), so that model is lax.
+OpenAI's own fields keep their meaning; the engine's own come as extra body fields. An edit's and a video
+job's body arrive as multipart form fields (what the official client sends) or
+JSON: their values may be strings ("4"), so those models are lax.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.protocol.messages import LORA_NAME_PATTERN
 from common.diffusion.params import COMMON
-from router.api.schemas import MAX_SEED, CacheBody, FieldError, GenerateBody
+from router.api.schemas import MAX_IMAGES, MAX_SEED, CacheBody, FieldError, GenerateBody
 
 
 class EngineFields(BaseModel):
@@ -45,6 +45,25 @@ class ImagesBody(EngineFields):
     model: str | None = None
     n: int = Field(default=1, ge=1)
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of 16 (default: the model's)")
+    response_format: Literal["b64_json"] = Field(default="b64_json", description="PNGs in base64 (no urls)")
+    output_format: Literal["png"] = "png"
+    user: str | None = None  # OpenAI's end-user tag: accepted, unused
+
+
+class EditsBody(EngineFields):
+    """``/v1/images/edits``: OpenAI's fields and the engine's, from multipart form text (lax: ``"4"`` is 4) or
+    JSON; the image files become ``image`` (one, or a list on a model that takes several)."""
+
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, json_schema_extra={"examples": [
+        {"prompt": "make it night", "image": "data:image/png;base64,...", "size": "auto", "n": 1}]})
+
+    prompt: str
+    image: str | Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)] = Field(
+        description="the image(s) to edit: multipart files image or image[]; in JSON base64 or data: URLs")
+    model: str | None = None
+    n: int = Field(default=1, ge=1)
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, or auto (left out too): the model's size "
+                             "for the image(s)")
     response_format: Literal["b64_json"] = Field(default="b64_json", description="PNGs in base64 (no urls)")
     output_format: Literal["png"] = "png"
     user: str | None = None  # OpenAI's end-user tag: accepted, unused

@@ -1,6 +1,6 @@
 // The page at /: a form over the OpenAI-style endpoints. Video models: a job (POST /v1/videos), polled for its
-// progress, then its MP4. Image models: POST /v1/images/generations with an X-Request-Id whose progress
-// GET /progress/{id} tells. Text from the engine or its users is only ever set as textContent.
+// progress, then its MP4. Image models: POST /v1/images/generations (with uploaded images: /v1/images/edits,
+// the images as data: URLs) with an X-Request-Id whose progress GET /progress/{id} tells. Text from the engine or its users is only ever set as textContent.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -69,10 +69,14 @@ async function loadModel() {
     if (defaults[name] !== undefined && defaults[name] !== null) $(name).value = defaults[name];
   }
   $("frames-field").hidden = !model.video;
-  const image = model.video ? model.image_input || "none" : "none";
+  // Video models: the first frame (a video job's input_reference); image models: the image(s) to edit.
+  const image = model.image_input || "none";
+  const most = model.max_images ?? (image === "none" ? 0 : 1);
   $("image-field").hidden = image === "none";
   $("image").required = image === "required";
-  $("image-field").querySelector("label").textContent = `Input image (${image})`;
+  $("image").multiple = most > 1;
+  $("image-field").querySelector("label").textContent =
+    most > 1 ? `Input images (up to ${most}, ${image})` : `Input image (${image})`;
   $("submit").disabled = false;
 }
 
@@ -109,9 +113,12 @@ async function requestBody() {
   for (const [name, value] of Object.entries(extra)) {
     if (value !== undefined) body[name] = value;
   }
-  const file = $("image").files[0];
-  if (model.video && !$("image-field").hidden && file) {
-    body.input_reference = { image_url: await readDataURL(file) };
+  const files = $("image-field").hidden ? [] : Array.from($("image").files);
+  if (model.video && files.length) {
+    body.input_reference = { image_url: await readDataURL(files[0]) };
+  } else if (files.length) { // an edit: the engine checks how many the model takes
+    const urls = await Promise.all(files.map(readDataURL));
+    body.image = urls.length === 1 ? urls[0] : urls;
   }
   return body;
 }
@@ -170,7 +177,7 @@ async function generateImage(body) {
   const stop = followProgress(requestId);
   let res;
   try {
-    res = await api("/v1/images/generations", {
+    res = await api(body.image === undefined ? "/v1/images/generations" : "/v1/images/edits", {
       method: "POST", headers: { "Content-Type": "application/json", "X-Request-Id": requestId },
       body: JSON.stringify(body) });
   } finally {
