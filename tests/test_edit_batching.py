@@ -82,3 +82,46 @@ def test_edits_of_other_grids_run_apart_those_that_agree_share_and_each_equals_i
     print(f"\n[{model}] batched vs alone {worst:.3g}, forwards {forwards.calls}")
     assert worst <= TOL
     assert max_diff(together["wide"].tensors[LATENTS.name], together["same"].tensors[LATENTS.name]) > 1e-3
+
+
+# --- --compile ------------------------------------------------------------------------------------------------
+
+COMPILE_TOL = 1e-4  # tests/test_wan_i2v.py's
+
+
+@pytest.mark.heavy  # compiling a transformer takes 10-25 s here: tests/test_compile.py covers compiling by default
+@pytest.mark.parametrize("model", MODELS)
+def test_compiled_forwards_of_edits_equal_eager(model, tmp_path_factory, record_property):
+    """The policy through inductor, warmed up as a --compile worker (the reference part's example): an edit's
+    guided forward and a batch of two edits of one layout equal eager; Kontext's text-only request too."""
+    import torch
+
+    from common.diffusion.compiled import compile_experts, uncompile, warm_up
+    from common.diffusion.policy import Policy
+    from test_sd3 import _no_grad
+
+    eager = models.get(model, tmp_path_factory).eng
+    torch.set_num_threads(eager.max_threads)  # as a --compile worker: its one thread count (graphs guard on it)
+    compiled = Policy.load(eager.info, torch.float32, "cpu")
+    compile_experts(compiled, log_recompiles=False)
+    try:
+        warm_up(compiled)
+        p = rollout_params(eager, steps=2, n=1, cfg=True)
+        tasks = [eager.task(p, image=images_for(model)[0]),
+                 eager.task(msgspec.structs.replace(p, seed=5), image=images_for(model, seed=5)[0])]
+        if model == "tiny-flux-kontext":
+            tasks.append(eager.task(msgspec.structs.replace(p, seed=6), image=None))
+        diffs = {}
+        single = tasks[0].model_input()
+        diffs["guided"] = max_diff(_no_grad(compiled.velocity, single)[0], _no_grad(eager.policy.velocity, single)[0])
+        inputs = [t.model_input() for t in tasks[:2]]
+        got, want = _no_grad(compiled.batched_velocity, inputs)[0], _no_grad(eager.policy.batched_velocity, inputs)[0]
+        diffs["batched"] = max(max_diff(a, b) for a, b in zip(got, want))
+        if len(tasks) > 2:
+            text = tasks[2].model_input()
+            diffs["text-only"] = max_diff(_no_grad(compiled.velocity, text)[0], _no_grad(eager.policy.velocity, text)[0])
+    finally:
+        uncompile(compiled.experts)
+    record_property("max_diff", diffs)
+    print(f"\n[{model}] compiled vs eager {diffs}")
+    assert max(diffs.values()) <= COMPILE_TOL, diffs
