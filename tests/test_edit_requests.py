@@ -230,3 +230,29 @@ def test_the_cli_sends_its_images(served, tmp_path):
     failed_with(run, "image")
     run = disagg("generate", PROMPT, "--image", str(tmp_path / "missing.png"), "-o", str(out), *flags, key=None)
     failed_with(run, "--image")
+
+
+@pytest.mark.heavy
+def test_weights_pushed_from_memory_change_an_edit_and_restore_it(engine_factory):
+    """Weight sync on an edit model (tiny-flux-kontext, whose transformer takes the reference tokens): the
+    trainer's perturbed weights change the edit, its original weights give it back bit for bit."""
+    import torch
+
+    from common.builtin import ensure_builtin
+    from common.diffusion.weights import state_dict_checksum
+    from rl import TrainerPolicy
+
+    engine = engine_factory("tiny-flux-kontext", extra=["--weight-sync-from-memory"])
+    body = dict(prompt=PROMPT, image=image_field(PICTURES[0]), seed=3, output_type="latent",
+                **MODELS["tiny-flux-kontext"][1])
+    trainer = TrainerPolicy(ensure_builtin("tiny-flux-kontext"))
+    original = {k: v.detach().clone() for k, v in trainer.transformer.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    with EngineClient(engine.url) as c:
+        base = c.generate(**body)["samples"][0]["output"]
+        assert c.update_weights_from_tensors(new)["sha256"] == state_dict_checksum(new)
+        changed = c.generate(**body)["samples"][0]["output"]
+        assert (changed - base).abs().max() > 1e-3
+        c.update_weights_from_tensors(original)
+        assert torch.equal(c.generate(**body)["samples"][0]["output"], base)
