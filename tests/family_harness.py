@@ -156,7 +156,10 @@ class InStage:
 
         guided = uses_guidance(self.eng.family.guidance.scale(p))
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
-        wires = text_roles.encode(self.eng.encoder, texts, p.max_sequence_length)
+        seen = None  # an edit model's text encoder sees the request's images, as in InProcess.task
+        if image is not None and self.eng.family.condition.text_sees_images():
+            seen = [image if isinstance(image, list) else [image]] * len(texts)
+        wires = text_roles.encode(self.eng.encoder, texts, p.max_sequence_length, seen)
         tensors = {k: t.clone() for k, t in wires[0].items()}
         if guided:
             tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})

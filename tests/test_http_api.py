@@ -14,7 +14,7 @@ from common.families import read_model
 from conftest import pid_alive
 
 # The shared engine keeps every limit at its default.
-DEFAULT_LIMITS = dict(max_height=1280, max_width=1280, max_num_frames=129, max_steps=1000, max_n=32,
+DEFAULT_LIMITS = dict(max_height=2048, max_width=2048, max_num_frames=129, max_steps=1000, max_n=32,
                       max_prompt_chars=4096)
 
 

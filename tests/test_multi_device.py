@@ -179,6 +179,24 @@ OTHER_MODELS = {  # model: (layout, request overrides)
     "small": ("cfg2-ulysses2", {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 3}),
     "tiny-sana": ("cfg2", {"height": 96, "width": 160}),  # no context-parallel plan in diffusers: CFG parallel
 }
+
+
+def _edit_image() -> str:
+    """An edit request's image as a data: URL (its reference tokens follow the noise tokens: Ulysses splits both)."""
+    import base64
+    import io
+
+    from edit_models import picture
+
+    buf = io.BytesIO()
+    picture(40, 56, 0).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# The edit models: diffusers has a context-parallel plan for both transformers; true CFG with a negative prompt.
+OTHER_MODELS.update({m: ("cfg2-ulysses2", {"image": _edit_image(), "true_cfg_scale": 2.0, "height": 32, "width": 32,
+                                            "num_inference_steps": 3})
+                     for m in ("tiny-qwen-image-edit", "tiny-flux-kontext")})
 # One device runs SANA's [uncond, cond] in one forward, CFG parallel a row per rank: the latents round apart
 # (2.6e-6 of 6.3) and its random DC-AE (latents / 0.414, six levels) and resize turn that into 1.7e-5 of the
 # frames (measured in process on this request: two one-row forwards against one of both rows).

@@ -296,23 +296,15 @@ def test_static_files_ship_with_the_package():
 
 @pytest.mark.heavy
 def test_an_edit_model_sends_its_uploads_as_image(web, shared_engine, tmp_path):
-    """An image model that takes up to three images (tiny-wan-i2v's /v1/models entry seen as one: its edits
-    are one frame): the upload takes several files, sent to /v1/images/edits as data: URLs in image; one
-    upload shows /generate's pixels for the fields sent, three the engine's refusal."""
+    """An edit model that takes up to three images (tiny-qwen-image-edit-plus): the upload takes several files,
+    sent to /v1/images/edits as data: URLs in image; one upload, and three, show /generate's pixels for the
+    fields sent."""
     import json
 
     from PIL import Image
 
-    eng = shared_engine("tiny-wan-i2v")
+    eng = shared_engine("tiny-qwen-image-edit-plus")
     page = web.page()
-
-    def as_edit_model(route):
-        r = route.fetch()
-        body = r.json()
-        body["data"][0].update(video=False, max_images=3)
-        route.fulfill(response=r, json=body)
-
-    page.route("**/v1/models", as_edit_model)
     sent = []
     page.on("request", lambda req: sent.append(json.loads(req.post_data))
             if req.url.endswith("/v1/images/edits") else None)
@@ -324,19 +316,20 @@ def test_an_edit_model_sends_its_uploads_as_image(web, shared_engine, tmp_path):
     for i, color in enumerate([(200, 40, 30), (30, 200, 40), (40, 30, 200)]):
         files.append(tmp_path / f"in{i}.png")
         Image.new("RGB", (40, 24), color).save(files[-1])
-    fill(page, "the same at night", num_inference_steps=2, seed=5)
-    page.set_input_files("#image", [str(files[0])])
-    page.click("#submit")
-    page.wait_for_function("() => { const i = document.getElementById('picture');"
-                           " return !i.hidden && i.complete && i.naturalWidth > 0; }", timeout=WAIT_MS)
-    body = sent[-1]
-    assert body["image"].startswith("data:image/png;base64,")
-    width, height = map(int, body.pop("size").split("x"))
-    ref = eng.http.post("/generate", json={**body, "width": width, "height": height, "num_frames": 1,
-                                           "output_type": "png"})
-    assert ref.status_code == 200, ref.text
-    assert downloaded(page) == ref.content  # the same PNG encoder over the same pixels
-    page.set_input_files("#image", [str(f) for f in files])
-    page.click("#submit")
-    page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
-    assert len(sent[-1]["image"]) == 3 and "takes one image" in page.text_content("#error")
+    assert page.input_value("#width") == "" and page.get_attribute("#width", "placeholder") == "auto"
+    # The guidance input is the model's true_cfg_scale (its default, 4): with a negative prompt.
+    fill(page, "the same at night", num_inference_steps=2, seed=5, width=48, height=32, negative_prompt="blurry")
+    for upload in ([files[0]], files):
+        page.set_input_files("#image", [str(f) for f in upload])
+        page.click("#submit")
+        page.wait_for_function("() => { const i = document.getElementById('picture');"
+                               " return !i.hidden && i.complete && i.naturalWidth > 0; }", timeout=WAIT_MS)
+        body = dict(sent[-1])
+        images = body["image"] if isinstance(body["image"], list) else [body["image"]]
+        assert len(images) == len(upload) and all(x.startswith("data:image/png;base64,") for x in images)
+        assert body["true_cfg_scale"] == 4 and "guidance_scale" not in body  # the model's guidance field
+        width, height = map(int, body.pop("size").split("x"))
+        ref = eng.http.post("/generate", json={**body, "width": width, "height": height, "output_type": "png"})
+        assert ref.status_code == 200, ref.text
+        assert downloaded(page) == ref.content  # the same PNG encoder over the same pixels
+        page.evaluate("() => { document.getElementById('picture').hidden = true; }")

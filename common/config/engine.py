@@ -57,8 +57,8 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
 class Limits(msgspec.Struct, forbid_unknown_fields=True):
     """Bounds the router enforces on requests (flags of ``launch.py``)."""
 
-    max_height: int = 1280
-    max_width: int = 1280
+    max_height: int = 2048
+    max_width: int = 2048
     max_num_frames: int = 129
     max_steps: int = 1000
     max_n: int = 32  # GRPO groups are 12 to 24 samples of one prompt

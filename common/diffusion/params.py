@@ -337,7 +337,13 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
     for name in ("prompt", "negative_prompt"):
         if len(request.get(name) or "") > limits.max_prompt_chars:
             raise FieldError(name, f"longer than {limits.max_prompt_chars} characters")
-    _check_video(v, info, limits, fields)
+    try:
+        _check_video(v, info, limits, fields)
+    except FieldError as e:
+        if from_images is None or request.get(e.field) is not None:
+            raise
+        raise FieldError(e.field, f"{e.message} (the size this model takes from the image's aspect: give height "
+                                  "and width)") from None
     _check_sampling(v, request, limits)
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)

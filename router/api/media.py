@@ -25,6 +25,12 @@ def to_uint8(frames: torch.Tensor) -> np.ndarray:
     return (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
 
 
+def frame_size(frames: torch.Tensor) -> str:
+    """``WIDTHxHEIGHT`` of frames [F, H, W, 3]: the size a model made, which may differ from the one asked
+    (FLUX.1 Kontext makes its ``max_area`` at the asked aspect)."""
+    return f"{frames.shape[-2]}x{frames.shape[-3]}"
+
+
 def png_bytes(frames: torch.Tensor) -> bytes:
     """The one frame of ``frames`` [1, H, W, 3] as a PNG."""
     from PIL import Image

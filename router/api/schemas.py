@@ -78,15 +78,20 @@ class GenerateBody(BaseModel):
     @field_validator("image", mode="before")
     @classmethod
     def _one_or_a_list(cls, value):
-        # Checked here, not by the union, so that a mistake reads "image: ..." rather than one line per branch.
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list) or not 1 <= len(value) <= MAX_IMAGES:
-            raise ValueError(f"must be an image (a base64 string or data: URL) or a list of 1..{MAX_IMAGES} of them")
-        bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)
-        if bad is not None:
-            raise ValueError(f"item {bad} must be a string (a base64 image or data: URL)")
+        return one_image_or_a_list(value)
+
+
+def one_image_or_a_list(value):
+    """``image``'s shape, checked before the union's, so that a mistake reads "image: ..." rather than one line
+    per branch of the union."""
+    if value is None or isinstance(value, str):
         return value
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_IMAGES:
+        raise ValueError(f"must be an image (a base64 string or data: URL) or a list of 1..{MAX_IMAGES} of them")
+    bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ValueError(f"item {bad} must be a string (a base64 image or data: URL)")
+    return value
 
 
 class RolloutBody(GenerateBody):

@@ -133,12 +133,13 @@ class Engine:
     def models(self) -> dict:
         """The served model, as OpenAI's model list. Engine extensions (the web page starts from them): the
         request fields' serving defaults, whether it makes videos or images, whether it takes an input image
-        and how many (``max_images``), and its videos' frame rate."""
+        and how many (``max_images``), the field that scales its classifier-free guidance (``guidance_field``),
+        and its videos' frame rate."""
         info = self.info
         return {"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
              "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
-             "defaults": info.defaults, "video": info.family.video,
+             "defaults": info.defaults, "video": info.family.video, "guidance_field": info.family.cfg_field,
              "image_input": info.family.condition.image_input(info) or "none", "max_images": max_images(info),
              "fps": info.fps}]}
 

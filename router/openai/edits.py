@@ -87,7 +87,7 @@ async def edit_images(api, request: Request) -> JSONResponse:
     outcome = await engine.run(params, rid, body.timeout_s, images, gone=gone_of(request))
     pngs = await asyncio.to_thread(
         lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
-    size = f"{params.width}x{params.height}"
+    size = media.frame_size(outcome.sample(0).tensors[OUTPUT.name])
     await api.jobs.record_images(body.prompt, api.model_id, size, pngs)  # GET /v1/images lists them too
     return JSONResponse({"created": int(time.time()), "output_format": "png", "size": size,
                          "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})

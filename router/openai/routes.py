@@ -90,8 +90,9 @@ class OpenAIRoutes:
         outcome = await self.engine.run(params, rid, body.timeout_s, gone=gone_of(request))
         pngs = await asyncio.to_thread(
             lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
-        await self.jobs.record_images(body.prompt, self.model_id, f"{width}x{height}", pngs)  # GET /v1/images
-        return JSONResponse({"created": int(time.time()), "output_format": "png", "size": f"{width}x{height}",
+        size = media.frame_size(outcome.sample(0).tensors[OUTPUT.name])
+        await self.jobs.record_images(body.prompt, self.model_id, size, pngs)  # GET /v1/images
+        return JSONResponse({"created": int(time.time()), "output_format": "png", "size": size,
                              "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
 
     # --- POST /v1/images/edits -------------------------------------------------------

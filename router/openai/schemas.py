@@ -12,11 +12,11 @@ import json
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.protocol.messages import LORA_NAME_PATTERN
 from common.diffusion.params import COMMON
-from router.api.schemas import MAX_IMAGES, MAX_SEED, CacheBody, FieldError, GenerateBody
+from router.api.schemas import MAX_IMAGES, MAX_SEED, CacheBody, FieldError, GenerateBody, one_image_or_a_list
 
 
 class EngineFields(BaseModel):
@@ -67,6 +67,11 @@ class EditsBody(EngineFields):
     response_format: Literal["b64_json"] = Field(default="b64_json", description="PNGs in base64 (no urls)")
     output_format: Literal["png"] = "png"
     user: str | None = None  # OpenAI's end-user tag: accepted, unused
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, value):
+        return one_image_or_a_list(value)
 
 
 class VideoBody(EngineFields):

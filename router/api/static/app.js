@@ -5,7 +5,7 @@
 
 const $ = (id) => document.getElementById(id);
 const POLL_MS = 250; // between polls, unless the engine's openai-poll-after-ms says otherwise
-const FIELDS = ["width", "height", "num_frames", "num_inference_steps", "guidance_scale"];
+const FIELDS = ["width", "height", "num_frames", "num_inference_steps"];
 let model = null; // GET /v1/models' entry
 let shownURL = null; // the blob: URL of what the result shows
 
@@ -65,12 +65,18 @@ async function loadModel() {
   model = (await json("/v1/models")).data[0];
   const defaults = model.defaults || {};
   $("model").textContent = `${model.id} (${model.video ? "video" : "image"}, ${model.pipeline})`;
+  // Image models that take images: the size is the model's for the image unless one is typed.
+  const image = model.image_input || "none";
+  const sizeFromImage = !model.video && image !== "none";
   for (const name of FIELDS) {
-    if (defaults[name] !== undefined && defaults[name] !== null) $(name).value = defaults[name];
+    if (sizeFromImage && (name === "width" || name === "height")) $(name).placeholder = "auto";
+    else if (defaults[name] !== undefined && defaults[name] !== null) $(name).value = defaults[name];
   }
+  // The guidance input is the field that scales the model's classifier-free guidance (e.g. true_cfg_scale).
+  const guidance = defaults[guidanceField()];
+  if (guidance !== undefined && guidance !== null) $("guidance_scale").value = guidance;
   $("frames-field").hidden = !model.video;
   // Video models: the first frame (a video job's input_reference); image models: the image(s) to edit.
-  const image = model.image_input || "none";
   const most = model.max_images ?? (image === "none" ? 0 : 1);
   $("image-field").hidden = image === "none";
   $("image").required = image === "required";
@@ -81,6 +87,10 @@ async function loadModel() {
 }
 
 // --- the request -------------------------------------------------------------------------------------------------
+function guidanceField() {
+  return model.guidance_field || "guidance_scale";
+}
+
 function number(id) {
   const text = $(id).value.trim();
   if (text === "") return undefined;
@@ -104,16 +114,18 @@ async function requestBody() {
   const body = { prompt: $("prompt").value };
   const negative = $("negative_prompt").value;
   if (negative.trim()) body.negative_prompt = negative;
-  const width = number("width") ?? defaults.width;
-  const height = number("height") ?? defaults.height;
-  body.size = `${width}x${height}`;
+  const files = $("image-field").hidden ? [] : Array.from($("image").files);
+  const width = number("width");
+  const height = number("height");
+  // An edit with no size typed: the model's size for its image(s).
+  if (width === undefined && height === undefined && files.length && !model.video) body.size = "auto";
+  else body.size = `${width ?? defaults.width}x${height ?? defaults.height}`;
   const extra = { num_inference_steps: number("num_inference_steps"), seed: number("seed"),
-                  guidance_scale: number("guidance_scale") };
+                  [guidanceField()]: number("guidance_scale") };
   if (model.video) extra.num_frames = number("num_frames");
   for (const [name, value] of Object.entries(extra)) {
     if (value !== undefined) body[name] = value;
   }
-  const files = $("image-field").hidden ? [] : Array.from($("image").files);
   if (model.video && files.length) {
     body.input_reference = { image_url: await readDataURL(files[0]) };
   } else if (files.length) { // an edit: the engine checks how many the model takes
