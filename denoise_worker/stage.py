@@ -39,6 +39,7 @@ from denoise_worker.joint_step import advance_all
 from denoise_worker.parallel_forward import ParallelForward, ParallelLayout
 from denoise_worker.pinned import NO_PIN, Pinned
 from denoise_worker.ranks import FollowerProcesses, join_group
+from denoise_worker.sequence_split import check_split
 from denoise_worker.task import DenoiseTask, step_versions
 from denoise_worker.texts import TextTable
 from denoise_worker.threads import size_threads
@@ -134,6 +135,7 @@ class DenoiseStage(Stage):
                                   self.device, lora=self.adapters.choice(p),
                                   image=None if image is None else image.to(self.device),
                                   initial_latents=tensors.get(INITIAL_LATENTS.name))
+        check_split(task, self.spec.ulysses * self.spec.ring)  # a sequence the ranks cannot share: refused alone
         task.cache = request_cache(task, self.teacache)
         if p.rollout is not None and p.rollout.return_kl and p.rollout.kl_reference == "pinned":
             if self.pinned is None:

@@ -195,8 +195,8 @@ def _edit_image() -> str:
 
 # The edit models: diffusers has a context-parallel plan for both transformers; true CFG with a negative prompt.
 OTHER_MODELS.update({m: ("cfg2-ulysses2", {"image": _edit_image(), "true_cfg_scale": 2.0, "height": 32, "width": 32,
-                                            "num_inference_steps": 3})
-                     for m in ("tiny-qwen-image-edit", "tiny-flux-kontext")})
+                                            "num_inference_steps": 3, **over})
+                     for m, over in (("tiny-qwen-image-edit", {"guidance_scale": None}), ("tiny-flux-kontext", {}))})
 # One device runs SANA's [uncond, cond] in one forward, CFG parallel a row per rank: the latents round apart
 # (2.6e-6 of 6.3) and its random DC-AE (latents / 0.414, six levels) and resize turn that into 1.7e-5 of the
 # frames (measured in process on this request: two one-row forwards against one of both rows).
@@ -363,3 +363,25 @@ def test_weights_and_adapters_from_memory_reach_every_rank(multi, refs, tiny_dir
         for c in (multi, refs("tiny")):
             c.update_weights_from_tensors(original)
             c.unload_lora_adapter("mem")
+
+
+@pytest.mark.heavy
+def test_a_sequence_the_ranks_cannot_share_is_refused_alone(refs, tmp_path_factory, lora_root):
+    """Qwen-Image over two Ulysses ranks: texts of every length run (padded with the mask the transformer
+    honours) and equal one device; an image sequence of an odd token count is a 400 that says why, and the
+    worker serves the next request."""
+    from router.client import EngineHTTPError
+
+    engine = _start(tmp_path_factory, "tiny-qwen-image", _topology("ulysses2"), lora_root)
+    try:
+        with EngineClient(engine.url) as c:
+            for prompt in ("a heron in", "a grey heron", "a heron at dusk, wings open wide"):  # 11, 13, 25 tokens
+                body = {**BASE, "prompt": prompt, "guidance_scale": None, "true_cfg_scale": 2.0, "height": 64,
+                        "width": 48}
+                _assert_same(_samples(c, "/generate", body), _samples(refs("tiny-qwen-image"), "/generate", body))
+            with pytest.raises(EngineHTTPError) as e:  # 48 x 48: 3 x 3 tokens over 2 ranks
+                c.generate(**{**body, "height": 48, "width": 48})
+            assert e.value.status == 400 and "do not divide by 2" in str(e.value)
+            assert c.generate(**body)["samples"]  # the worker is still there
+    finally:
+        engine.stop()

@@ -92,6 +92,10 @@ class NoCondition:
         """What rows of one forward must share besides their size (None: nothing)."""
         return None
 
+    def extra_tokens(self, image) -> int:
+        """The tokens a request's condition adds to the transformer's image sequence (reference images)."""
+        return 0
+
     def row_timesteps(self, info: "ModelInfo", timestep: torch.Tensor, latents: torch.Tensor,
                       image: torch.Tensor | None) -> torch.Tensor:
         """A request's timestep for each of its n rows: [n] float32 (per-token models: [n, tokens])."""

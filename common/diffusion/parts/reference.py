@@ -45,6 +45,21 @@ class TokenLayout:
         return self.noise[0] * self.noise[1]
 
 
+def grid_to_wire(grid) -> list | dict:
+    """A forward's ``grid`` (a token grid, or a :class:`TokenLayout`) as plain lists for a message header (a
+    multi-device worker's followers get it with every forward)."""
+    if isinstance(grid, TokenLayout):
+        return {"noise": list(grid.noise), "references": [list(r) for r in grid.references]}
+    return list(grid)
+
+
+def grid_from_wire(value: list | dict):
+    """:func:`grid_to_wire`'s inverse."""
+    if isinstance(value, dict):
+        return TokenLayout(tuple(value["noise"]), tuple(tuple(r) for r in value["references"]))
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class References:
     """A request's reference tokens on the denoise side: [1, T, C] and the grids they are made of."""
@@ -116,3 +131,6 @@ class ReferenceTokens(NoCondition):
 
     def batch_key(self, image):
         return None if image is None else image.grids
+
+    def extra_tokens(self, image):
+        return 0 if image is None else image.tokens.shape[1]

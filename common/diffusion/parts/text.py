@@ -77,6 +77,12 @@ class TextPart:
         """Distinct texts' keyword tensors ([1, ...] each) as one [U, ...] tensor per keyword."""
         return {k: torch.cat([t[k] for t in texts]) for k in texts[0]}
 
+    def padded_to(self, texts: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+        """A forward's stacked texts (:meth:`stack`) for a worker that splits the sequence over ``multiple``
+        ranks: padded to a multiple of it where the transformer masks padding (as a longer batch mate's
+        padding would be); else as they are (the denoise worker refuses lengths that do not divide)."""
+        return texts
+
     def key(self, texts: list[Conditioning]) -> tuple:
         """What a request's texts (its prompt's and negative prompt's conditioning) must have in common with
         those of the other requests of a forward: each keyword's shape, unless the transformer masks padding."""
@@ -121,6 +127,17 @@ class MaskedText(TextPart):
         for i, e in enumerate(embeds):
             mask[i, : e.shape[1]] = 1
         return {HIDDEN: padded, self.mask: mask}
+
+    def padded_to(self, texts, multiple):
+        hidden = texts[HIDDEN]
+        extra = -hidden.shape[1] % multiple
+        if not extra:
+            return texts
+        mask = texts.get(self.mask)
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], dtype=torch.int64, device=hidden.device)
+        pad = torch.nn.functional.pad
+        return {**texts, HIDDEN: pad(hidden, (0, 0, 0, extra)), self.mask: pad(mask, (0, extra))}
 
 
 @dataclass(frozen=True, kw_only=True)

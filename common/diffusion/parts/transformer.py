@@ -34,6 +34,7 @@ class TransformerPart:
     # length); every other dimension is static (fixed-length texts: a graph each).
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=dict)
     context_parallel: bool = False  # diffusers has a context-parallel plan for it (Ulysses / ring)
+    splits_text: bool = False  # that plan splits the text's sequence too (then its length must divide)
     # A trainer's default LoRA target modules (peft's ``target_modules``: suffixes of the Linear paths).
     lora_targets: tuple[str, ...] = ATTENTION_PROJECTIONS
     # TeaCache's published polynomial (highest power first) from the relative change of

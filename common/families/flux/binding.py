@@ -61,6 +61,7 @@ def example_text(info, model, max_sequence_length: int, generator, device, dtype
 class FluxTransformer(TransformerPart):
     model_class: str = "FluxTransformer2DModel"
     context_parallel: bool = True  # FluxTransformer2DModel has a _cp_plan
+    splits_text: bool = True  # its plan splits encoder_hidden_states
     # Flow-GRPO's FLUX LoRA: both streams' attention projections.
     lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
 

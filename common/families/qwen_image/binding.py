@@ -56,6 +56,7 @@ class QwenImageTransformer(TransformerPart):
     # the text length is dynamic, else every new prompt length compiles new graphs.
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
     context_parallel: bool = True  # QwenImageTransformer2DModel has a _cp_plan
+    splits_text: bool = True  # its plan splits encoder_hidden_states
     # Both streams' attention projections (the recipes' LoRA targets for Qwen-Image).
     lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
 
