@@ -164,6 +164,10 @@ PRESETS = {
     "small-qwen-image-edit": dict(model="small-qwen-image-edit", height=256, width=256, num_frames=None, steps=6,
                                   guidance=None, true_cfg=4.0, concurrency=[1], requests=4, warmup=1, images=3,
                                   encoder_threads="all", target_p50_ratio=1.05),
+    # Qwen-Image-Edit-Plus: two pictures per request, as a list (each its own reference tokens).
+    "small-qwen-image-edit-plus": dict(model="small-qwen-image-edit-plus", height=256, width=256, num_frames=None,
+                                       steps=6, guidance=None, true_cfg=4.0, concurrency=[1], requests=4, warmup=1,
+                                       images=3, pictures=2, encoder_threads="all", target_p50_ratio=1.05),
     # FLUX.1 Kontext-like: embedded guidance 2.5 (FLUX.1-Kontext-dev's), no true CFG.
     "small-flux-kontext": dict(model="small-flux-kontext", height=256, width=256, num_frames=None, steps=6,
                                guidance=2.5, concurrency=[1], requests=4, warmup=1, images=3,

@@ -34,11 +34,12 @@ def test_every_preset_names_a_builtin_and_parses(name):
         assert type(binding.condition).image_input is not NoCondition.image_input
 
 
-def test_edit_presets_exist_and_take_an_image_each():
-    assert {"small-qwen-image-edit", "small-flux-kontext"} <= set(EDIT_PRESETS)
+def test_edit_presets_exist_and_take_their_images():
+    assert {"small-qwen-image-edit", "small-qwen-image-edit-plus", "small-flux-kontext"} <= set(EDIT_PRESETS)
     for name in EDIT_PRESETS:
         args = serve.parse_args(["--preset", name])
-        assert args.images_asked and args.pictures == 1 and args.encoder_threads == "all"
+        assert args.images_asked and args.pictures == (2 if name.endswith("-plus") else 1)
+        assert args.encoder_threads == "all"
         # On a GPU the compact topology places the workers: no CPU thread file.
         gpu = serve.parse_args(["--preset", name, "--device", "cuda"])
         assert gpu.encoder_threads is None and gpu.topology == serve.DEFAULT_TOPOLOGY

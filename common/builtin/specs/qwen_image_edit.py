@@ -58,6 +58,12 @@ SPECS: dict[str, TinyQwenImageEditSpec] = {
                               text_num_heads=4, text_num_kv_heads=2, text_intermediate_size=256,
                               vision_hidden_size=32, vision_intermediate_size=64, vae_base_dim=16, seed=1,
                               height=256, width=256, num_inference_steps=10),
+        # The same for Edit-Plus (several pictures per request).
+        TinyQwenImageEditPlusSpec(name="small-qwen-image-edit-plus", num_layers=8, num_attention_heads=4,
+                                  attention_head_dim=64, axes_dims_rope=(8, 28, 28), text_hidden_size=128,
+                                  text_num_heads=4, text_num_kv_heads=2, text_intermediate_size=256,
+                                  vision_hidden_size=32, vision_intermediate_size=64, vae_base_dim=16, seed=1,
+                                  height=256, width=256, num_inference_steps=10),
     )
 }
 
