@@ -1,7 +1,7 @@
 """bench/serve.py's presets stay runnable without starting anything: each names a built-in model, parses, and
 an image preset's requests carry pictures the router decodes to the pixels the diffusers baseline is given
 (another size and aspect than the output; several as a list), the repeats the same picture; the edit presets'
-encoder worker gets every core on the CPU only."""
+encoder and decode workers get every core on the CPU only."""
 
 from __future__ import annotations
 
@@ -39,13 +39,28 @@ def test_edit_presets_exist_and_take_their_images():
     for name in EDIT_PRESETS:
         args = serve.parse_args(["--preset", name])
         assert args.images_asked and args.pictures == (2 if name.endswith("-plus") else 1)
-        assert args.encoder_threads == "all"
+        assert args.encoder_threads == args.decode_threads == "all"
         # On a GPU the compact topology places the workers: no CPU thread file.
         gpu = serve.parse_args(["--preset", name, "--device", "cuda"])
-        assert gpu.encoder_threads is None and gpu.topology == serve.DEFAULT_TOPOLOGY
+        assert gpu.encoder_threads is None and gpu.decode_threads is None and gpu.topology == serve.DEFAULT_TOPOLOGY
         # A topology given on the command line wins.
         own = serve.parse_args(["--preset", name, "--topology", "encoder=1,denoise=2,decode=1"])
-        assert own.encoder_threads is None and own.topology == "encoder=1,denoise=2,decode=1"
+        assert own.encoder_threads is None and own.decode_threads is None
+        assert own.topology == "encoder=1,denoise=2,decode=1"
+
+
+def test_edit_presets_topology_file_gives_encoder_and_decode_every_core(tmp_path):
+    import json
+
+    args = serve.parse_args(["--preset", "small-qwen-image-edit"])
+    entries = json.loads(Path(serve._topology_file(args, str(tmp_path))).read_text())
+    cores = serve.os.cpu_count() or 1
+    assert {e["role"]: e.get("threads") for e in entries} == {"encoder": cores, "denoise": None, "decode": cores}
+    # A preset without decode_threads leaves the decode worker on its default.
+    args = serve.parse_args(["--preset", "small-qwen-image-edit"])
+    args.decode_threads = None
+    entries = json.loads(Path(serve._topology_file(args, str(tmp_path))).read_text())
+    assert "threads" not in entries[2] and entries[0]["threads"] == cores
 
 
 def _work(pictures: int) -> serve.Workload:
