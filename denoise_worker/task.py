@@ -167,18 +167,20 @@ class DenoiseTask:
         return ModelInput.of(self.info, self.params, self.latents, self.timestep, self.cond, self.uncond, self.lora,
                              self.image)
 
-    def step_variant_now(self) -> StepVariant:
-        """This step's variant: the request's inside its window of SDE steps, the Euler step outside it."""
-        windowed = self.sde.sde_step_indices is not None and self.step not in self.sde.sde_step_indices
+    def variant_at(self, step: int) -> StepVariant:
+        """Step ``step``'s variant: the request's inside its window of SDE steps, the Euler step outside it."""
+        windowed = self.sde.sde_step_indices is not None and step not in self.sde.sde_step_indices
         return Ode(self.variant.noise_level) if windowed else self.variant
+
+    def step_variant_now(self) -> StepVariant:
+        return self.variant_at(self.step)
 
     def _check_schedule(self) -> None:
         """Every step's variant is defined on the request's schedule (caller sigmas may make one undefined, e.g.
         ``sde`` at two sigmas of 1): a 400 now rather than a failure at that step."""
-        s, steps = self.scheduler.sigmas, range(len(self.scheduler.timesteps))
-        sde_steps = set(steps if self.sde.sde_step_indices is None else self.sde.sde_step_indices)
+        s = self.scheduler.sigmas
         try:
-            check_schedule([self.variant if i in sde_steps else Ode() for i in steps], s, float(sigma_max(s)))
+            check_schedule([self.variant_at(i) for i in range(len(self.scheduler.timesteps))], s, float(sigma_max(s)))
         except ValueError as e:
             raise RequestError(f"the rollout's schedule: {e}") from None
 
