@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import torch
-from PIL import Image
 
 from common.config.engine import torch_dtype_for
 from common.diffusion import text_roles
@@ -47,78 +46,67 @@ class EncoderStage(QueuedBatchStage):
         budget (``max_sequence_length``) for those not in the cache. An encoder that sees images (image
         editing) encodes a text with its request's images: the images are part of the text's key."""
         t0 = time.perf_counter()
+        digests = [self._digests(pixels) for _, pixels in items]  # each request's images, hashed once
+        seen = [d if self.family.condition.text_sees_images() else () for d in digests]  # what its texts key on
+        by_digest = {d: pixels[f.name] for (_, pixels), ds in zip(items, seen)
+                     for f, d in zip((f for f in EDIT_IMAGES if f.name in pixels), ds)}
         texts: set[tuple] = set()
-        images: dict[str, Image.Image] = {}  # by digest: the images the text encoder takes
-        for msg, pixels in items:
-            p, seen = msg.params, self._text_images(pixels, images)
-            texts.add(self._key(p.prompt, p.max_sequence_length, False, seen))
+        for (msg, _), images in zip(items, seen):
+            p = msg.params
+            texts.add(self._key(p.prompt, p.max_sequence_length, False, images))
             if uses_guidance(self.family.guidance.scale(p)):
-                texts.add(self._key(p.negative_prompt, p.max_sequence_length, True, seen))
+                texts.add(self._key(p.negative_prompt, p.max_sequence_length, True, images))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
         for budget in sorted({key[1] for key, e in embeds.items() if e is None}):
             missing = [t for t, e in embeds.items() if e is None and t[1] == budget]
-            seen = [[images[d] for d in key[3]] for key in missing] if self.text_sees_images else None
-            wires = text_roles.encode(self.text_encoder, [(key[0], key[2]) for key in missing], budget, seen)
+            pil = [[image_from_array(by_digest[d]) for d in key[3]] for key in missing] \
+                if self.family.condition.text_sees_images() else None
+            wires = text_roles.encode(self.text_encoder, [(key[0], key[2]) for key in missing], budget, pil)
             for key, wire in zip(missing, wires):
                 # Their own storage, not views that pin the whole batch.
                 embeds[key] = {name: t.clone() for name, t in wire.items()}
                 self.cache.put(key, embeds[key])
         elapsed = time.perf_counter() - t0
         out: list[Forward | BaseException] = []
-        for msg, pixels in items:
+        for (msg, pixels), ds, images in zip(items, digests, seen):
             t1 = time.perf_counter()
             try:
-                image = self._image_tensors(msg, pixels)
+                image = self._image_tensors(msg, pixels, ds)
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
                 continue
-            seen = tuple(image_digest(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels) \
-                if self.text_sees_images else ()
             forward = self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
-                                    time.perf_counter() - t1, seen)
+                                    time.perf_counter() - t1, images)
             if INITIAL_LATENTS.name in pixels:  # a resumed rollout's starting latents ride on to the denoise worker
                 forward.tensors[INITIAL_LATENTS.name] = pixels[INITIAL_LATENTS.name]
             out.append(forward)
         return out
 
-    @property
-    def text_sees_images(self) -> bool:
-        return self.family.condition.text_sees_images()
-
-    def _text_images(self, pixels: dict[str, torch.Tensor], images: dict) -> tuple[str, ...]:
-        """The digests of a request's images its texts are encoded with (none unless the encoder sees
-        images), each image put in ``images`` by digest."""
-        if not self.text_sees_images:
-            return ()
-        digests = []
-        for f in EDIT_IMAGES:
-            if f.name in pixels:
-                digest = image_digest(pixels[f.name])
-                images.setdefault(digest, image_from_array(pixels[f.name]))
-                digests.append(digest)
-        return tuple(digests)
+    @staticmethod
+    def _digests(pixels: dict[str, torch.Tensor]) -> tuple[str, ...]:
+        """The digests of a request's images (``image``, ``image.2``, ...), in order."""
+        return tuple(image_digest(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels)
 
     def _key(self, text: str, budget: int, negative: bool, images: tuple[str, ...] = ()) -> tuple:
         """A text's cache key: its role counts only where the encoder encodes a negative prompt apart; the
         images it is encoded with (their digests) where the encoder sees them."""
         return text, budget, negative and text_roles.negative_apart(self.text_encoder), images
 
-    def _image_tensors(self, msg: EncodeRequest, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A request's image tensors for the denoise worker (none without an image), cached by the pixels and
-        what of the request they depend on: a group, and a re-run, encode their images once."""
-        given = [pixels[f.name] for f in EDIT_IMAGES if f.name in pixels]
-        if not given:
+    def _image_tensors(self, msg: EncodeRequest, pixels: dict[str, torch.Tensor],
+                       digests: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """A request's image tensors for the denoise worker (none without an image), cached by the pixels
+        (``digests``) and what of the request they depend on: a group, and a re-run, encode their images once."""
+        if not digests:
             return {}
         if self.images is None:  # the router refuses this first
             raise RequestError("image: this model takes no image")
         condition, p = self.family.condition, msg.params
         last = pixels.get(LAST_IMAGE.name)
-        key = ("image", tuple(image_digest(x) for x in given), None if last is None else image_digest(last),
-               condition.cache_key(p))
+        key = ("image", digests, None if last is None else image_digest(last), condition.cache_key(p))
         hit = self.cache.get(key)
         if hit is None:
-            hit = condition.wire_tensors(self.images, [image_from_array(x) for x in given],
-                                         None if last is None else image_from_array(last), p)
+            given = [image_from_array(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels]
+            hit = condition.wire_tensors(self.images, given, None if last is None else image_from_array(last), p)
             hit = {name: t.clone() for name, t in hit.items()}
             self.cache.put(key, hit)
         return hit
