@@ -47,7 +47,9 @@ class EncoderStage(QueuedBatchStage):
         editing) encodes a text with its request's images: the images are part of the text's key."""
         t0 = time.perf_counter()
         digests = [self._digests(pixels) for _, pixels in items]  # each request's images, hashed once
-        seen = [d if self.family.condition.text_sees_images() else () for d in digests]  # what its texts key on
+        # What its texts key on (a request whose images are not pixels fails alone, below).
+        seen = [d if self.family.condition.text_sees_images() and not isinstance(d, Exception) else ()
+                for d in digests]
         by_digest = {d: pixels[f.name] for (_, pixels), ds in zip(items, seen)
                      for f, d in zip((f for f in EDIT_IMAGES if f.name in pixels), ds)}
         texts: set[tuple] = set()
@@ -71,6 +73,8 @@ class EncoderStage(QueuedBatchStage):
         for (msg, pixels), ds, images in zip(items, digests, seen):
             t1 = time.perf_counter()
             try:
+                if isinstance(ds, Exception):
+                    raise ds
                 image = self._image_tensors(msg, pixels, ds)
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
@@ -83,9 +87,13 @@ class EncoderStage(QueuedBatchStage):
         return out
 
     @staticmethod
-    def _digests(pixels: dict[str, torch.Tensor]) -> tuple[str, ...]:
-        """The digests of a request's images (``image``, ``image.2``, ...), in order."""
-        return tuple(image_digest(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels)
+    def _digests(pixels: dict[str, torch.Tensor]) -> tuple[str, ...] | Exception:
+        """The digests of a request's images (``image``, ``image.2``, ...), in order; the error of images
+        that are not RGB pixels (that request's alone)."""
+        try:
+            return tuple(image_digest(pixels[f.name]) for f in EDIT_IMAGES if f.name in pixels)
+        except ValueError as e:
+            return e
 
     def _key(self, text: str, budget: int, negative: bool, images: tuple[str, ...] = ()) -> tuple:
         """A text's cache key: its role counts only where the encoder encodes a negative prompt apart; the
