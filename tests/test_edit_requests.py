@@ -66,8 +66,13 @@ def test_the_body_takes_one_image_or_a_list_of_up_to_three():
 
 
 def _images_of(body: GenerateBody, names=None) -> dict:
-    """The router engine's decoding of a body's images, without an engine (it reads only the limits)."""
-    fake = SimpleNamespace(config=SimpleNamespace(limits=Limits()))
+    """The router engine's decoding of a body's images, without an engine (it reads only the limits and the
+    model, here one that takes images)."""
+    from common.builtin import ensure_builtin
+    from common.families import read_model
+
+    fake = SimpleNamespace(config=SimpleNamespace(limits=Limits()),
+                           info=read_model(ensure_builtin("tiny-qwen-image-edit-plus")))
     return asyncio.run(RouterEngine.images_of(fake, body, names))
 
 

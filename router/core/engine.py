@@ -171,6 +171,8 @@ class Engine:
         """The request's images as RGB pixels (decoded off the event loop), by wire tensor: ``image`` as one
         image or a list (``image``, ``image.2``, ...), ``last_image``; checked already by :meth:`params_for`
         against what the model takes. ``names``: what the caller calls a field (errors)."""
+        if self.info.family.condition.image_input(self.info) is None:
+            return {}  # nothing worth decoding: the params' check refuses a model's unwanted image
         limits, names = self.config.limits, names or {}
         given = body.image if isinstance(body.image, list) else [body.image]
         items = [(wire, names.get("image", "image") + name.removeprefix("image"), value)
@@ -187,7 +189,7 @@ class Engine:
     async def generate(self, body: GenerateBody, request_id: str, gone: Gone | None = None) -> Generated:
         """A generation (a rollout: a :class:`RolloutBody`), its ``n`` samples one unit: checked, admitted (429
         when the engine is full), run, answered; cancelled (499) by :meth:`cancel` or when ``gone()`` returns."""
-        pixels = await self.images_of(body) if self.info.family.condition.image_input(self.info) else {}
+        pixels = await self.images_of(body)  # first: an edit model's default size follows its images
         params = self.params_for(body, pixels)
         images = {**pixels, **initial_latents(body, self.info, params)}  # what the encoder gets
         started = time.perf_counter()

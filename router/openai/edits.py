@@ -9,17 +9,13 @@ with those images, so its PNGs are ``/generate``'s pixels for the same fields an
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
-import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from common.protocol.messages import OUTPUT
-from router.api import media
 from router.api.bodies import check_declared_length, parse_body, read_form
 from router.api.cancel_api import gone_of
 from router.api.request_ids import request_id_of
@@ -81,13 +77,7 @@ async def edit_images(api, request: Request) -> JSONResponse:
     # auto (or left out): the model's size for these images (an edit model's from the image, else its default).
     width, height = (None, None) if body.size in (None, "auto") else parse_size(body.size, api.info.defaults)
     gen = api._generate_body(body, width, height, 1, body.n, "png")
-    # Decoded first: an edit model's default size follows the images (a model that takes none refuses them).
-    images = await engine.images_of(gen) if api.info.family.condition.image_input(api.info) else {}
+    images = await engine.images_of(gen)  # first: an edit model's default size follows the images
     params = api._params(gen, image_name="image", images=images)
     outcome = await engine.run(params, rid, body.timeout_s, images, gone=gone_of(request))
-    pngs = await asyncio.to_thread(
-        lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
-    size = media.frame_size(outcome.sample(0).tensors[OUTPUT.name])
-    await api.jobs.record_images(body.prompt, api.model_id, size, pngs)  # GET /v1/images lists them too
-    return JSONResponse({"created": int(time.time()), "output_format": "png", "size": size,
-                         "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
+    return await api.images_answer(body.prompt, outcome, params.n)

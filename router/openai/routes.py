@@ -88,10 +88,15 @@ class OpenAIRoutes:
         width, height = parse_size(body.size, self.info.defaults)
         params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
         outcome = await self.engine.run(params, rid, body.timeout_s, gone=gone_of(request))
+        return await self.images_answer(body.prompt, outcome, params.n)
+
+    async def images_answer(self, prompt: str, outcome, n: int) -> JSONResponse:
+        """OpenAI's images answer of a generation's ``n`` samples (PNGs, the size made), recorded for
+        GET /v1/images too."""
         pngs = await asyncio.to_thread(
-            lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(params.n)])
+            lambda: [media.png_bytes(outcome.sample(i).tensors[OUTPUT.name]) for i in range(n)])
         size = media.frame_size(outcome.sample(0).tensors[OUTPUT.name])
-        await self.jobs.record_images(body.prompt, self.model_id, size, pngs)  # GET /v1/images
+        await self.jobs.record_images(prompt, self.model_id, size, pngs)
         return JSONResponse({"created": int(time.time()), "output_format": "png", "size": size,
                              "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]})
 
