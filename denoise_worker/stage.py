@@ -200,7 +200,8 @@ class DenoiseStage(Stage):
 
             def before(inputs):
                 expert = self.policy.experts[self.policy.expert_for(inputs[0].timestep)]
-                size_threads(expert, inputs, self.max_threads, tokens)
+                size_threads(expert, inputs, self.max_threads,
+                             tokens + self.family.condition.extra_tokens(inputs[0].image))
         if self.followers is not None:
             return step_velocities(self.policy, tasks, self.max_batch, before), True
         return step_each(self.policy, tasks, self.max_batch, before)

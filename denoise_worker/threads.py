@@ -12,7 +12,8 @@ SMALL_FORWARD = 5e7
 
 
 def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: int, image_tokens: int) -> None:
-    """All of the worker's threads for forwards big enough to gain from them, one for small ones.
+    """All of the worker's threads for forwards big enough to gain from them, one for small ones
+    (``image_tokens``: the forward's image sequence, an edit's reference tokens included).
 
     On a small forward, waking threads costs more than it saves: measured on
     the tiny model, one thread halves the denoise CPU time per request, while
@@ -25,9 +26,6 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
     # Transformer blocks: FLUX has double- and single-stream ones.
     blocks = cfg.get("num_layers", 1) + cfg.get("num_single_layers", 0)
     tokens = image_tokens + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
-    references = getattr(inputs[0].image, "tokens", None)  # an edit's reference tokens are in the sequence too
-    if references is not None:
-        tokens += references.shape[1]
     rows = sum(x.n * (2 if x.uncond is not None else 1) for x in inputs)
     threads = max_threads if rows * tokens * width * width * blocks >= SMALL_FORWARD else 1
     if threads != torch.get_num_threads():

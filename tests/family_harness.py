@@ -107,7 +107,7 @@ class InProcess:
             self.shared_forwards += len(inputs) > 1
             # As the eager CPU worker: one thread for a small forward (every one of these tiny models').
             size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads,
-                         tokens)
+                         tokens + self.family.condition.extra_tokens(inputs[0].image))
         velocities = step_velocities(self.policy, tasks, MAX_BATCH, before)
         assert advance_all(tasks, velocities) == [None] * len(tasks)
 
