@@ -129,7 +129,7 @@ def test_default_output_size_is_the_pipelines():
     for size_of, which in ((edit_output_size, 0), (edit_plus_output_size, -1)):
         width, height, _ = calculate_dimensions(1024 * 1024, sizes[which][0] / sizes[which][1])
         assert size_of(None, sizes, {}) == (height // 16 * 16, width // 16 * 16)
-    assert edit_images.reference_size(picture(200, 300, 0)) == edit_output_size(None, [(300, 200)], {})
+    assert edit_images.area_size(picture(200, 300, 0).size) == edit_output_size(None, [(300, 200)], {})
 
 
 def test_processor_without_torchvision_expands_image_tokens(tmp_path):

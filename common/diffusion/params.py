@@ -110,8 +110,7 @@ def check_images(request: dict, info: ModelInfo) -> None:
         if last_image is not None:
             raise FieldError("last_image", "goes with one image, not a list")
     if image is None and takes == "required":
-        what = "edits images: give image" if condition.text_sees_images() or most > 1 or not family.video \
-            else "makes videos from an image: give image"
+        what = "makes videos from an image: give image" if family.video else "edits images: give image"
         raise FieldError("image", f"this {family.pipeline} model {what} (a base64 PNG, JPEG or WEBP, or a "
                                   "data: URL)")
     if image is not None and takes is None:

@@ -24,11 +24,12 @@ REFERENCE_AREA = 1024 * 1024
 PIXELS_PER_TOKEN = 16
 
 
-def reference_size(image) -> tuple[int, int]:
-    """(height, width) the pipelines encode PIL ``image`` at (and Qwen-Image-Edit's default output size)."""
+def area_size(size: tuple[int, int], area: int = REFERENCE_AREA) -> tuple[int, int]:
+    """(height, width) at ``area`` pixels with the aspect of ``size`` (width, height), as the pipelines size an
+    image (diffusers' ``calculate_dimensions``): the references at 1024x1024, the VL's images (Plus) at 384x384."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    width, height, _ = calculate_dimensions(REFERENCE_AREA, image.size[0] / image.size[1])
+    width, height, _ = calculate_dimensions(area, size[0] / size[1])
     return height, width
 
 
@@ -43,9 +44,7 @@ def edit_plus_output_size(info, sizes: list[tuple[int, int]], fields: dict) -> t
 
 
 def _output_size(size: tuple[int, int]) -> tuple[int, int]:
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-    width, height, _ = calculate_dimensions(REFERENCE_AREA, size[0] / size[1])
+    height, width = area_size(size)
     # The pipelines floor the size to whole tokens (a no-op on calculate_dimensions' multiples of 32).
     return height // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
 
@@ -76,7 +75,7 @@ class QwenImageEditConditioner:
     @torch.no_grad()
     def tokens(self, image) -> tuple[torch.Tensor, tuple[int, int]]:
         """One PIL image's normalised packed latent tokens [rows * cols, C * 4] (float32) and (rows, cols)."""
-        height, width = reference_size(image)
+        height, width = area_size(image.size)
         if self.RESIZE_FIRST:
             image = self.image_processor.resize(image, height, width)
         pixels = self.image_processor.preprocess(image, height, width).unsqueeze(2)  # [1, 3, 1, H, W]

@@ -18,19 +18,16 @@ from pathlib import Path
 import torch
 
 from common.diffusion.parts.pipeline_text import NOT_TEXT, PipelineTextEncoder
+from common.families.qwen_image.edit_images import REFERENCE_AREA, area_size
 from common.protocol.messages import PROMPT_EMBEDS
 
-# QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE and both pipelines' VAE_IMAGE_SIZE (areas in pixels).
+# QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE (an area in pixels).
 CONDITION_AREA = 384 * 384
-REFERENCE_AREA = 1024 * 1024
 
 
 def resized(pipe, image, area: int):
     """``image`` (PIL) as the pipeline resizes it to ``area`` at its own aspect ratio."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-    width, height, _ = calculate_dimensions(area, image.size[0] / image.size[1])
-    return pipe.image_processor.resize(image, height, width)
+    return pipe.image_processor.resize(image, *area_size(image.size, area))
 
 
 class QwenImageEditTextEncoder(PipelineTextEncoder):
