@@ -22,6 +22,8 @@ MAX_SEED = 2**63 - 1
 HttpOutputType = Literal["frames", "latent", "mp4", "png"]
 MEDIA_OUTPUTS = ("mp4", "png")
 MAX_IMAGES = len(EDIT_IMAGES)  # the most images a request's image list may hold (the wire's image, image.2, ...)
+# ``image`` as a list: an edit model's several images (one_image_or_a_list checks the shape first).
+ImageList = Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)]
 
 
 
@@ -69,7 +71,7 @@ class GenerateBody(BaseModel):
     cache: CacheBody | None = Field(default=None, description="step caching: reuse a transformer output between "
                                     "close steps (never on a rollout's SDE steps); left out: the engine's --cache, "
                                     "null: off")
-    image: str | Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)] | None = Field(
+    image: str | ImageList | None = Field(
         default=None, description="image-to-video models: the first frame; edit models: the image to edit, or a "
         f"list of up to {MAX_IMAGES} (GET /v1/models: max_images); each a base64 PNG, JPEG or WEBP or a data: URL "
         "(the engine fetches no URL)")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.protocol.messages import LORA_NAME_PATTERN
 from common.diffusion.params import COMMON
-from router.api.schemas import MAX_IMAGES, MAX_SEED, CacheBody, FieldError, GenerateBody, one_image_or_a_list
+from router.api.schemas import MAX_SEED, CacheBody, FieldError, GenerateBody, ImageList, one_image_or_a_list
 
 
 class EngineFields(BaseModel):
@@ -58,7 +58,7 @@ class EditsBody(EngineFields):
         {"prompt": "make it night", "image": "data:image/png;base64,...", "size": "auto", "n": 1}]})
 
     prompt: str
-    image: str | Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)] = Field(
+    image: str | ImageList = Field(
         description="the image(s) to edit: multipart files image or image[]; in JSON base64 or data: URLs")
     model: str | None = None
     n: int = Field(default=1, ge=1)
