@@ -155,8 +155,8 @@ PRESETS = {
     # the output size (Kontext: the preferred resolution nearest the picture's aspect), so a request holds
     # ~16x more reference tokens than noise tokens and VAE-encodes a ~1-megapixel picture: the step counts
     # and request counts keep a run to a few minutes on 2 CPU cores. One request at a time against
-    # diffusers in-process (target: engine p50 <= 1.05x diffusers'); 2 distinct pictures over 3 requests:
-    # the first 2 are encoded, the third comes from the encoder's cache. The encoder worker gets every core
+    # diffusers in-process (target: engine p50 <= 1.05x diffusers'); 3 distinct pictures over 4 requests:
+    # the first 3 are encoded, the fourth comes from the encoder's cache. The encoder worker gets every core
     # (encoder_threads; its default is one thread): the reference's VAE encode is a large share of a request,
     # and one request at a time never runs it beside the denoiser; on as many threads as diffusers' in-process
     # encode it also rounds as that does (a 1-megapixel encode on another thread count differs by ~1e-3).
@@ -788,8 +788,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "wan-1.3b, small-wan-i2v: 1)")
     ap.add_argument("--images", type=int,
                     help="image-to-video and edit models: distinct pictures in the mix, request i taking picture "
-                         "i mod this (preset tiny-wan-i2v: 8, small-wan-i2v: 3, small-qwen-image-edit, "
-                         "small-flux-kontext: 2, others: 4); a picture's first request makes the encoder encode "
+                         "i mod this (preset tiny-wan-i2v: 8, small-wan-i2v and the edit presets: 3, "
+                         "others: 4); a picture's first request makes the encoder encode "
                          "it, later ones hit its cache. A model that takes an image optionally (FLUX.1 Kontext) "
                          "gets pictures only when this or its preset asks")
     ap.add_argument("--pictures", type=int,
