@@ -97,6 +97,8 @@ LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
 # (router -> encoder -> denoise worker; common/diffusion/resume.py checks them).
 INITIAL_LATENTS = TensorField("initial_latents", FLOAT_DTYPES, (5, 4, 3), required=False)
 OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4, 3))  # frames [n, F, H, W, 3] in [0, 1], or latents as LATENTS
+# Models with a sound stream: the waveform [n, channels, samples] at the Result's info["audio_sample_rate"].
+AUDIO = TensorField("audio", FLOAT_DTYPES, 3, required=False)
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
 KL = TensorField("kl", FLOAT_DTYPES, 2, required=False)  # [n, K]: KL against the reference, per SDE step
@@ -109,7 +111,7 @@ LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adap
 ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS, KL,
                    REF_LOG_PROBS)
 # The tensors of a result with one row per sample (the rest are shared by the request's samples).
-PER_SAMPLE = (OUTPUT, LOG_PROBS, TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
+PER_SAMPLE = (OUTPUT, AUDIO, LOG_PROBS, TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -281,7 +283,7 @@ class Result(_Header, tag="result", kw_only=True):
     """Final answer for one request. ``info`` holds per-request facts such as the
     scheduler that ran and the weight version, and per-sample counts (lists, one entry per sample)."""
 
-    carries = (OUTPUT, *ROLLOUT_OUTPUTS)
+    carries = (OUTPUT, AUDIO, *ROLLOUT_OUTPUTS)
 
     stage: str
     timings: dict[str, float] = {}
