@@ -141,6 +141,11 @@ class DenoiseTask:
     def samples(self) -> int:
         return self.params.n
 
+    @property
+    def branches(self) -> int:
+        """The guidance passes each of its samples runs per step (1 without guidance)."""
+        return len(self.info.family.guidance.passes(self.params, self.cond)) + (1 if self.uncond is None else 2)
+
     def step_generators(self) -> list[torch.Generator]:
         """One generator per row: during a shared prefix the step is deterministic and draws nothing."""
         return self.generators[:self.n]
@@ -165,7 +170,7 @@ class DenoiseTask:
 
     def model_input(self) -> ModelInput:
         return ModelInput.of(self.info, self.params, self.latents, self.timestep, self.cond, self.uncond, self.lora,
-                             self.image)
+                             self.image, self.scheduler.sigmas[self.step])
 
     def variant_at(self, step: int) -> StepVariant:
         """Step ``step``'s variant: the request's inside its window of SDE steps, the Euler step outside it."""
@@ -231,7 +236,7 @@ class DenoiseTask:
         if self.cache is not None:
             return {"transformer_passes": [p + ref for p in self.cache.transformer_passes],
                     "cached_steps": list(self.cache.cached_steps)}
-        branches = 1 if self.uncond is None else 2
+        branches = self.branches
         shared = min(self.step, self.branch_at)
         out = {"transformer_passes": [(self.step - shared) * branches + ref] * self.samples,
                "cached_steps": [0] * self.samples}

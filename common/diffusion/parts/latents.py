@@ -88,6 +88,11 @@ class LatentsPart:
         shape = self.shape(info, height, width, num_frames)
         return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
 
+    def layout(self, info: "ModelInfo", params) -> object:
+        """What a forward's transformer call needs to know of a request's latents beyond their tensor (its
+        ``grid``; hashable, equal for requests that can share a forward): the token grid of its size."""
+        return self.token_grid(info, *self.size(info, params.height, params.width, params.fields))
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackedLatents(LatentsPart):
