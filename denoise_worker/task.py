@@ -44,11 +44,7 @@ from denoise_worker import branching
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
-    family = info.family
-    height, width = family.latents.size(info, params.height, params.width, params.fields)
-    shape = family.latents.noise_shape(info, height, width, params.num_frames)
-    noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-    return family.latents.pack(noise, info, height, width)
+    return torch.cat([info.family.latents.draw(info, params, g) for g in generators])
 
 
 def step_versions(weight_versions: list[int], lora: tuple[LoraAdapter, float] | None) -> dict[str, list[int]]:
@@ -102,8 +98,7 @@ class DenoiseTask:
         """``initial_latents``: a resumed rollout's starting latents [1 or n, *latent] (checked by the router,
         common/diffusion/resume.py), used instead of the drawn noise."""
         sde = sde_settings(params)
-        height, width = info.family.latents.size(info, params.height, params.width, params.fields)
-        seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
+        seq_len = info.family.latents.seq_len(info, params)
         on_rollout = sde is not None and sde.schedule == "rollout"
         scheduler = schedulers.build(rollout_template if on_rollout else serving_template, params, device,
                                      image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)

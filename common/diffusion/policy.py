@@ -68,6 +68,7 @@ class ModelInput:
     # modality-isolated passes), each a conditioning of its own; their rows go with the unconditional ones.
     passes: tuple[Conditioning, ...] = ()
     sigma: torch.Tensor | None = None  # the step's sigma, for guidance combined on x0 predictions
+    settings: object = None  # the request's guidance settings where its family has more than one scale
 
     @property
     def branches(self) -> list[Conditioning]:
@@ -86,7 +87,8 @@ class ModelInput:
         return cls(latents, timestep, cond, uncond, family.guidance.scale(params),
                    field_value(params, GUIDANCE_SCALE_2.name), lora, family.condition.token_layout(grid, image),
                    family.guidance.embedded(info, params.guidance_scale), image,
-                   passes=family.guidance.passes(params, cond), sigma=sigma)
+                   passes=family.guidance.passes(params, cond), sigma=sigma,
+                   settings=family.guidance.settings(params))
 
     @property
     def n(self) -> int:
@@ -204,8 +206,6 @@ class Policy:
 
     def combine(self, name: str, x: ModelInput, outs: list[torch.Tensor]) -> torch.Tensor:
         """``x``'s guided output from its branches' outputs (:attr:`ModelInput.branches`' order)."""
-        if len(outs) == 1:
-            return outs[0]
         return self.family.guidance.combine(x, outs, self.guidance_scale(name, x))
 
     def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):

@@ -47,10 +47,14 @@ class Guidance:
         """The conditionings of the passes a request runs beyond CFG's two (none here)."""
         return ()
 
+    def settings(self, params) -> object:
+        """What :meth:`combine` reads of a request beyond its scale (none here)."""
+        return None
+
     def combine(self, x: "ModelInput", outs: list[torch.Tensor], scale: float) -> torch.Tensor:
         """The guided output of ``x`` from its passes' outputs (``ModelInput.branches``' order: cond, uncond,
-        further passes)."""
-        return self.guide(outs[0], outs[1], scale)
+        further passes); one output is the model's own."""
+        return outs[0] if len(outs) == 1 else self.guide(outs[0], outs[1], scale)
 
 
 @dataclass(frozen=True, kw_only=True)
