@@ -69,7 +69,7 @@ NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, 
 # SD3's pooled CLIP projections [P], one per prompt (the family's binding says which text tensors it needs).
 POOLED_PROMPT_EMBEDS = TensorField("pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
 NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
-# Models with a sound stream (LTX-2): the audio stream's text context [L, D_a] beside ``prompt_embeds`` (the
+# Models with a sound stream: the audio stream's text context [L, D_a] beside ``prompt_embeds`` (the
 # video stream's, both the full token budget), and the mask over their L tokens [L] (1: attended).
 AUDIO_PROMPT_EMBEDS = TensorField("audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
 NEGATIVE_AUDIO_PROMPT_EMBEDS = TensorField("negative_audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
