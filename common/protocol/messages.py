@@ -69,9 +69,17 @@ NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, 
 # SD3's pooled CLIP projections [P], one per prompt (the family's binding says which text tensors it needs).
 POOLED_PROMPT_EMBEDS = TensorField("pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
 NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
+# Models with a sound stream: the audio stream's text context [L, D_a] beside ``prompt_embeds`` (the
+# video stream's, both the full token budget), and the mask over their L tokens [L] (1: attended).
+AUDIO_PROMPT_EMBEDS = TensorField("audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
+NEGATIVE_AUDIO_PROMPT_EMBEDS = TensorField("negative_audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
+PROMPT_MASK = TensorField("prompt_mask", INT_DTYPES, 1, required=False)
+NEGATIVE_PROMPT_MASK = TensorField("negative_prompt_mask", INT_DTYPES, 1, required=False)
 # A prompt's text tensor -> the same tensor of the negative prompt.
-NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
-TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
+NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS,
+               AUDIO_PROMPT_EMBEDS.name: NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK.name: NEGATIVE_PROMPT_MASK}
+TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS,
+                AUDIO_PROMPT_EMBEDS, NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK)
 # Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
 # encoder's image side makes of them (encoder -> denoise worker; see Binding.condition.fields).
 IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)
