@@ -30,7 +30,7 @@ def test_tiny_ltx2_runs_and_stg_perturbs_its_default_block():
         return pipe(**CALL, stg_scale=1.0, spatio_temporal_guidance_blocks=blocks,
                     generator=torch.Generator().manual_seed(0))
 
-    out = run(defaults["spatio_temporal_guidance_blocks"])
+    out = run([defaults["stg_block"]])
     assert out.frames.shape == (1, 9, 64, 64, 3) and out.audio.shape[:2] == (1, 2)
     assert np.isfinite(out.frames).all() and torch.isfinite(out.audio).all()
     beyond = run([pipe.transformer.config.num_layers])  # a block that does not exist: STG perturbs nothing
