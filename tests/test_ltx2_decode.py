@@ -83,8 +83,9 @@ def model(tmp_path_factory):
     return path, pipe
 
 
-def _params(seed: int, n: int = 1, frame_rate: float = 25.0, **fields) -> GenerationParams:
-    return GenerationParams(prompt="", negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+def _params(seed: int, n: int = 1, frame_rate: float = 25.0, size=(HEIGHT, WIDTH), frames=FRAMES,
+            **fields) -> GenerationParams:
+    return GenerationParams(prompt="", negative_prompt="", height=size[0], width=size[1], num_frames=frames,
                             num_inference_steps=2, guidance_scale=1.0, seed=seed, n=n,
                             fields={"frame_rate": frame_rate, **fields})
 
@@ -142,3 +143,43 @@ def test_decode_noise_follows_the_seed_and_the_timestep(model):
     assert max_diff(a.frames, b.frames) > 1e-3
     assert max_diff(a.audio, b.audio) == 0
     assert max_diff(run(1, decode_timestep=0.0).frames, run(2, decode_timestep=0.0).frames) == 0
+
+
+def test_the_decode_stage_batches_by_streams_and_carries_the_waveform(model, tmp_path):
+    """Requests whose streams have the same shapes decode in one group (split at the stage's batch size); one
+    whose joint latents have the same shape but other streams (more frames at a higher rate: 24 video + 5
+    audio tokens against 20 + 9) in its own; each result equals its request decoded alone and carries its
+    waveform and the vocoder's rate."""
+    from common.protocol.messages import AUDIO, LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Route
+    from common.config.engine import EngineConfig, WorkerSpec
+    from decode_worker.stage import DecodeStage
+
+    path, _ = model
+    config = EngineConfig(model=str(path), workers=[WorkerSpec(role="decode", index=0)], router_endpoint="",
+                          runtime_dir=str(tmp_path), max_batch_size=2)
+    stage = DecodeStage(config, config.workers[0])
+    # What load() takes from the family's binding: its latents part's size rule and its decoder.
+    latents_part = SimpleNamespace(size=lambda info, height, width, fields: (height, width))
+    stage.info = SimpleNamespace(family=SimpleNamespace(latents=latents_part))
+    decoder = stage.decoder = Ltx2Decoder.load(SimpleNamespace(path=path), torch.float32, torch.device("cpu"))
+    calls = []
+    decode_rows = decoder.decode_rows
+    decoder.decode_rows = lambda latents, rows, h, w: calls.append([(p.seed, i) for p, i in rows]) or decode_rows(
+        latents, rows, h, w)
+
+    small = (4, 4)  # 2 x 2 video tokens per latent frame
+    requests = [_params(7, n=2, size=small, decode_timestep=0.05), _params(11, size=small, decode_timestep=0.1),
+                _params(13, size=small, frames=11, frame_rate=55.0, decode_timestep=0.05)]
+    geos = [decoder.batch_key(p) for p in requests]
+    assert geos[0].tokens == geos[2].tokens and geos[0] != geos[2]  # same shape on the wire, other streams
+    items = [(DecodeRequest(v=PROTOCOL_VERSION, request_id=f"r{k}", route=Route(encoder=0, denoise=0, decode=0),
+                            params=p), {LATENTS.name: _joint(g, p.n, seed=20 + k)})
+             for k, (p, g) in enumerate(zip(requests, geos))]
+    out = stage.process_batch(items)
+    assert calls == [[(7, 0), (7, 1)], [(11, 0)], [(13, 0)]]
+    for (msg, tensors), fwd in zip(items, out):
+        alone = decode_rows(tensors[LATENTS.name], [(msg.params, i) for i in range(msg.params.n)], *small)
+        assert fwd.tensors[OUTPUT.name].shape == (msg.params.n, msg.params.num_frames, *small, 3)
+        assert fwd.msg.info["audio_sample_rate"] == 16000
+        assert max_diff(fwd.tensors[OUTPUT.name], alone.frames) <= 1e-5
+        assert max_diff(fwd.tensors[AUDIO.name], alone.audio) <= 1e-5

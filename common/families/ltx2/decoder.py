@@ -78,9 +78,10 @@ class Ltx2Decoder:
                    ready(AutoencoderKLLTX2Audio.from_pretrained(info.path / "audio_vae", dtype=dtype)),
                    ready(LTX2Vocoder.from_pretrained(info.path / "vocoder", dtype=dtype)), device, tiling)
 
-    def batch_key(self, params: "GenerationParams") -> tuple:
-        """Requests decode together when their streams have the same shapes (the stage already matches sizes)."""
-        return params.num_frames, _float(params, "frame_rate", FRAME_RATE)
+    def batch_key(self, params: "GenerationParams") -> Ltx2Geometry:
+        """Requests decode together when their streams have the same shapes: the joint latents' shape alone
+        does not say (other frame counts and rates can share a token count)."""
+        return self.geometry(params, params.height, params.width)
 
     def geometry(self, params: "GenerationParams", height: int, width: int) -> Ltx2Geometry:
         return Ltx2Geometry.of(self.path, height, width, params.num_frames,
@@ -92,6 +93,8 @@ class Ltx2Decoder:
         """Joint latents [n, S_v + S_a, C], row k sample ``rows[k][1]`` of request ``rows[k][0]`` (all of one
         :meth:`batch_key` and size) -> frames [n, F, H, W, 3] and the waveform [n, channels, samples]."""
         geo = self.geometry(rows[0][0], height, width)
+        if any(self.geometry(p, height, width) != geo for p in {id(p): p for p, _ in rows}.values()):
+            raise ValueError("rows of one LTX-2 decode call must have streams of the same shapes")
         settings = [DecodeSettings.of(p, i) for p, i in rows]
         video, audio = geo.split(latents.to(self.device, torch.float32))
         frames = self.decode_video(geo.unpack_video(video), settings, geo, rows[0][0].num_frames)
