@@ -24,25 +24,17 @@ import torch
 from common.diffusion.parts.decoder import Decoded
 from common.diffusion.request_fields import field_value
 from common.diffusion.vae_tiling import VaeTiling
+from common.families.ltx2.fields import DECODE_NOISE_SCALE, DECODE_TIMESTEP, DEFAULTS, frame_rate
 from common.families.ltx2.geometry import Ltx2Geometry
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
     from common.protocol.messages import GenerationParams
 
-FRAME_RATE = 24.0  # the pipeline's defaults, for a request that reached here without the router's
-DECODE_TIMESTEP = 0.0
-
-
 def video_frames(video: torch.Tensor) -> torch.Tensor:
     """VAE output [n, 3, F, H, W] in [-1, 1] -> float32 frames [n, F, H, W, 3] in [0, 1]."""
     # VideoProcessor's order: de-normalise and clamp in the VAE's dtype, then widen.
     return (video / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 4, 1).contiguous()
-
-
-def _float(params: "GenerationParams", name: str, default: float | None) -> float | None:
-    value = field_value(params, name)
-    return default if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -55,9 +47,10 @@ class DecodeSettings:
 
     @classmethod
     def of(cls, params: "GenerationParams", index: int) -> "DecodeSettings":
-        timestep = _float(params, "decode_timestep", DECODE_TIMESTEP)
-        noise_scale = _float(params, "decode_noise_scale", None)
-        return cls(params.seed + index, timestep, timestep if noise_scale is None else noise_scale)
+        timestep = field_value(params, DECODE_TIMESTEP.name)
+        timestep = float(DEFAULTS["decode_timestep"] if timestep is None else timestep)
+        noise_scale = field_value(params, DECODE_NOISE_SCALE.name)
+        return cls(params.seed + index, timestep, timestep if noise_scale is None else float(noise_scale))
 
 
 class Ltx2Decoder:
@@ -84,8 +77,7 @@ class Ltx2Decoder:
         return self.geometry(params, params.height, params.width)
 
     def geometry(self, params: "GenerationParams", height: int, width: int) -> Ltx2Geometry:
-        return Ltx2Geometry.of(self.path, height, width, params.num_frames,
-                               _float(params, "frame_rate", FRAME_RATE))
+        return Ltx2Geometry.of(self.path, height, width, params.num_frames, frame_rate(params))
 
     @torch.no_grad()
     def decode_rows(self, latents: torch.Tensor, rows: Sequence[tuple["GenerationParams", int]], height: int,
