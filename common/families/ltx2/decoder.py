@@ -15,6 +15,7 @@ draws) and then draws noise of the video latents' shape.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -53,6 +54,17 @@ class DecodeSettings:
         return cls(params.seed + index, timestep, timestep if noise_scale is None else float(noise_scale))
 
 
+def vocoder_class(path: Path):
+    """The directory's vocoder class: ``LTX2Vocoder`` (LTX-2), ``LTX2VocoderWithBWE`` (LTX-2.3: a bandwidth
+    extension to a higher output rate)."""
+    from diffusers.pipelines.ltx2 import vocoder
+
+    name = json.loads((Path(path) / "vocoder" / "config.json").read_text()).get("_class_name", "LTX2Vocoder")
+    if name not in ("LTX2Vocoder", "LTX2VocoderWithBWE"):
+        raise ValueError(f"vocoder/config.json: {name!r} is not an LTX-2 vocoder")
+    return getattr(vocoder, name)
+
+
 class Ltx2Decoder:
     def __init__(self, path: Path, vae, audio_vae, vocoder, device, tiling: VaeTiling = VaeTiling()):
         self.path, self.device, self.tiling = Path(path), device, tiling
@@ -62,14 +74,14 @@ class Ltx2Decoder:
     @classmethod
     def load(cls, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "Ltx2Decoder":
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
         def ready(m):
             return m.to(device).eval().requires_grad_(False)
 
         return cls(info.path, ready(AutoencoderKLLTX2Video.from_pretrained(info.path / "vae", dtype=dtype)),
                    ready(AutoencoderKLLTX2Audio.from_pretrained(info.path / "audio_vae", dtype=dtype)),
-                   ready(LTX2Vocoder.from_pretrained(info.path / "vocoder", dtype=dtype)), device, tiling)
+                   ready(vocoder_class(info.path).from_pretrained(info.path / "vocoder", dtype=dtype)), device,
+                   tiling)
 
     def batch_key(self, params: "GenerationParams") -> Ltx2Geometry:
         """Requests decode together when their streams have the same shapes: the joint latents' shape alone
