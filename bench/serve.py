@@ -9,6 +9,7 @@
     python bench/serve.py --preset tiny-wan-i2v --images 8  # image to video, many small requests, 8 distinct images
     python bench/serve.py --preset small-qwen-image-edit    # image editing (also small-flux-kontext): a picture each
     python bench/serve.py --model tiny-qwen-image-edit-plus --pictures 2  # two pictures per request, as a list
+    python bench/serve.py --preset small-ltx2               # LTX-2 (video with sound), CFG + STG + modality
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -23,7 +24,8 @@ What it does, in this order:
 2. Builds a fixed request mix, deterministic from ``--seed``: request ``i`` has a prompt from a small list
    and seed ``--seed * 1_000_000 + i`` (all distinct), the same size / steps / guidance for all (by default the
    model's default size, ``--steps`` from the preset, CFG on with guidance 5.0 (SD3 presets: 4.5),
-   ``--output-type frames``). Image families (SD3) are sent no ``num_frames``: they answer one frame.
+   ``--output-type frames``; a preset's ``fields``, e.g. LTX-2's audio guidance, go to every request and to
+   the pipeline alike). Image families (SD3) are sent no ``num_frames``: they answer one frame.
    Image-to-video and edit models (those that require an ``image``: ``WanImageToVideoPipeline``,
    ``QwenImageEditPipeline``; ``FluxKontextPipeline``, which takes one optionally, when the preset or
    ``--images`` asks) get a picture too: ``--images`` distinct seeded synthetic RGB pictures of 96x160
@@ -57,7 +59,8 @@ What it does, in this order:
    every load level and diffusers' output ([F, H, W, 3] frames, one frame for images, against the
    pipeline's ``np`` output; or latents) (expected <= ``--tolerance``: 1e-4 in float32, batched or not;
    the bfloat16 preset wan-1.3b and small-wan-i2v, whose batched frames go through the VAE, set looser ones,
-   see PRESETS).
+   see PRESETS). A model with sound (LTX-2) whose answers carry ``audio`` has its waveform checked the same
+   way against the pipeline's ``audio``.
 
 Prints a table; ``--json`` writes every number, ``--png`` a chart (throughput and p50/p99 latency against
 concurrency or offered rate, diffusers' sequential figures as horizontal lines).
@@ -175,7 +178,22 @@ PRESETS = {
     "small-flux-kontext": dict(model="small-flux-kontext", height=256, width=256, num_frames=None, steps=6,
                                guidance=2.5, concurrency=[1], requests=4, warmup=1, images=3,
                                encoder_threads="all", decode_threads="all", target_p50_ratio=1.05),
+    # LTX-2 (LTX2Pipeline: video and audio latents denoised jointly) at small-ltx2's default 256x384, 25 frames,
+    # with the guidance the pipeline's defaults run: CFG 3.0 (audio 7.0), STG 1.0 on the model's stg_block,
+    # modality 3.0, rescale 0.7 on both streams; four rows a step (cond, uncond, perturbed, isolated), which
+    # the pipeline runs as three transformer calls. The audio fields are sent explicitly: the engine's audio
+    # fields left out take the video ones, the pipeline's have their own defaults. 3 steps keep the run (8
+    # requests at c=1 and c=8, diffusers' 8) to a few minutes on 2 cores. Decode is two VAEs and the vocoder:
+    # the decode worker gets every core, as diffusers' in-process decode has (and the encoder, as the edits).
+    "small-ltx2": dict(model="small-ltx2", height=256, width=384, num_frames=25, steps=3, guidance=3.0,
+                       fields=dict(audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0,
+                                   modality_scale=3.0, audio_modality_scale=3.0, guidance_rescale=0.7,
+                                   audio_guidance_rescale=0.7),
+                       concurrency=[1, 8], requests=8, warmup=1, encoder_threads="all", decode_threads="all",
+                       target_p50_ratio=1.05),
 }
+# Serving defaults of a family's fields that the pipeline takes under another name and shape.
+PIPELINE_ARGS = {"stg_block": lambda v: {"spatio_temporal_guidance_blocks": [int(v)]}}
 DEFAULT_TOPOLOGY = "encoder=1,denoise=1,decode=1"
 # Used where a preset does not say.
 PRESET_FALLBACKS = {"device": "cpu", "dtype": "float32", "tolerance": 1e-4, "images": 4, "pictures": 1}
@@ -203,6 +221,7 @@ class Workload:
     true_cfg: float | None = None  # FLUX / Qwen-Image: true CFG with the empty negative prompt
     images: int = 0  # image to video: distinct pictures in the mix (request i takes picture i mod images)
     pictures: int = 1  # pictures per request (an edit model taking several: ``image`` as a list)
+    fields: tuple = ()  # (name, value) of the family's own fields every request sends (and the pipeline gets)
 
     def body(self, i: int) -> dict:
         """Request ``i`` of the mix (deterministic from the workload seed)."""
@@ -217,6 +236,7 @@ class Workload:
             del body["guidance_scale"]
         if self.true_cfg is not None:
             body["true_cfg_scale"] = self.true_cfg
+        body.update(self.fields)
         if self.images:
             body["image"] = self._image_field(self._picture_key(i))
         return body
@@ -333,6 +353,7 @@ class Sender:
     def __init__(self, http: httpx.AsyncClient, work: Workload, keep: int, seen: set):
         self.http, self.work, self.keep, self.seen = http, work, keep, seen
         self.outputs: dict[int, list] = {}
+        self.sounds: dict[int, list] = {}  # the kept requests' waveforms, where the answers carry them
 
     async def send(self, i: int, body: dict | None = None, t_start: float | None = None) -> Result:
         body = body or self.work.body(i)
@@ -359,6 +380,8 @@ class Sender:
             return Result(i, False, latency, r.status_code, f"{err.get('type')}: {err.get('message')}")
         if 0 <= i < self.keep:
             self.outputs[i] = [body_to_tensor(s["output"]) for s in data["samples"]]
+            if all(s.get("audio") for s in data["samples"]):
+                self.sounds[i] = [body_to_tensor(s["audio"]) for s in data["samples"]]
         return Result(i, True, latency, 200, timings=dict(data.get("timings", {})), new_image=new_image)
 
 
@@ -445,8 +468,9 @@ def _image_encode_stats(ok: list[Result]) -> dict:
 
 
 async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
-        -> tuple[list[dict], dict[str, dict[int, list]]]:
-    levels, outputs = [], {}
+        -> tuple[list[dict], dict[str, dict[int, list]], dict[str, dict[int, list]]]:
+    """Levels, and per level the kept requests' outputs and waveforms (empty for a model without sound)."""
+    levels, outputs, sounds = [], {}, {}
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits) as http:
         seen: set = set()
@@ -460,7 +484,7 @@ async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
             meter.start()
             results, wall = await closed_loop(sender, c, args.requests)
             levels.append({**summarise("concurrency", c, results, wall, work.n), **meter.stop()})
-            outputs[f"c={c}"] = sender.outputs
+            outputs[f"c={c}"], sounds[f"c={c}"] = sender.outputs, sender.sounds
             _progress(levels[-1])
         for rate in args.rate or []:
             sender = Sender(http, work, keep=args.check, seen=seen)
@@ -470,9 +494,9 @@ async def run_engine_levels(url: str, work: Workload, args, meter: CpuMeter) \
             level = {**summarise("rate", rate, results, wall, work.n), **meter.stop()}
             level["offered_req_per_s"] = len(arrivals) / args.duration if args.duration else rate
             levels.append(level)
-            outputs[f"rate={rate:g}"] = sender.outputs
+            outputs[f"rate={rate:g}"], sounds[f"rate={rate:g}"] = sender.outputs, sender.sounds
             _progress(level)
-    return levels, outputs
+    return levels, outputs, sounds
 
 
 def _progress(level: dict) -> None:
@@ -486,10 +510,10 @@ def _progress(level: dict) -> None:
 
 
 def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, device: str = "cpu",
-                  dtype: str = "float32") -> tuple[dict, dict[int, list]]:
+                  dtype: str = "float32") -> tuple[dict, dict[int, list], dict[int, list]]:
     """The first ``count`` requests of the mix through the family's diffusers pipeline (WanPipeline,
-    StableDiffusion3Pipeline, WanImageToVideoPipeline with the request's picture, ...), one after another, on
-    all cores."""
+    StableDiffusion3Pipeline, WanImageToVideoPipeline with the request's picture, LTX2Pipeline, ...), one after
+    another, on all cores; with their waveforms where the pipeline makes sound."""
     import inspect
 
     import diffusers
@@ -521,20 +545,29 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
     # in the pipeline, 256x256 in small-flux-kontext's); Wan's 512 is both.
     takes = inspect.signature(pipe.__call__).parameters
     fixed = {f.name: info.defaults[f.name] for f in family.request_fields
-             if f.name in takes and f.name in info.defaults}
+             if f.name in takes and f.name in info.defaults and f.name not in work.body(0)}
+    for name, translate in PIPELINE_ARGS.items():  # LTX-2's stg_block: spatio_temporal_guidance_blocks
+        if name in info.defaults and not set(translate(info.defaults[name])) - set(takes):
+            fixed.update(translate(info.defaults[name]))
+    own = [name for name, _ in work.fields if name in takes]
+    sounds: dict[int, list] = {}
 
-    def one(body: dict, image) -> list:
+    def one(body: dict, image, i: int | None = None) -> list:
         outs = []
         for k in range(body["n"]):  # the engine's n samples use seeds seed, seed+1, ...
             # A CPU generator, as the engine draws its initial noise on the CPU whatever the device.
             kw = dict(prompt=body["prompt"], negative_prompt=body["negative_prompt"], height=body["height"],
                       width=body["width"], num_inference_steps=body["num_inference_steps"],
                       generator=torch.Generator("cpu").manual_seed(body["seed"] + k), output_type=output_type,
-                      **{**fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale") if k2 in body}})
+                      **{**fixed, **{k2: body[k2] for k2 in ("guidance_scale", "true_cfg_scale", *own)
+                                     if k2 in body}})
             if image is not None:  # the PIL picture whose PNG the engine was sent
                 kw["image"] = image
             if family.video:
-                out = pipe(**kw, num_frames=body["num_frames"]).frames[0]  # [F, H, W, 3] or latents [C, F', ...]
+                result = pipe(**kw, num_frames=body["num_frames"])
+                out = result.frames[0]  # [F, H, W, 3] or latents [C, F', ...]
+                if i is not None and output_type == "np" and getattr(result, "audio", None) is not None:
+                    sounds.setdefault(i, []).append(result.audio[0].float().cpu())  # [channels, samples]
             else:  # images [1, H, W, 3], as the engine answers one frame; latents [C, H', W']
                 out = pipe(**kw).images
                 out = out[:1] if output_type == "np" else out[0]
@@ -549,7 +582,7 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
         t0 = time.perf_counter()
         for i in range(count):
             t = time.perf_counter()
-            outputs[i] = one(work.body(i), work.image(i))
+            outputs[i] = one(work.body(i), work.image(i), i)
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
         cpu = meter.stop()
@@ -559,7 +592,7 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
            "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
            "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
-    return res, outputs
+    return res, outputs, sounds
 
 
 def _components(model_dir: Path, pipeline: str) -> dict:
@@ -606,6 +639,11 @@ def _label(level: dict) -> str:
     return f"c={level['level']}" if level["mode"] == "concurrency" else f"rate={level['level']:g}"
 
 
+def _fields_note(cfg: dict) -> str:
+    fields = cfg.get("fields") or {}
+    return f" ({', '.join(f'{k} {v:g}' for k, v in fields.items())})" if fields else ""
+
+
 def _gpu_note(cfg: dict) -> str:
     return f"; GPU: {cfg['gpu']}" if cfg.get("gpu") else ""
 
@@ -622,7 +660,8 @@ def print_report(res: dict) -> None:
     pictures = (f", {each}: {min(images, cfg['requests_per_level'])} distinct {size} RGB pictures "
                 f"(request i: picture i mod {images}; warm-up: its own)" if images else "")
     print(f"requests: {cfg['height']}x{cfg['width']}, {frames}, {cfg['steps']} steps, "
-          f"guidance {cfg['guidance']}, output {cfg['output_type']}, n={cfg['n']}, seed {cfg['seed']}, "
+          f"guidance {cfg['guidance']}{_fields_note(cfg)}, output {cfg['output_type']}, n={cfg['n']}, "
+          f"seed {cfg['seed']}, "
           f"warm-up {cfg['warmup']}{pictures}; CPU cores: {os.cpu_count()}{_gpu_note(cfg)}; load average (1/5/15 min) "
           f"at start {'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_start'])}, at end "
           f"{'/'.join(f'{x:.1f}' for x in cfg['loadavg_at_end'])}")
@@ -683,6 +722,11 @@ def print_report(res: dict) -> None:
         if not chk["ok"] and res["config"]["output_type"] == "frames":
             print("  (frames go through the VAE, which can amplify a tiny latent difference; "
                   "--output-type latent checks the denoiser's output alone)")
+    sound = res.get("correctness_audio")
+    if sound:
+        print("waveform, engine vs diffusers: " + (sound["skipped"] if "skipped" in sound else ", ".join(
+            f"{k} {'-' if v['max_abs_diff'] is None else format(v['max_abs_diff'], '.2e')}"
+            for k, v in sound["per_level"].items()) + f"  -> {'OK' if sound['ok'] else 'MISMATCH'}"))
 
 
 def plot(res: dict, path: Path) -> None:
@@ -815,6 +859,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, attr, preset.get(key))
     if args.guidance is None:
         args.guidance = preset["guidance"]
+    args.fields = dict(preset.get("fields", {}))  # the family's own fields: another model of it takes them too
     if args.concurrency is None:
         args.concurrency = [] if args.rate else list(preset["concurrency"])
     if args.requests is None:
@@ -916,15 +961,16 @@ def main(argv: list[str] | None = None) -> dict:
                         steps=args.steps or defaults["num_inference_steps"], guidance=args.guidance,
                         output_type=args.output_type, n=args.n, seed=args.seed, video=video,
                         true_cfg=PRESETS[args.preset].get("true_cfg"),
-                        images=_images(args, info), pictures=args.pictures)
+                        images=_images(args, info), pictures=args.pictures,
+                        fields=tuple(args.fields.items()))
         print(f"engine ready at {url}: {model_dir}; {len(health['workers'])} workers", flush=True)
         pids = [w["pid"] for w in health["workers"] if w.get("pid")] + ([engine.proc.pid] if engine else [])
         meter = CpuMeter(pids)
-        levels, engine_outputs = asyncio.run(run_engine_levels(url, work, args, meter))
+        levels, engine_outputs, engine_sounds = asyncio.run(run_engine_levels(url, work, args, meter))
         res = {
             "config": {"preset": args.preset, "model": args.model, "height": work.height, "width": work.width,
                        "num_frames": work.num_frames, "video": work.video, "family": info.family.family,
-                       "steps": work.steps, "guidance": work.guidance,
+                       "steps": work.steps, "guidance": work.guidance, "fields": dict(work.fields),
                        **({"images": work.images, "image_size": list(IMAGE_SIZE), "pictures": work.pictures}
                           if work.images else {}),
                        "output_type": work.output_type, "n": work.n, "seed": work.seed,
@@ -949,7 +995,7 @@ def main(argv: list[str] | None = None) -> dict:
             if devices != {args.device.split(":")[0]}:
                 print(f"WARNING: the engine's workers run on {sorted(devices)}, the baseline on {args.device}: "
                       "the ratios compare different hardware", flush=True)
-            diff, reference = run_diffusers(model_dir, work, args.diffusers_requests, meter, args.device,
+            diff, reference, reference_sounds = run_diffusers(model_dir, work, args.diffusers_requests, meter, args.device,
                                             args.dtype)
             res["diffusers"] = diff
             for lv in levels:
@@ -958,6 +1004,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                   if lv["latency_p50_s"] is not None else None)
             if args.check:
                 res["correctness"] = compare(engine_outputs, reference, args.tolerance)
+                if reference_sounds:  # a model with sound: its waveform, where the answers carry it
+                    res["correctness_audio"] = (compare(engine_sounds, reference_sounds, args.tolerance)
+                                                if any(engine_sounds.values())
+                                                else {"skipped": "the engine's answers carry no audio"})
     finally:
         if engine is not None:
             engine.stop()

@@ -98,3 +98,70 @@ def test_several_pictures_go_as_a_list():
     assert serve.parse_args(["--preset", "small-qwen-image-edit", "--pictures", "2"]).pictures == 2
     with pytest.raises(SystemExit):
         serve.parse_args(["--pictures", "0"])
+
+
+def test_ltx2_preset_runs_the_pipelines_default_guidance_on_the_served_block():
+    """small-ltx2: every guidance as LTX2Pipeline's own defaults run it (CFG, STG, modality, rescale on both
+    streams), sent to the engine as fields LTX-2 declares and handed to the pipeline under the same names; STG's
+    block is the model's stg_block, the pipeline's spatio_temporal_guidance_blocks; 8 requests all in flight."""
+    import inspect
+
+    import diffusers
+
+    args = serve.parse_args(["--preset", "small-ltx2"])
+    binding = binding_for(BUILTINS[args.model].PIPELINE)
+    signature = inspect.signature(getattr(diffusers, binding.pipeline).__call__).parameters
+    declared = {f.name for f in binding.request_fields}
+    assert {"stg_scale", "modality_scale", "audio_guidance_scale"} <= set(args.fields)
+    for name, value in args.fields.items():
+        assert name in declared and signature[name].default == value, name
+    # Every audio guidance field the pipeline has is sent (the engine's fall back to the video ones instead).
+    assert {n for n in signature if n.startswith("audio_") and n != "audio_latents"} <= set(args.fields)
+    assert args.guidance == signature["guidance_scale"].default
+    spec = BUILTINS[args.model]
+    assert (args.height, args.width, args.num_frames) == (spec.height, spec.width, spec.num_frames)
+    assert serve.PIPELINE_ARGS["stg_block"](spec.stg_block) == {"spatio_temporal_guidance_blocks": [spec.stg_block]}
+    assert "spatio_temporal_guidance_blocks" in signature and "stg_block" in declared
+    assert args.concurrency == [1, 8] and args.requests >= 8
+    assert args.encoder_threads == args.decode_threads == "all"
+    work = serve.Workload(height=args.height, width=args.width, num_frames=args.num_frames, steps=args.steps,
+                          guidance=args.guidance, output_type="frames", n=1, seed=0,
+                          fields=tuple(args.fields.items()))
+    assert all(work.body(i)[k] == v for i in (0, 5) for k, v in args.fields.items())
+    assert work.warmup_body(0)["audio_guidance_scale"] == args.fields["audio_guidance_scale"]
+
+
+def test_the_sender_keeps_a_waveform_where_the_answer_carries_one():
+    """The check's waveform side: an answer's ``audio`` is kept beside its frames (and none where the answers
+    have none), and the comparison sees a waveform that differs."""
+    import asyncio
+
+    import httpx
+    import msgpack
+    import torch
+
+    from common.protocol.http_tensors import tensor_to_body
+
+    frames, wave = torch.rand(9, 8, 8, 3), torch.randn(2, 400)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sample = {"seed": 0, "output": tensor_to_body(frames, binary=True)}
+        if b"with-sound" in request.content:
+            sample.update(audio=tensor_to_body(wave, binary=True), sample_rate=24000)
+        body = msgpack.packb({"samples": [sample], "timings": {}}, use_bin_type=True)
+        return httpx.Response(200, content=body, headers={"content-type": serve.MSGPACK})
+
+    async def send(prompt: str) -> serve.Sender:
+        work = serve.Workload(height=8, width=8, num_frames=9, steps=1, guidance=None, output_type="frames", n=1,
+                              seed=0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://engine") as http:
+            sender = serve.Sender(http, work, keep=1, seen=set())
+            assert (await sender.send(0, {**work.body(0), "prompt": prompt})).ok
+        return sender
+
+    with_sound, silent = asyncio.run(send("with-sound")), asyncio.run(send("silent"))
+    assert torch.equal(with_sound.sounds[0][0], wave) and torch.equal(with_sound.outputs[0][0], frames)
+    assert silent.sounds == {} and torch.equal(silent.outputs[0][0], frames)
+    check = serve.compare({"c=1": with_sound.sounds}, {0: [wave + 1e-3]}, 1e-4)
+    assert not check["ok"] and abs(check["max_abs_diff"] - 1e-3) < 1e-6
+    assert serve.compare({"c=1": with_sound.sounds}, {0: [wave]}, 1e-4)["ok"]
