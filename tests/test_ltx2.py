@@ -28,8 +28,9 @@ OTHER = {LTX2_X.name: LTX2_X, LTX2_X_I2V.name: LTX2_X_I2V}
 _MODELS = ModuleModels()
 _DIRS: dict[str, object] = {}
 
-OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=None, audio_stg_scale=None,
-           audio_modality_scale=None, audio_guidance_rescale=None)
+# The audio fields at 0: the video field's value (the pipeline's `audio_x or x`).
+OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
+           audio_modality_scale=0.0, audio_guidance_rescale=0.0)
 CASES = {
     "no-guidance": dict(model="tiny-ltx2", guidance_scale=1.0, **OFF),
     "cfg": dict(model="tiny-ltx2", guidance_scale=4.0, **OFF),
@@ -40,13 +41,13 @@ CASES = {
     # another configuration, frame rate and a non-square size; audio guidance alone turns CFG on
     "x-16fps": dict(model="ltx2-test-x", guidance_scale=1.0, height=96, width=64, num_frames=17, frame_rate=16.0,
                     **{**OFF, "audio_guidance_scale": 5.0, "modality_scale": 2.0}),
+    # the audio fields left out: the pipeline signature's defaults on both sides
     "i2v": dict(model="tiny-ltx2-i2v", guidance_scale=4.0, stg_scale=1.0, modality_scale=2.0, guidance_rescale=0.5,
-                audio_guidance_scale=None, audio_stg_scale=None, audio_modality_scale=None, audio_guidance_rescale=None,
                 image=(50, 70)),
-    # another configuration's image-to-video; an audio field given as 0 takes the video's (the pipeline's `or`)
+    # another configuration's image-to-video
     "x-i2v-tall": dict(model="ltx2-test-x-i2v", guidance_scale=3.0, height=96, width=64, stg_scale=1.0,
                        modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
-                       audio_modality_scale=None, audio_guidance_rescale=None, image_crf=0, image=(70, 40)),
+                       audio_modality_scale=0.0, audio_guidance_rescale=0.0, image_crf=0, image=(70, 40)),
 }
 
 

@@ -21,6 +21,9 @@ STEPS = 3
 models = ModuleModels()
 GUIDED = dict(guidance_scale=3.0, stg_scale=1.0, modality_scale=2.0, guidance_rescale=0.5, audio_guidance_scale=5.0,
               negative_prompt="blurry, silent")
+# No pass beyond the conditional one (an audio field at 0 takes the video's).
+UNGUIDED = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
+                audio_modality_scale=0.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,7 +37,7 @@ def picture(seed: int = 0) -> PIL.Image.Image:
 
 
 def rollout(eng, sde_type: str, guided: bool, n: int = 2, seed: int = 3, **rollout_fields):
-    over = GUIDED if guided else dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0)
+    over = GUIDED if guided else UNGUIDED
     noise_level = 0.8 if sde_type == "cps" else 0.7
     return eng.params(num_inference_steps=STEPS, n=n, seed=seed, prompt="a dog barks at the sea",
                       rollout=RolloutParams(sde_type=sde_type, noise_level=noise_level, return_trajectory=True,
@@ -98,7 +101,7 @@ def test_requests_batched_at_other_steps_equal_their_runs_alone():
     audio alone, started one step apart, in shared forwards: each equals its run alone."""
     eng = models.engine(ensure_builtin("tiny-ltx2"))
     made = [rollout(eng, "sde", True, seed=11),
-            eng.params(num_inference_steps=STEPS, seed=12, guidance_scale=4.0, stg_scale=0.0, modality_scale=1.0,
+            eng.params(num_inference_steps=STEPS, seed=12, **{**UNGUIDED, "guidance_scale": 4.0},
                        negative_prompt="noise"),
             rollout(eng, "cps", False, n=1, seed=13, sde_streams=["audio"])]
     alone = [eng.run(p) for p in made]
