@@ -32,27 +32,27 @@ def request_cache(task: DenoiseTask, settings: tuple[tuple[float, ...], int]) ->
         return None
     coefficients, warmup = settings
     teacache = task.params.cache.method == "teacache"
-    return RequestCache(task.params.cache, task.n, 1 if task.uncond is None else 2, len(task.scheduler.timesteps),
+    return RequestCache(task.params.cache, task.n, task.branches, len(task.scheduler.timesteps),
                         warmup=warmup if teacache else 1, coefficients=coefficients)
 
 
 def plan_step(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
     plans: list[StepPlan | None] = [None] * len(tasks)
     branches: dict[int, list[ModelInput]] = {}
+    x_of: dict[int, ModelInput] = {}
     for i, task in enumerate(tasks):
         if task.cache is None:
             plans[i] = StepPlan([task.model_input()], lambda outs: outs[0])
             continue
-        x = task.model_input()
-        branches[i] = [replace(x, uncond=None)]
-        if x.uncond is not None:
-            branches[i].append(replace(x, cond=x.uncond, uncond=None, unconditional=True))
+        x = x_of[i] = task.model_input()
+        branches[i] = [replace(x, cond=c, uncond=None, passes=(), unconditional=b > 0)
+                       for b, c in enumerate(x.branches)]
     if not branches:
         return plans
     name = policy.expert_for(tasks[next(iter(branches))].timestep)  # one expert per batched step
     signals = _signals(policy, name, {i: (tasks[i], b) for i, b in branches.items()})
     for i, pieces in branches.items():
-        plans[i] = _cached_plan(policy, name, tasks[i], pieces, signals.get(i))
+        plans[i] = _cached_plan(policy, name, tasks[i], x_of[i], pieces, signals.get(i))
     return plans
 
 
@@ -74,27 +74,24 @@ def _signals(policy: Policy, name: str, cached: dict[int, tuple[DenoiseTask, lis
     return out
 
 
-def _cached_plan(policy: Policy, name: str, task: DenoiseTask, pieces: list[ModelInput],
+def _cached_plan(policy: Policy, name: str, task: DenoiseTask, x: ModelInput, pieces: list[ModelInput],
                  signals: list[torch.Tensor] | None) -> StepPlan:
     forced = task.sde is not None and not task.step_variant_now().deterministic  # a rollout's SDE step is never cached
     masks = task.cache.decide(task.step, name, forced, signals)
     inputs, which = [], []
-    for b, (x, mask) in enumerate(zip(pieces, masks)):
+    for b, (piece, mask) in enumerate(zip(pieces, masks)):
         if bool(mask.all()):
-            inputs.append(x)
+            inputs.append(piece)
         elif bool(mask.any()):
-            rows = mask.nonzero().flatten().to(x.latents.device)
-            t = x.timestep if x.timestep.dim() == 0 else x.timestep[rows]
-            inputs.append(replace(x, latents=x.latents[rows], timestep=t))
+            rows = mask.nonzero().flatten().to(piece.latents.device)
+            t = piece.timestep if piece.timestep.dim() == 0 else piece.timestep[rows]
+            inputs.append(replace(piece, latents=piece.latents[rows], timestep=t))
         else:
             continue
         which.append(b)
 
     def finish(outs: list[torch.Tensor]) -> torch.Tensor:
         computed = dict(zip(which, outs))
-        full = [task.cache.output(b, mask, computed.get(b)) for b, mask in enumerate(masks)]
-        if len(full) == 1:
-            return full[0]
-        return policy.family.guidance.guide(full[0], full[1], policy.guidance_scale(name, pieces[0]))
+        return policy.combine(name, x, [task.cache.output(b, mask, computed.get(b)) for b, mask in enumerate(masks)])
 
     return StepPlan(inputs, finish)

@@ -61,7 +61,7 @@ def _with_forward(task: DenoiseTask, plan: StepPlan) -> StepPlan:
     def finish(outs: list[torch.Tensor]) -> torch.Tensor:
         v = plan.finish(outs)
         task.ref_velocity = reference.batched_velocity([ref])[0]
-        task.reference_passes += 1 if ref.uncond is None else 2
+        task.reference_passes += len(ref.branches)
         return v
 
     return StepPlan(plan.inputs, finish)

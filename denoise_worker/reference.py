@@ -57,7 +57,7 @@ def _with_rows(task: DenoiseTask, plan: StepPlan) -> StepPlan:
 
     def finish(outs: list[torch.Tensor]) -> torch.Tensor:
         task.ref_velocity = outs[own]
-        task.reference_passes += 1 if ref.uncond is None else 2
+        task.reference_passes += len(ref.branches)
         return plan.finish(outs[:own])
 
     return StepPlan([*plan.inputs, ref], finish)

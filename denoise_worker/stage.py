@@ -178,7 +178,8 @@ class DenoiseStage(Stage):
             p, task = a.task.params, a.task
             texts = [t for t in (task.cond, task.uncond) if t is not None]
             return (tuple(task.latents.shape[1:]), (p.height, p.width), self.policy.expert_for(task.timestep),
-                    self.family.text.key(texts), self.family.condition.batch_key(task.image))
+                    self.family.text.key(texts), self.family.condition.batch_key(task.image),
+                    self.family.latents.layout(self.info, p))
 
         oldest = min(self.active, key=lambda a: a.seq)
         batch, samples = [], 0

@@ -44,11 +44,7 @@ from denoise_worker import branching
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Each sample's initial latents [n, ...], drawn from its own generator as the family's diffusers pipeline draws them."""
-    family = info.family
-    height, width = family.latents.size(info, params.height, params.width, params.fields)
-    shape = family.latents.noise_shape(info, height, width, params.num_frames)
-    noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-    return family.latents.pack(noise, info, height, width)
+    return torch.cat([info.family.latents.draw(info, params, g) for g in generators])
 
 
 def step_versions(weight_versions: list[int], lora: tuple[LoraAdapter, float] | None) -> dict[str, list[int]]:
@@ -102,8 +98,7 @@ class DenoiseTask:
         """``initial_latents``: a resumed rollout's starting latents [1 or n, *latent] (checked by the router,
         common/diffusion/resume.py), used instead of the drawn noise."""
         sde = sde_settings(params)
-        height, width = info.family.latents.size(info, params.height, params.width, params.fields)
-        seq_len = info.family.latents.image_seq_len(info, height, width, params.num_frames)
+        seq_len = info.family.latents.seq_len(info, params)
         on_rollout = sde is not None and sde.schedule == "rollout"
         scheduler = schedulers.build(rollout_template if on_rollout else serving_template, params, device,
                                      image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
@@ -141,6 +136,11 @@ class DenoiseTask:
     def samples(self) -> int:
         return self.params.n
 
+    @property
+    def branches(self) -> int:
+        """The guidance passes each of its samples runs per step (1 without guidance)."""
+        return len(self.info.family.guidance.passes(self.params, self.cond)) + (1 if self.uncond is None else 2)
+
     def step_generators(self) -> list[torch.Generator]:
         """One generator per row: during a shared prefix the step is deterministic and draws nothing."""
         return self.generators[:self.n]
@@ -165,7 +165,7 @@ class DenoiseTask:
 
     def model_input(self) -> ModelInput:
         return ModelInput.of(self.info, self.params, self.latents, self.timestep, self.cond, self.uncond, self.lora,
-                             self.image)
+                             self.image, self.scheduler.sigmas[self.step])
 
     def variant_at(self, step: int) -> StepVariant:
         """Step ``step``'s variant: the request's inside its window of SDE steps, the Euler step outside it."""
@@ -231,7 +231,7 @@ class DenoiseTask:
         if self.cache is not None:
             return {"transformer_passes": [p + ref for p in self.cache.transformer_passes],
                     "cached_steps": list(self.cache.cached_steps)}
-        branches = 1 if self.uncond is None else 2
+        branches = self.branches
         shared = min(self.step, self.branch_at)
         out = {"transformer_passes": [(self.step - shared) * branches + ref] * self.samples,
                "cached_steps": [0] * self.samples}

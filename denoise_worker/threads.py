@@ -26,7 +26,7 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
     # Transformer blocks: FLUX has double- and single-stream ones.
     blocks = cfg.get("num_layers", 1) + cfg.get("num_single_layers", 0)
     tokens = image_tokens + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
-    rows = sum(x.n * (2 if x.uncond is not None else 1) for x in inputs)
+    rows = sum(x.row_count for x in inputs)
     threads = max_threads if rows * tokens * width * width * blocks >= SMALL_FORWARD else 1
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

@@ -117,11 +117,12 @@ class TrainerPolicy:
         return conds[0], conds[1] if len(conds) > 1 else None
 
     def velocity(self, latents, t, cond, uncond, params: GenerationParams,
-                 image: ImageInputs | None = None) -> torch.Tensor:
+                 image: ImageInputs | None = None, sigma: torch.Tensor | None = None) -> torch.Tensor:
         """The guided velocity as the denoise worker computes it for a request with ``params`` (``image``: an
-        image-to-video request's, from :meth:`image`)."""
+        image-to-video request's, from :meth:`image`; ``sigma``: the step's, for a family guiding on x0)."""
         x = ModelInput.of(self.info, params, latents.to(self.device), t.to(self.device), cond, uncond,
-                          image=None if image is None else image.condition)
+                          image=None if image is None else image.condition,
+                          sigma=None if sigma is None else sigma.to(self.device))
         return self.policy.velocity(x)
 
     def log_probs(self, trajectory: Trajectory, steps: list[int] | torch.Tensor, params: GenerationParams,
@@ -145,7 +146,7 @@ class TrainerPolicy:
         out = []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
-            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image, trajectory.sigmas[i])
             step = step_at(trajectory.sigmas, i, v, x, variant,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device),
                            log_prob_mask=self.family.condition.log_prob_mask(self.info, x, condition))
@@ -169,10 +170,10 @@ class TrainerPolicy:
         kls, refs = [], []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
-            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+            v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image, trajectory.sigmas[i])
             ref = reference or self
             with torch.no_grad(), adapters_off(ref.experts.values()):
-                v_ref = ref.velocity(x, trajectory.timesteps[i], cond, uncond, params, image)
+                v_ref = ref.velocity(x, trajectory.timesteps[i], cond, uncond, params, image, trajectory.sigmas[i])
             mask = self.family.condition.log_prob_mask(self.info, x, condition)
             step = step_at(trajectory.sigmas, i, v, x, variant,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device), log_prob_mask=mask)

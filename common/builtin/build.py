@@ -55,6 +55,8 @@ def reinit_(module: torch.nn.Module, seed: int) -> None:
         for name, param in module.named_parameters():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             leaf = name.rsplit(".", 1)[-1]
+            if param.ndim == 0:  # a scalar setting held as a parameter (LTX-2 VAE's timestep_scale_multiplier)
+                continue
             if leaf == "gamma" or (param.ndim == 1 and leaf == "weight" and "norm" in name):
                 param.copy_(1.0 + 0.1 * noise)
             elif param.ndim == 1:

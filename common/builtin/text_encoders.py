@@ -1,6 +1,6 @@
 """Factories of the text encoders several families share, each seeded by :func:`common.builtin.build.seeded`
 under its component name: T5 / UMT5 (Wan's umt5-xxl, SD3's and FLUX's t5-v1_1-xxl), CLIP text (CLIP-L,
-CLIP-G), Qwen2.5-VL (Qwen-Image's) and Gemma2."""
+CLIP-G), Qwen2.5-VL (Qwen-Image's), Gemma2 and Gemma3."""
 
 from __future__ import annotations
 
@@ -174,3 +174,39 @@ def gemma2(spec, component: str, tokenizer: GemmaTokenizer, hidden_size: int, in
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           bos_token_id=tokenizer.bos_token_id)
     return seeded(spec, component, lambda: Gemma2Model(config))
+
+
+# Gemma3's interleaved attention: every sixth layer attends globally, the others within a window.
+GEMMA3_GLOBAL_EVERY = 6
+
+
+def gemma3_config(tokenizer: GemmaTokenizer, hidden_size: int, intermediate_size: int, num_layers: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int, vision_hidden_size: int,
+                  vision_layers: int, vision_heads: int) -> dict:
+    """``Gemma3Config`` arguments: Gemma-3-12B's structure (GQA, a sliding window with a global layer every
+    sixth and the last, a SigLIP tower) with these sizes and the tokenizer's ids. The image tokens take the
+    three ids after the tokenizer's vocabulary: the text-only pipelines that load it never emit them."""
+    vocab = len(tokenizer)
+    layer_types = ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 or i == num_layers - 1
+                   else "sliding_attention" for i in range(num_layers)]
+    patch, image_size = 4, 16  # 4x4 patches of 16 px: 16 patches pooled to 4 tokens per image
+    return dict(
+        text_config=dict(vocab_size=vocab + 3, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
+                         layer_types=layer_types, max_position_embeddings=GEMMA_MAX_POSITION_EMBEDDINGS,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id),
+        vision_config=dict(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=image_size,
+                           patch_size=patch),
+        mm_tokens_per_image=4, boi_token_index=vocab, eoi_token_index=vocab + 1, image_token_index=vocab + 2,
+    )
+
+
+def gemma3(spec, component: str, **config) -> PreTrainedModel:
+    """``Gemma3ForConditionalGeneration`` of :func:`gemma3_config`."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(**gemma3_config(**config))
+    return seeded(spec, component, lambda: Gemma3ForConditionalGeneration(config))

@@ -64,22 +64,40 @@ class ModelInput:
     # One branch of a request's guidance run on its own (step caching): ``cond`` is its negative prompt, and
     # with CFG parallel its rows go with the unconditional ones.
     unconditional: bool = False
+    # Guidance passes beyond the two of CFG (Binding.guidance.passes: e.g. LTX-2's perturbed and
+    # modality-isolated passes), each a conditioning of its own; their rows go with the unconditional ones.
+    passes: tuple[Conditioning, ...] = ()
+    sigma: torch.Tensor | None = None  # the step's sigma, for guidance combined on x0 predictions
+    settings: object = None  # the request's guidance settings where its family has more than one scale
+
+    @property
+    def branches(self) -> list[Conditioning]:
+        """Each pass's conditioning in the order its guidance combines their outputs: cond, uncond, then
+        the further passes."""
+        return [self.cond, *(() if self.uncond is None else (self.uncond,)), *self.passes]
 
     @classmethod
     def of(cls, info: ModelInfo, params, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
            uncond: Conditioning | None, lora: tuple[LoraAdapter, float] | None = None,
-           image: torch.Tensor | None = None) -> "ModelInput":
+           image: torch.Tensor | None = None, sigma: torch.Tensor | None = None) -> "ModelInput":
         """A request's input as its params (``GenerationParams``) ask, read through the family's parts: the
-        denoise worker's and a trainer's alike."""
+        denoise worker's and a trainer's alike (``sigma``: the step's, where the family guides on x0)."""
         family = info.family
-        grid = family.latents.token_grid(info, *family.latents.size(info, params.height, params.width, params.fields))
+        grid = family.latents.layout(info, params)
         return cls(latents, timestep, cond, uncond, family.guidance.scale(params),
                    field_value(params, GUIDANCE_SCALE_2.name), lora, family.condition.token_layout(grid, image),
-                   family.guidance.embedded(info, params.guidance_scale), image)
+                   family.guidance.embedded(info, params.guidance_scale), image,
+                   passes=family.guidance.passes(params, cond), sigma=sigma,
+                   settings=family.guidance.settings(params))
 
     @property
     def n(self) -> int:
         return self.latents.shape[0]
+
+    @property
+    def row_count(self) -> int:
+        """Its rows in a forward: each sample once per guidance pass."""
+        return self.n * len(self.branches)
 
     def rows(self, start: int, stop: int) -> "ModelInput":
         """Samples ``start:stop`` alone (a forward that takes only part of a large request)."""
@@ -166,19 +184,29 @@ class Policy:
         # embedding takes floats), and one dtype for compiled forwards to guard on.
         t = self.family.condition.row_timesteps(self.info, x.timestep, x.latents, x.image)
         forward = self.family.transformer.forward
+        g = x.guidance_rows(x.n)
         if self.ranks is not None:
             v, v_u = self._passes_on_ranks(name, x, h, t)
-        elif x.uncond is not None and self.family.guidance.in_one_forward:
-            with self.lora_hooks[name].rows([x.lora] * (2 * x.n)):
-                both = forward(model, torch.cat([h, h]), torch.cat([t, t]), _joined_rows(x.uncond, x.cond, x.n),
-                               x.grid, x.guidance_rows(2 * x.n))
-            v_u, v = both.chunk(2)
+            more = [self.ranks(name, Rows.of(self.family, h, t, [p] * x.n, [x.lora] * x.n, grid=x.grid, guidance=g))
+                    for p in x.passes]
         else:
-            g = x.guidance_rows(x.n)
-            with self.lora_hooks[name].rows([x.lora] * h.shape[0]):
-                v = forward(model, h, t, _text_rows(x.cond, x.n), x.grid, g)
-                v_u = None if x.uncond is None else forward(model, h, t, _text_rows(x.uncond, x.n), x.grid, g)
-        return v if v_u is None else self.family.guidance.guide(v, v_u, self.guidance_scale(name, x))
+            hooks = self.lora_hooks[name]
+            if x.uncond is not None and self.family.guidance.in_one_forward:
+                with hooks.rows([x.lora] * (2 * x.n)):
+                    both = forward(model, torch.cat([h, h]), torch.cat([t, t]), _joined_rows(x.uncond, x.cond, x.n),
+                                   x.grid, x.guidance_rows(2 * x.n))
+                v_u, v = both.chunk(2)
+            else:
+                with hooks.rows([x.lora] * h.shape[0]):
+                    v = forward(model, h, t, _text_rows(x.cond, x.n), x.grid, g)
+                    v_u = None if x.uncond is None else forward(model, h, t, _text_rows(x.uncond, x.n), x.grid, g)
+            with hooks.rows([x.lora] * h.shape[0]):  # further passes (LTX-2's): a forward each, as the pipeline
+                more = [forward(model, h, t, _text_rows(p, x.n), x.grid, g) for p in x.passes]
+        return self.combine(name, x, [v, *(() if v_u is None else (v_u,)), *more])
+
+    def combine(self, name: str, x: ModelInput, outs: list[torch.Tensor]) -> torch.Tensor:
+        """``x``'s guided output from its branches' outputs (:attr:`ModelInput.branches`' order)."""
+        return self.family.guidance.combine(x, outs, self.guidance_scale(name, x))
 
     def _passes_on_ranks(self, name: str, x: ModelInput, h: torch.Tensor, t: torch.Tensor):
         """:meth:`velocity`'s two passes on a multi-device worker's ranks: at once with CFG parallel (each on
@@ -224,26 +252,21 @@ class Policy:
         for block in blocks:
             at[block] = out[start : start + inputs[block[0]].n]
             start += inputs[block[0]].n
-        result = []
-        for i, x in enumerate(inputs):
-            v = at[(i, False)]
-            if x.uncond is not None:
-                v = self.family.guidance.guide(v, at[(i, True)], self.guidance_scale(name, x))
-            result.append(v)
-        return result
+        return [self.combine(name, x, [at[(i, b)] for b in range(len(x.branches))]) for i, x in enumerate(inputs)]
 
 
     def rows_of(self, name: str, inputs: list[ModelInput], guidance_last: bool = False):
         """The rows of one forward of ``inputs`` on expert ``name``, and their blocks (:func:`_blocks_by_adapter`)."""
         blocks = _blocks_by_adapter(inputs, guidance_last)
+        branches = [x.branches for x in inputs]
         f, info = self.family, self.info
         h = torch.cat([f.condition.model_latents(info, inputs[i].latents, inputs[i].image) for i, _ in blocks])
         h = h.to(self.dtypes[name])
         ts = torch.cat([f.condition.row_timesteps(info, inputs[i].timestep, inputs[i].latents, inputs[i].image)
                         for i, _ in blocks])
-        texts = [inputs[i].uncond if uncond else inputs[i].cond for i, uncond in blocks for _ in range(inputs[i].n)]
+        texts = [branches[i][b] for i, b in blocks for _ in range(inputs[i].n)]
         loras = [inputs[i].lora for i, _ in blocks for _ in range(inputs[i].n)]
-        cond_rows = sum(inputs[i].n for i, uncond in blocks if not (uncond or inputs[i].unconditional))
+        cond_rows = sum(inputs[i].n for i, b in blocks if not (b or inputs[i].unconditional))
         guidance = None
         if inputs[0].embedded_guidance is not None:
             guidance = torch.cat([inputs[i].guidance_rows(inputs[i].n) for i, _ in blocks])
@@ -261,10 +284,11 @@ def _joined_rows(uncond: Conditioning, cond: Conditioning, n: int) -> dict[str, 
     return {k: torch.cat([u[k], c[k]]) for k in c}
 
 
-def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) -> list[tuple[int, bool]]:
-    """(input, unconditional?) per block of rows of a batched forward: each input's rows together, the
-    inputs of one adapter together, in order of first appearance. ``guidance_last``: every conditional
-    block before every unconditional one (the split of CFG parallel)."""
+def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) -> list[tuple[int, int]]:
+    """(input, branch) per block of rows of a batched forward (branch: the index in
+    :attr:`ModelInput.branches`; 0 the conditional pass): each input's rows together, the inputs of one
+    adapter together, in order of first appearance. ``guidance_last``: every conditional block before every
+    other one (the split of CFG parallel)."""
     def adapter(x: ModelInput) -> int:
         return id(x.lora[0]) if x.lora is not None else 0
 
@@ -273,10 +297,10 @@ def _blocks_by_adapter(inputs: list[ModelInput], guidance_last: bool = False) ->
         first.setdefault(adapter(x), i)
     order = sorted(range(len(inputs)), key=lambda i: first[adapter(inputs[i])])
     if guidance_last:  # (an unconditional branch on its own counts as unconditional)
-        return ([(i, False) for i in order if not inputs[i].unconditional]
-                + [(i, False) for i in order if inputs[i].unconditional]
-                + [(i, True) for i in order if inputs[i].uncond is not None])
-    return [(i, uncond) for i in order for uncond in ((False, True) if inputs[i].uncond is not None else (False,))]
+        return ([(i, 0) for i in order if not inputs[i].unconditional]
+                + [(i, 0) for i in order if inputs[i].unconditional]
+                + [(i, b) for i in order for b in range(1, len(inputs[i].branches))])
+    return [(i, b) for i in order for b in range(len(inputs[i].branches))]
 
 
 def sigma_max(sigmas: torch.Tensor) -> torch.Tensor:

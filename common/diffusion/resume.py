@@ -43,9 +43,7 @@ def resume_problem(params: GenerationParams) -> str | None:
 
 def latent_shape(info: ModelInfo, params: GenerationParams) -> tuple[int, ...]:
     """One sample's latents as the family steps on them for this request's size and frames (leading 1)."""
-    family = info.family
-    height, width = family.latents.size(info, params.height, params.width, params.fields)
-    return tuple(family.latents.shape(info, height, width, params.num_frames))
+    return tuple(info.family.latents.request_shape(info, params))
 
 
 def from_body(body: Any) -> torch.Tensor:

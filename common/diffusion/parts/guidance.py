@@ -18,6 +18,7 @@ from common.diffusion.request_fields import field_value
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
+    from common.diffusion.policy import ModelInput
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,19 @@ class Guidance:
     def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
         """The transformer's guidance-embedding input for a request's ``guidance_scale``, else None."""
         return None
+
+    def passes(self, params, cond) -> tuple:
+        """The conditionings of the passes a request runs beyond CFG's two (none here)."""
+        return ()
+
+    def settings(self, params) -> object:
+        """What :meth:`combine` reads of a request beyond its scale (none here)."""
+        return None
+
+    def combine(self, x: "ModelInput", outs: list[torch.Tensor], scale: float) -> torch.Tensor:
+        """The guided output of ``x`` from its passes' outputs (``ModelInput.branches``' order: cond, uncond,
+        further passes); one output is the model's own."""
+        return outs[0] if len(outs) == 1 else self.guide(outs[0], outs[1], scale)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -88,6 +88,27 @@ class LatentsPart:
         shape = self.shape(info, height, width, num_frames)
         return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
 
+    def request_shape(self, info: "ModelInfo", params) -> tuple[int, ...]:
+        """One sample's latents for a request (``GenerationParams``), leading 1: :meth:`shape` of its size."""
+        return self.shape(info, *self.size(info, params.height, params.width, params.fields), params.num_frames)
+
+    def draw(self, info: "ModelInfo", params, generator: torch.Generator) -> torch.Tensor:
+        """One sample's initial latents [1, ...] from its generator, as the pipeline draws and packs them."""
+        height, width = self.size(info, params.height, params.width, params.fields)
+        noise = torch.randn(self.noise_shape(info, height, width, params.num_frames), generator=generator,
+                            dtype=torch.float32)
+        return self.pack(noise, info, height, width)
+
+    def seq_len(self, info: "ModelInfo", params) -> int:
+        """:meth:`image_seq_len` of a request (the dynamic shift's ``mu``)."""
+        height, width = self.size(info, params.height, params.width, params.fields)
+        return self.image_seq_len(info, height, width, params.num_frames)
+
+    def layout(self, info: "ModelInfo", params) -> object:
+        """What a forward's transformer call needs to know of a request's latents beyond their tensor (its
+        ``grid``; hashable, equal for requests that can share a forward): the token grid of its size."""
+        return self.token_grid(info, *self.size(info, params.height, params.width, params.fields))
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackedLatents(LatentsPart):

@@ -1,0 +1,77 @@
+"""LTX-2's transformer part: ``LTX2VideoTransformer3DModel`` on both streams of the joint latents.
+
+A forward's rows may be different guidance passes of their requests (``ROW_KIND`` beside each row's text):
+the conditional and unconditional passes, STG's perturbed pass (self-attention skipped in the STG block:
+the model's per-row ``perturbation_mask``) and modality guidance's isolated pass (the audio-to-video and
+video-to-audio cross-attentions off). The model switches isolation for a whole forward only, so an isolated
+row's cross-attention outputs are zeroed by hooks: the block then adds exactly 0, as if it had skipped them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from common.diffusion.parts.transformer import TransformerPart
+from common.families.ltx2.latents import Ltx2Layout
+
+ROW_KIND = "ltx2_row_kind"  # beside a pass's text tensors: [1] per text, one of the kinds below
+CONDITIONAL, PERTURBED, ISOLATED = 0.0, 1.0, 2.0
+AUDIO_HIDDEN = "audio_encoder_hidden_states"
+MASK = "encoder_attention_mask"
+
+
+@contextmanager
+def _isolated(model: torch.nn.Module, keep: torch.Tensor):
+    """The cross-modal attentions' outputs times ``keep`` [B] (0: an isolated row) inside the block."""
+    def hook(_module, _args, output):
+        return output * keep.to(output.dtype)[:, None, None]
+
+    handles = [attn.register_forward_hook(hook) for block in model.transformer_blocks
+               for attn in (block.audio_to_video_attn, block.video_to_audio_attn)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ltx2Transformer(TransformerPart):
+    model_class: str = "LTX2VideoTransformer3DModel"
+
+    def forward(self, model, hidden_states, timestep, text, grid: Ltx2Layout, guidance):
+        g = grid.geometry
+        text = dict(text)
+        kind = text.pop(ROW_KIND, None)
+        video, audio = g.split(hidden_states)
+        if timestep.dim() == 2:  # image-to-video: a timestep per token; the audio tokens' is the row's
+            video_t, row_t = timestep[:, :g.video_tokens], timestep[:, g.video_tokens]
+        else:
+            video_t = row_t = timestep
+        perturbed = kind is not None and bool((kind == PERTURBED).any())
+        isolated = kind is not None and bool((kind == ISOLATED).any())
+        kwargs = dict(hidden_states=video, audio_hidden_states=audio, timestep=video_t, audio_timestep=row_t,
+                      sigma=row_t, audio_encoder_attention_mask=text.get(MASK),
+                      num_frames=g.latent_frames, height=g.latent_height, width=g.latent_width, fps=grid.fps,
+                      audio_num_frames=g.audio_frames, use_cross_timestep=grid.cross_timestep, return_dict=False,
+                      **text)
+        if perturbed:  # 0 on the perturbed rows: the STG block's self-attention gives its values
+            kwargs["spatio_temporal_guidance_blocks"] = [grid.stg_block]
+            kwargs["perturbation_mask"] = (kind != PERTURBED).to(video.dtype)
+        if isolated:
+            with _isolated(model, (kind != ISOLATED).to(video.dtype)):
+                out_video, out_audio = model(**kwargs)
+        else:
+            out_video, out_audio = model(**kwargs)
+        return g.join(out_video, out_audio)
+
+    def modulated_input(self, model, timestep, text, guidance):
+        """Both streams' timestep embeddings (TeaCache's signal over the two streams)."""
+        t = timestep if timestep.dim() == 1 else timestep[:, -1]
+        video, _ = model.time_embed(t.flatten(), batch_size=t.shape[0], hidden_dtype=next(model.parameters()).dtype)
+        audio, _ = model.audio_time_embed(t.flatten(), batch_size=t.shape[0],
+                                          hidden_dtype=next(model.parameters()).dtype)
+        return torch.cat([video.reshape(t.shape[0], -1), audio.reshape(t.shape[0], -1)], dim=1)
