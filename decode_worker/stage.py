@@ -1,5 +1,6 @@
 """Decode stage: the family's VAE decode, latents to frames [n, F, H, W, 3] (F = 1: an image), tiled as
-``--vae-tiling`` says."""
+``--vae-tiling`` says, and for a model with sound the waveform (``AUDIO``, its rate in
+``info["audio_sample_rate"]``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import time
 
 import torch
 
+from common.diffusion.parts.decoder import Decoded
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
-from common.protocol.messages import LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
+from common.protocol.messages import AUDIO, LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
 from common.runtime.stage import Forward, QueuedBatchStage
 
 
@@ -27,6 +29,19 @@ class DecodeStage(QueuedBatchStage):
         # takes them; frames at the requested size.
         return self.decoder.decode(self.info.family.latents.unpack(latents, self.info, *made), height, width)
 
+    def decode_group(self, items: list, idx: list[int], size: tuple) -> Decoded:
+        """The samples of requests ``idx`` (one group), ``max_batch`` rows per call."""
+        latents = torch.cat([items[i][1][LATENTS.name] for i in idx])
+        if not hasattr(self.decoder, "decode_rows"):
+            return Decoded(torch.cat([self.decode(part, *size) for part in latents.split(self.max_batch)]))
+        # A decoder that reads its requests: each row with its request and its index there (its seed).
+        rows = [(items[i][0].params, k) for i in idx for k in range(items[i][1][LATENTS.name].shape[0])]
+        parts, start = [], 0
+        for part in latents.split(self.max_batch):
+            parts.append(self.decoder.decode_rows(part, rows[start : start + len(part)], *size[2]))
+            start += len(part)
+        return Decoded.cat(parts)
+
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
         """The samples of every queued request whose latents have the same shape and size are decoded together
         (packed latents of two sizes can share a shape), ``max_batch`` samples per VAE call (which bounds its
@@ -36,12 +51,12 @@ class DecodeStage(QueuedBatchStage):
         for i, (msg, tensors) in enumerate(items):  # the codec guarantees latents (DecodeRequest.carries)
             p = msg.params
             size = (p.height, p.width, self.info.family.latents.size(self.info, p.height, p.width, p.fields))
-            groups.setdefault((tuple(tensors[LATENTS.name].shape[1:]), size), []).append(i)
-        for (_, size), idx in groups.items():
+            key = self.decoder.batch_key(p) if hasattr(self.decoder, "batch_key") else ()
+            groups.setdefault((tuple(tensors[LATENTS.name].shape[1:]), key, size), []).append(i)
+        for (_, _, size), idx in groups.items():
             t0 = time.perf_counter()
             try:
-                latents = torch.cat([items[i][1][LATENTS.name] for i in idx])
-                video = torch.cat([self.decode(part, *size) for part in latents.split(self.max_batch)])
+                decoded = self.decode_group(items, idx, size)
             except Exception as e:
                 for i in idx:
                     out[i] = e
@@ -50,14 +65,16 @@ class DecodeStage(QueuedBatchStage):
             start = 0
             for i in idx:
                 n = items[i][1][LATENTS.name].shape[0]
-                out[i] = self._result(*items[i], video[start : start + n], elapsed)
+                out[i] = self._result(*items[i], decoded.rows(start, start + n), elapsed)
                 start += n
         return out
 
-    def _result(self, msg: DecodeRequest, tensors: dict, video: torch.Tensor, elapsed: float) -> Forward:
-        frames = video
+    def _result(self, msg: DecodeRequest, tensors: dict, decoded: Decoded, elapsed: float) -> Forward:
         timings = {**msg.timings, "decode_s": elapsed}
-        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=msg.info)
+        info, sound = msg.info, {}
+        if decoded.audio is not None:
+            info, sound = {**info, "audio_sample_rate": decoded.sample_rate}, {AUDIO.name: decoded.audio}
+        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
         # Rollout tensors (log-probs, trajectory) pass through unchanged.
         extras = {k: v for k, v in tensors.items() if k != LATENTS.name}
-        return Forward("router", out, {OUTPUT.name: frames, **extras})
+        return Forward("router", out, {OUTPUT.name: decoded.frames, **sound, **extras})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from common.diffusion import streams
 from common.diffusion.policy import step_at
 from common.diffusion.sde import SdeStep
 from denoise_worker.reference import record_kl, wants_kl
@@ -51,9 +52,20 @@ def _sde_step_together(tasks: list[DenoiseTask], velocities: list[torch.Tensor])
                   first.latents if one else torch.cat([t.latents for t in tasks]),
                   first.step_variant_now(), generator=[g for t in tasks for g in t.step_generators()], log_prob_mask=mask)
     start = 0
-    for task in tasks:
+    sigma, sigma_next = first.scheduler.sigmas[first.step], first.scheduler.sigmas[first.step + 1]
+    for task, velocity in zip(tasks, velocities):
         rows = slice(start, start + task.n)
         start += task.n
-        if out.log_prob is not None and wants_kl(task):  # against the reference, before the latents move on
-            record_kl(task, SdeStep(out.prev_sample[rows], out.log_prob[rows], out.mean[rows], out.noise_scale[rows]))
-        task.took(out.prev_sample[rows], None if out.log_prob is None else out.log_prob[rows])
+        step = SdeStep(out.prev_sample[rows], None if out.log_prob is None else out.log_prob[rows], out.mean[rows],
+                       out.noise_scale[rows])
+        if step.log_prob is None:
+            task.took(step.prev_sample)
+            continue
+        if task.ode is not None:  # the streams the SDE leaves out take their Euler step
+            step = streams.follow_ode(step, task.latents, velocity, sigma, sigma_next, task.ode)
+        if wants_kl(task):  # against the reference, before the latents move on
+            record_kl(task, step)
+        by_stream = streams.stream_log_probs(task.step_variant_now(), step, task.streams,
+                                             task.info.family.condition.log_prob_mask(task.info, task.latents,
+                                                                                      task.image))
+        task.took(step.prev_sample, step.log_prob, by_stream)

@@ -22,13 +22,14 @@ from common.protocol.messages import (
     LOG_PROB_STEPS,
     LOG_PROBS,
     REF_LOG_PROBS,
+    STREAM_LOG_PROBS,
     TRAJECTORY_LATENTS,
     TRAJECTORY_SIGMAS,
     TRAJECTORY_TIMESTEPS,
     GenerationParams,
     RolloutParams,
 )
-from common.diffusion import schedulers
+from common.diffusion import schedulers, streams
 from common.diffusion.after_window import last_sde_step, serving_after
 from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
@@ -91,6 +92,11 @@ class DenoiseTask:
     ref_velocity: torch.Tensor | None = None
     reference_passes: int = 0
     reference: object | None = None  # kl_reference "pinned": the pinned Policy it started with (pinned.py)
+    # Several latent streams (common/diffusion/streams.py): the SDE streams' masks, the elements that follow
+    # their ODE at an SDE step (None: none), and each SDE stream's [n] log-probs per SDE step.
+    streams: dict[str, torch.Tensor] = field(default_factory=dict)
+    ode: torch.Tensor | None = None
+    stream_log_probs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
@@ -117,6 +123,9 @@ class DenoiseTask:
         task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), sde, lora, image,
                    branch_at=branch_at)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
+            task.streams = {k: m.to(device) for k, m in streams.sde_streams(info, params).items()}
+            ode = streams.ode_mask(info, params)
+            task.ode = None if ode is None else ode.to(device)
             task.variant = step_variant(sde.sde_type, sde.noise_level)
             task._check_schedule()
             last = last_sde_step(sde.sde_step_indices)
@@ -194,8 +203,10 @@ class DenoiseTask:
                 float(sigma_max(s)), float(s[-1]), self.log_prob_mask() is not None)
 
     def log_prob_mask(self) -> torch.Tensor | None:
-        """Which latent elements this request's log-probs average over (None: all; see Binding.condition.log_prob_mask)."""
-        return self.info.family.condition.log_prob_mask(self.info, self.latents, self.image)
+        """Which latent elements this request's log-probs average over (None: all): the condition's
+        (Binding.condition.log_prob_mask) on the SDE streams (common/diffusion/streams.py)."""
+        condition = self.info.family.condition.log_prob_mask(self.info, self.latents, self.image)
+        return condition if self.ode is None else streams.times(condition, 1 - self.ode)
 
     def output_latents(self) -> torch.Tensor:
         """The final latents as the family's pipeline returns them."""
@@ -212,12 +223,16 @@ class DenoiseTask:
         scheduler = self.after if self.past_window else self.scheduler
         self.took(scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
 
-    def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None) -> None:
-        """Record this step's outcome: the new latents and, for a stochastic SDE step, its [n] log-probs."""
+    def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None,
+             by_stream: dict[str, torch.Tensor] | None = None) -> None:
+        """Record this step's outcome: the new latents and, for a stochastic SDE step, its [n] log-probs (and
+        each SDE stream's, for a model with several)."""
         self.latents = latents
         if log_prob is not None:
             self.log_probs.append(log_prob)
             self.log_prob_steps.append(self.step)
+            for name, value in (by_stream or {}).items():
+                self.stream_log_probs.setdefault(name, []).append(value)
         if self.wants_trajectory:
             self.trajectory.append(latents)
         self.step += 1
@@ -253,6 +268,10 @@ class DenoiseTask:
             out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
                                    else torch.zeros(self.samples, 0))
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
+            for name in self.streams:
+                values = self.stream_log_probs.get(name, [])
+                out[STREAM_LOG_PROBS[name].name] = (torch.stack(values, dim=1).float() if values
+                                                    else torch.zeros(self.samples, 0))
         if self.sde is not None and r.return_kl:  # [n, K] beside log_probs, the same steps
             for f, values in ((KL, self.kls), (REF_LOG_PROBS, self.ref_log_probs)):
                 out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)

@@ -24,7 +24,7 @@ from common.protocol.messages import (
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix")
+           "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix", "sde_streams")
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
@@ -258,9 +258,23 @@ def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams
             if values is not None and any(b > a for a, b in zip(values, values[1:])):
                 raise FieldError(name, "a rollout's values must not increase from one step to the next")
     _resolve_window(request, r, steps)
+    _check_streams(r, info)
     _check_kl(r)
     _check_branching(r, request)
     return r
+
+
+def _check_streams(r: RolloutParams, info: ModelInfo) -> None:
+    """``sde_streams``: distinct names of the model's latent streams."""
+    if r.sde_streams is None:
+        return
+    streams = info.family.latents.streams
+    if not streams:
+        raise FieldError("sde_streams", f"this {info.family.pipeline} model has one latent stream")
+    unknown = [s for s in r.sde_streams if s not in streams]
+    if unknown or len(set(r.sde_streams)) != len(r.sde_streams):
+        raise FieldError("sde_streams", f"must be distinct names among {list(streams)}, got {r.sde_streams}")
+    r.sde_streams = [s for s in streams if s in r.sde_streams]  # in the model's order
 
 
 def _resolve_window(request: dict, r: RolloutParams, steps: int) -> None:

@@ -69,9 +69,17 @@ NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, 
 # SD3's pooled CLIP projections [P], one per prompt (the family's binding says which text tensors it needs).
 POOLED_PROMPT_EMBEDS = TensorField("pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
 NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
+# Models with a sound stream: the audio stream's text context [L, D_a] beside ``prompt_embeds`` (the
+# video stream's, both the full token budget), and the mask over their L tokens [L] (1: attended).
+AUDIO_PROMPT_EMBEDS = TensorField("audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
+NEGATIVE_AUDIO_PROMPT_EMBEDS = TensorField("negative_audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
+PROMPT_MASK = TensorField("prompt_mask", INT_DTYPES, 1, required=False)
+NEGATIVE_PROMPT_MASK = TensorField("negative_prompt_mask", INT_DTYPES, 1, required=False)
 # A prompt's text tensor -> the same tensor of the negative prompt.
-NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS}
-TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS)
+NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS,
+               AUDIO_PROMPT_EMBEDS.name: NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK.name: NEGATIVE_PROMPT_MASK}
+TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS,
+                AUDIO_PROMPT_EMBEDS, NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK)
 # Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
 # encoder's image side makes of them (encoder -> denoise worker; see Binding.condition.fields).
 IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)
@@ -100,6 +108,8 @@ OUTPUT = TensorField("output", FLOAT_DTYPES, (5, 4, 3))  # frames [n, F, H, W, 3
 # Models with a sound stream: the waveform [n, channels, samples] at the Result's info["audio_sample_rate"].
 AUDIO = TensorField("audio", FLOAT_DTYPES, 3, required=False)
 LOG_PROBS = TensorField("log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K], one per SDE step
+# Models with several latent streams: each SDE stream's own log-probs [n, K] (LOG_PROBS is the joint Gaussian's).
+STREAM_LOG_PROBS = {s: TensorField(f"log_probs_{s}", FLOAT_DTYPES, 2, required=False) for s in ("video", "audio")}
 LOG_PROB_STEPS = TensorField("log_prob_steps", INT_DTYPES, 1, required=False)  # [K] step indices, shared
 KL = TensorField("kl", FLOAT_DTYPES, 2, required=False)  # [n, K]: KL against the reference, per SDE step
 REF_LOG_PROBS = TensorField("ref_log_probs", FLOAT_DTYPES, 2, required=False)  # [n, K]: x_next under the reference
@@ -108,10 +118,10 @@ TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, requ
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
-ROLLOUT_OUTPUTS = (LOG_PROBS, LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS, KL,
+ROLLOUT_OUTPUTS = (LOG_PROBS, *STREAM_LOG_PROBS.values(), LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS, KL,
                    REF_LOG_PROBS)
 # The tensors of a result with one row per sample (the rest are shared by the request's samples).
-PER_SAMPLE = (OUTPUT, AUDIO, LOG_PROBS, TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
+PER_SAMPLE = (OUTPUT, AUDIO, LOG_PROBS, *STREAM_LOG_PROBS.values(), TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -198,6 +208,9 @@ class RolloutParams(_Strict):
     # A group (n > 1) whose samples share the initial noise of ``seed`` and the deterministic steps before the
     # first SDE step, computed once on one row, then branch (denoise_worker/branching.py).
     share_prefix: bool = False
+    # Models with several latent streams (LTX-2's video and audio): those the SDE steps take, the others
+    # following their ODE (the Euler step). None: every stream.
+    sde_streams: list[str] | None = None
 
 
 FieldValue = Union[bool, int, float, str]

@@ -131,6 +131,9 @@ class RolloutBody(GenerateBody):
                                            "noise from this seed (the same for all); seed + i draws the SDE noise")
     share_prefix: bool = Field(default=False, description="a group shares the initial noise of seed (unless "
                                "initial_noise_seed) and the steps before its first SDE step, computed once")
+    sde_streams: list[str] | None = Field(
+        default=None, min_length=1, description="models with several latent streams (LTX-2: video, audio): the "
+        "streams the SDE steps take; the others follow their ODE (default: all)")
     return_partial: bool = Field(default=False, description="cancelled by POST /abort_request: answer 200 with "
                                  "the steps done (partial, steps_done) instead of 499")
     output_type: HttpOutputType = "latent"

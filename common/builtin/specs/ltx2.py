@@ -32,7 +32,7 @@ class TinyLtx2Spec(BuiltinSpec):
 
     PIPELINE = "LTX2Pipeline"
     SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "frame_rate", "num_inference_steps",
-                            "guidance_scale", "spatio_temporal_guidance_blocks")
+                            "guidance_scale", "stg_block")
 
     name: str
     image_to_video: bool = False
@@ -72,7 +72,7 @@ class TinyLtx2Spec(BuiltinSpec):
     frame_rate: float = 24.0
     num_inference_steps: int = 4
     guidance_scale: float = 4.0
-    spatio_temporal_guidance_blocks: tuple[int, ...] = (1,)
+    stg_block: int = 1  # the block STG perturbs (the pipeline's spatio_temporal_guidance_blocks, one block)
 
     @property
     def pipeline(self) -> str:
@@ -84,7 +84,7 @@ class TinyLtx2Spec(BuiltinSpec):
 
     def __post_init__(self) -> None:
         for name in ("vae_block_out_channels", "vae_decoder_block_out_channels", "vocoder_upsample_factors",
-                     "spatio_temporal_guidance_blocks"):
+                     ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.connector_num_heads < 1 or self.text_hidden_size % self.connector_num_heads:
             raise ValueError("text_hidden_size must be a multiple of connector_num_heads")
@@ -96,8 +96,8 @@ class TinyLtx2Spec(BuiltinSpec):
             raise ValueError("height and width must be multiples of 32 and num_frames of the form 8k+1")
         if self.vocoder_hidden_channels % 2 ** len(self.vocoder_upsample_factors):
             raise ValueError("vocoder_hidden_channels must halve at every upsampling")
-        if any(not 0 <= b < self.num_layers for b in self.spatio_temporal_guidance_blocks):
-            raise ValueError("spatio_temporal_guidance_blocks must name blocks of the transformer")
+        if not 0 <= self.stg_block < self.num_layers:
+            raise ValueError("stg_block must name a block of the transformer")
         check_weights_dtype(self)
 
 
@@ -106,7 +106,7 @@ _SMALL = dict(text_hidden_size=64, text_num_heads=4, text_head_dim=16, text_inte
               attention_head_dim=32, audio_num_attention_heads=4, audio_attention_head_dim=32,
               vae_block_out_channels=(16, 32, 64, 64), vae_decoder_block_out_channels=(16, 32, 64),
               vocoder_hidden_channels=64, height=256, width=384, num_frames=25, num_inference_steps=10,
-              spatio_temporal_guidance_blocks=(6,))
+              stg_block=6)
 
 SPECS: dict[str, TinyLtx2Spec] = {s.name: s for s in (
     TinyLtx2Spec(name="tiny-ltx2"),

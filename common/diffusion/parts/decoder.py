@@ -5,10 +5,17 @@ above the tiling budget.
 A decoder part is anything with ``load(info, dtype, device, tiling)`` returning an object whose
 ``decode(latents, height, width)`` gives the frames; :class:`AutoencoderKLDecoder` is the ``AutoencoderKL``
 one (``latents / scaling_factor + shift_factor``, as the pipelines decode).
+
+A decoder that needs its requests (the frame count, family fields, the seed) or makes sound has, besides or
+instead of ``decode``, ``decode_rows(latents, rows, height, width) -> Decoded``: ``latents`` the latents as the
+wire carries them (not unpacked), row k sample ``rows[k][1]`` of the request whose ``GenerationParams`` is
+``rows[k][0]``, ``height`` x ``width`` the size the latents were made at; and ``batch_key(params)``: requests
+whose keys (and sizes) are equal decode in one call. The decode stage prefers ``decode_rows`` where there is one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -17,6 +24,25 @@ from common.diffusion.vae_tiling import VaeTiling
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What a ``decode_rows`` gives: frames [n, F, H, W, 3] float32 in [0, 1] and, for a model with sound, the
+    waveform [n, channels, samples] float32 at ``sample_rate`` Hz."""
+
+    frames: torch.Tensor
+    audio: torch.Tensor | None = None
+    sample_rate: int | None = None
+
+    @staticmethod
+    def cat(parts: "list[Decoded]") -> "Decoded":
+        audio = None if parts[0].audio is None else torch.cat([p.audio for p in parts])
+        return Decoded(torch.cat([p.frames for p in parts]), audio, parts[0].sample_rate)
+
+    def rows(self, start: int, stop: int) -> "Decoded":
+        audio = None if self.audio is None else self.audio[start:stop]
+        return Decoded(self.frames[start:stop], audio, self.sample_rate)
 
 
 class Decoder(Protocol):

@@ -53,6 +53,8 @@ class LatentsPart:
     # The pipeline snaps a requested size (:meth:`size`, e.g. to resolution bins), so any size within the
     # bounds is a valid request; the multiple rule holds for the snapped one.
     snaps_sizes: bool = False
+    # Several latent streams in one tensor (LTX-2's video and audio): their names (:meth:`stream_masks`).
+    streams: tuple[str, ...] = ()
 
     def size(self, info: "ModelInfo", height: int, width: int, fields: dict) -> tuple[int, int]:
         """The (height, width) a request's latents are made at, which every other method here takes, for its
@@ -103,6 +105,10 @@ class LatentsPart:
         """:meth:`image_seq_len` of a request (the dynamic shift's ``mu``)."""
         height, width = self.size(info, params.height, params.width, params.fields)
         return self.image_seq_len(info, height, width, params.num_frames)
+
+    def stream_masks(self, info: "ModelInfo", params) -> dict[str, torch.Tensor]:
+        """Per stream (:attr:`streams`), 1 on its elements of a sample's latents [1, ...] (none: one stream)."""
+        return {}
 
     def layout(self, info: "ModelInfo", params) -> object:
         """What a forward's transformer call needs to know of a request's latents beyond their tensor (its

@@ -31,9 +31,6 @@ DECODE_TIMESTEP = RequestField("decode_timestep", float, "the timestep the video
                                "timestep conditioning)", default=FROM_MODEL, minimum=0.0, maximum=1.0)
 DECODE_NOISE_SCALE = RequestField("decode_noise_scale", float, "noise mixed into the latents before a "
                                   "timestep-conditioned decode (left out: decode_timestep)", minimum=0.0, maximum=1.0)
-IMAGE_CRF = RequestField("image_crf", int, "image-to-video: the H.264 CRF the image is re-compressed at before "
-                         "its VAE encode (0: none; left out: the model generation's default)", minimum=0,
-                         maximum=51)
 # The pipeline's own defaults (its __call__ signature) for the fields above.
 DEFAULTS = {"height": 512, "width": 768, "num_frames": 121, "num_inference_steps": 30, "guidance_scale": 3.0,
             "frame_rate": 24.0, "motion_speed": 1.0, "stg_scale": 1.0, "modality_scale": 3.0,

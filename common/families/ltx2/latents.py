@@ -10,7 +10,7 @@ import torch
 from common.diffusion.parts.latents import LatentsPart
 from common.families.ltx2.fields import DEFAULTS, STG_BLOCK, CROSS_TIMESTEP, conditioning_frame_rate, frame_rate
 from common.diffusion.request_fields import field_value
-from common.families.ltx2.geometry import Ltx2Geometry
+from common.families.ltx2.geometry import STREAMS, Ltx2Geometry
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ def _default_geometry(info, height: int, width: int, num_frames: int) -> Ltx2Geo
 @dataclass(frozen=True, kw_only=True)
 class Ltx2Latents(LatentsPart):
     video: bool = True
+    streams: tuple[str, ...] = STREAMS
+
+    def stream_masks(self, info, params):
+        return {k: m[None].float() for k, m in geometry_of(info, params).stream_masks().items()}
 
     def shape(self, info, height, width, num_frames=1):
         """At the directory's default frame rate (the audio's length depends on it: see :meth:`request_shape`)."""

@@ -1,0 +1,78 @@
+"""LTX-2 (``LTX2Pipeline``, ``LTX2ImageToVideoPipeline``): video and audio denoised jointly.
+
+- encoder: Gemma3's hidden states through the pipeline's text connectors, a video and an audio context and
+  their mask (:mod:`common.families.ltx2.text`); image-to-video: the image's first-frame latent
+  (:mod:`common.families.ltx2.image`);
+- denoise: ``LTX2VideoTransformer3DModel`` on both streams of one ``[S_v + S_a, C]`` tensor
+  (:mod:`~common.families.ltx2.geometry`), CFG / STG / modality guidance and rescale per stream on x0
+  (:mod:`~common.families.ltx2.guidance`), each pass a row of the batched forward;
+- schedule: flow-match Euler with dynamic shifting (``mu`` from the video tokens), sigmas ``linspace(1, 1/N, N)``,
+  one schedule for both streams;
+- decode: ``AutoencoderKLLTX2Video`` for the frames, ``AutoencoderKLLTX2Audio`` and the vocoder for the waveform
+  (:mod:`common.families.ltx2.decoder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.diffusion.binding import Binding
+from common.diffusion.parts.condition import NoCondition
+from common.diffusion.parts.latents import Geometry
+from common.diffusion.request_fields import NUM_FRAMES
+from common.families.ltx2.condition import Ltx2FirstFrame
+from common.families.ltx2.fields import DEFAULTS, FIELDS
+from common.families.ltx2.geometry import video_compression
+from common.families.ltx2.guidance import Ltx2Guidance
+from common.families.ltx2.image import IMAGE_CRF, load_conditioner
+from common.families.ltx2.latents import Ltx2Latents
+from common.families.ltx2.text import MAX_SEQUENCE_LENGTH, Ltx2Text
+from common.families.ltx2.transformer import CONDITIONAL, ROW_KIND, Ltx2Transformer
+
+
+def geometry(path, transformer_config: dict) -> Geometry:
+    spatial, temporal = video_compression(path)
+    if transformer_config.get("in_channels", 128) != transformer_config.get("audio_in_channels", 128):
+        raise ValueError(f"{path}: the engine carries LTX-2's streams as one tensor, which needs the video and audio "
+                         f"token widths equal (in_channels {transformer_config.get('in_channels')}, "
+                         f"audio_in_channels {transformer_config.get('audio_in_channels')})")
+    return Geometry(latent_channels=int(transformer_config.get("in_channels", 128)), vae_scale_spatial=spatial,
+                    vae_scale_temporal=temporal,
+                    patch_size=(transformer_config.get("patch_size_t", 1), transformer_config.get("patch_size", 1),
+                                transformer_config.get("patch_size", 1)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ltx2PassText(Ltx2Text):
+    """The text part, with each text's guidance-pass kind (transformer.py) stacked beside its tensors."""
+
+    def stack(self, texts):
+        kinds = [t.get(ROW_KIND) for t in texts]
+        stacked = super().stack([{k: v for k, v in t.items() if k != ROW_KIND} for t in texts])
+        if all(k is None for k in kinds):
+            return stacked
+        like = next(k for k in kinds if k is not None)
+        return {**stacked, ROW_KIND: torch.cat([torch.full_like(like, CONDITIONAL) if k is None else k
+                                                for k in kinds])}
+
+
+class _Decoder:
+    """The decoder part (imported when the decode worker loads it)."""
+
+    @staticmethod
+    def load(info, dtype, device, tiling=None):
+        from common.families.ltx2.decoder import Ltx2Decoder
+
+        return Ltx2Decoder.load(info, dtype, device, tiling)
+
+
+_COMMON = dict(text=Ltx2PassText(), latents=Ltx2Latents(geometry=geometry), transformer=Ltx2Transformer(),
+               decoder=_Decoder(), guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS)
+
+LTX2 = Binding(family="ltx2", pipeline="LTX2Pipeline", condition=NoCondition(),
+               request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS), **_COMMON)
+LTX2_I2V = Binding(family="ltx2-i2v", pipeline="LTX2ImageToVideoPipeline",
+                   condition=Ltx2FirstFrame(loader=load_conditioner),
+                   request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS, IMAGE_CRF), **_COMMON)
