@@ -119,6 +119,25 @@ def test_mp4_carries_the_waveform_in_sync(fps, channels):
             assert abs(int(np.argmax(window)) - half) <= MAX_LAG, at
 
 
+
+def test_the_opus_track_of_a_build_without_aac_is_in_sync(monkeypatch):
+    """Where PyAV has no AAC encoder the track is Opus, which decodes at 48 kHz: every other sample is the
+    waveform's (nothing above 12 kHz to alias), within the codec's loss, with no lag."""
+    from router.api import sound
+
+    monkeypatch.setattr(sound, "mp4_audio_codec", lambda: "libopus")
+    wave, _ = _waveform(24.0, 1)
+    data = media.mp4_bytes(_frames()[0], 24.0, media.Sound(torch.from_numpy(wave), RATE))
+    with av.open(io.BytesIO(data)) as container:
+        assert [(s.type, s.codec_context.name) for s in container.streams] == [("video", "h264"), ("audio", "opus")]
+    pcm, decoded_rate, start = decode_mp4_audio(data)
+    assert decoded_rate == 2 * RATE and start == 0.0
+    decoded = pcm[0, ::2]
+    samples = wave.shape[1]
+    assert 0 <= len(decoded) - samples < RATE // 50  # within one Opus frame (20 ms)
+    assert np.corrcoef(wave[0], decoded[:samples])[0, 1] > 0.99
+    assert abs(_lag(wave[0], decoded[:samples], RATE // 24)) <= MAX_LAG
+
 def test_each_sample_file_carries_its_own_sound():
     """n = 2 as files in a JSON answer: sample i's MP4 holds sample i's waveform."""
     waves = np.stack([_waveform(24.0, 1, seed=s)[0] for s in (0, 1)])

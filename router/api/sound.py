@@ -109,16 +109,18 @@ def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
 
 
 def decode_mp4_audio(data: bytes) -> tuple[np.ndarray, int, float]:
-    """An MP4's audio track as float32 [channels, samples], its rate, and its first sample's time in seconds
-    (for tests and clients)."""
+    """An MP4's audio track as a player plays it (for tests and clients): float32 [channels, samples] from time
+    0 on (what a codec decodes before 0, Opus's pre-skip, is dropped), the decoded rate (Opus: always 48 kHz),
+    and the first sample's time in seconds."""
     import av
 
     with av.open(io.BytesIO(data)) as container:
-        stream = container.streams.audio[0]
-        frames = list(container.decode(stream))
-        start = float(frames[0].pts * frames[0].time_base)
-        pcm = np.concatenate([_planar(f) for f in frames], axis=1)
-        return pcm.astype(np.float32), stream.rate, start
+        frames = list(container.decode(container.streams.audio[0]))
+    start = float(frames[0].pts * frames[0].time_base)
+    rate = frames[0].sample_rate
+    pcm = np.concatenate([_planar(f) for f in frames], axis=1)
+    early = round(-start * rate) if start < 0 else 0
+    return pcm[:, early:].astype(np.float32), rate, max(start, 0.0)
 
 
 def _planar(frame) -> np.ndarray:
