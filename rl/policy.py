@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from common.config.engine import Limits
-from common.diffusion import text_roles
+from common.diffusion import streams, text_roles
 from common.diffusion.kl import kl_at
 from common.diffusion.params import to_params
 from common.diffusion.parts.text import Conditioning, cond_to
@@ -139,19 +139,40 @@ class TrainerPolicy:
         Differentiable w.r.t. the transformer's parameters unless called under
         ``torch.no_grad()``.
         """
+        out = self._log_probs(trajectory, steps, params, embeddings, image, None)
+        return torch.stack(out) if out else torch.zeros(0)
+
+    def log_probs_by_stream(self, trajectory: Trajectory, steps: list[int] | torch.Tensor, params: GenerationParams,
+                            embeddings: tuple[Conditioning, Conditioning | None] | None = None,
+                            image: ImageInputs | None = None) -> dict[str, torch.Tensor]:
+        """A model with several latent streams (LTX-2's video and audio): the answer's ``log_probs`` (the joint
+        Gaussian's over the SDE streams) and each SDE stream's ``log_probs_<stream>``, [K] each, as
+        :meth:`log_probs` (common/diffusion/streams.py)."""
+        by_stream: dict[str, list[torch.Tensor]] = {}
+        joint = self._log_probs(trajectory, steps, params, embeddings, image, by_stream)
+        out = {"log_probs": torch.stack(joint) if joint else torch.zeros(0)}
+        out.update({f"log_probs_{k}": torch.stack(v) for k, v in by_stream.items()})
+        return out
+
+    def _log_probs(self, trajectory, steps, params, embeddings, image, by_stream: dict | None) -> list[torch.Tensor]:
         rollout = params.rollout or RolloutParams()
         variant = step_variant(rollout.sde_type, rollout.noise_level)
         cond, uncond = embeddings or self.embeddings(params, image)
         condition = None if image is None else image.condition
+        sde_streams = streams.sde_streams(self.info, params)
         out = []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
             v = self.velocity(x, trajectory.timesteps[i], cond, uncond, params, image, trajectory.sigmas[i])
+            own = self.family.condition.log_prob_mask(self.info, x, condition)
             step = step_at(trajectory.sigmas, i, v, x, variant,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device),
-                           log_prob_mask=self.family.condition.log_prob_mask(self.info, x, condition))
+                           log_prob_mask=streams.log_prob_mask(self.info, params, own))
             out.append(step.log_prob[0])
-        return torch.stack(out) if out else torch.zeros(0)
+            if sde_streams and by_stream is not None:
+                for name, value in streams.stream_log_probs(variant, step, sde_streams, own).items():
+                    by_stream.setdefault(name, []).append(value[0])
+        return out
 
     def kl(self, trajectory: Trajectory, steps: list[int] | torch.Tensor, params: GenerationParams,
            embeddings: tuple[Conditioning, Conditioning | None] | None = None,
@@ -174,7 +195,7 @@ class TrainerPolicy:
             ref = reference or self
             with torch.no_grad(), adapters_off(ref.experts.values()):
                 v_ref = ref.velocity(x, trajectory.timesteps[i], cond, uncond, params, image, trajectory.sigmas[i])
-            mask = self.family.condition.log_prob_mask(self.info, x, condition)
+            mask = streams.log_prob_mask(self.info, params, self.family.condition.log_prob_mask(self.info, x, condition))
             step = step_at(trajectory.sigmas, i, v, x, variant,
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device), log_prob_mask=mask)
             out = kl_at(trajectory.sigmas, i, step, v_ref, x, variant, mask)

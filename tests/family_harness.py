@@ -15,6 +15,8 @@ import torch
 from common.diffusion import schedulers, text_roles
 from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.model_info import ModelInfo
+from common.diffusion.parts.decoder import Decoded
+from common.diffusion.params import family_values
 from common.diffusion.policy import Policy, uses_guidance
 from common.families import read_model
 from common.runtime.component_memory import settle_held
@@ -65,6 +67,7 @@ class InProcess:
         if self.family.cfg_field == "true_cfg_scale":
             fields["true_cfg_scale"] = float(d.get("true_cfg_scale", 1.0))
         own = {**fields, **over}  # the family's own fields travel in GenerationParams.fields
+        own = {**family_values(own, self.info), **own}  # with their defaults, as the router fills them
         return GenerationParams(**{k: v for k, v in own.items() if k in GenerationParams.__struct_fields__},
                                 fields={k: v for k, v in own.items() if k not in GenerationParams.__struct_fields__})
 
@@ -119,8 +122,14 @@ class InProcess:
         return task
 
     def frames(self, latents: torch.Tensor, p: GenerationParams) -> torch.Tensor:
+        return self.decoded(latents, p).frames
+
+    def decoded(self, latents: torch.Tensor, p: GenerationParams) -> Decoded:
+        """The decode worker's output for a request's final latents: frames (and a sound model's waveform)."""
         made = self.family.latents.size(self.info, p.height, p.width, p.fields)
-        return self.decoder.decode(self.family.latents.unpack(latents, self.info, *made), p.height, p.width)
+        if hasattr(self.decoder, "decode_rows"):  # a decoder that reads its requests (LTX-2's)
+            return self.decoder.decode_rows(latents, [(p, i) for i in range(latents.shape[0])], *made)
+        return Decoded(self.decoder.decode(self.family.latents.unpack(latents, self.info, *made), p.height, p.width))
 
 
 def compare_tasks(a: DenoiseTask, b: DenoiseTask) -> float:

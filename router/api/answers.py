@@ -54,6 +54,9 @@ class Sample(Answer):
     lora_version: int | None
     log_probs: TensorBody | None = Field(default=None, description="rollouts: [K] per SDE step")
     log_prob_steps: TensorBody | None = None
+    log_probs_video: TensorBody | None = Field(default=None, description="models with video and audio streams: "
+                                               "[K] the video stream's log-probs (log_probs: the joint's)")
+    log_probs_audio: TensorBody | None = Field(default=None, description="[K] the audio stream's log-probs")
     sde_window: list[int] | None = Field(default=None, description="rollouts with sde_window_size: the SDE steps "
                                          "[start, stop) picked from the seed")
     kl: TensorBody | None = Field(default=None, description="return_kl: [K] KL against the reference per SDE step")

@@ -19,8 +19,8 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
-    AUDIO, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS,
-    TRAJECTORY_TIMESTEPS,
+    AUDIO, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
+    TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
 from router.api import media
 from router.link.join import PER_SAMPLE_INFO, Outcome
@@ -146,6 +146,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     if LOG_PROBS.name in t:
         body["log_probs"] = tensor_to_body(t[LOG_PROBS.name], binary)
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
+    for f in STREAM_LOG_PROBS.values():  # several latent streams: each SDE stream's own, beside the joint
+        if f.name in t:
+            body[f.name] = tensor_to_body(t[f.name], binary)
     for key in STEP_VERSIONS:  # a rollout's steps, each tagged with the versions it ran on
         if key in o.info:
             body[key] = o.info[key]

@@ -32,7 +32,7 @@ class TinyLtx2Spec(BuiltinSpec):
 
     PIPELINE = "LTX2Pipeline"
     SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "frame_rate", "num_inference_steps",
-                            "guidance_scale", "stg_block")
+                            "guidance_scale", "stg_block", "max_sequence_length")
 
     name: str
     image_to_video: bool = False
@@ -72,6 +72,7 @@ class TinyLtx2Spec(BuiltinSpec):
     frame_rate: float = 24.0
     num_inference_steps: int = 4
     guidance_scale: float = 4.0
+    max_sequence_length: int = 64  # (the pipeline's 1024 would make the tiny model's text most of its cost)
     stg_block: int = 1  # the block STG perturbs (the pipeline's spatio_temporal_guidance_blocks, one block)
 
     @property

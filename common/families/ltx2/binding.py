@@ -23,6 +23,7 @@ from common.diffusion.parts.condition import NoCondition
 from common.diffusion.parts.latents import Geometry
 from common.diffusion.request_fields import NUM_FRAMES
 from common.families.ltx2.condition import Ltx2FirstFrame
+from common.families.ltx2.decoder import Ltx2Decoder
 from common.families.ltx2.fields import DEFAULTS, FIELDS
 from common.families.ltx2.geometry import video_compression
 from common.families.ltx2.guidance import Ltx2Guidance
@@ -58,18 +59,8 @@ class Ltx2PassText(Ltx2Text):
                                                 for k in kinds])}
 
 
-class _Decoder:
-    """The decoder part (imported when the decode worker loads it)."""
-
-    @staticmethod
-    def load(info, dtype, device, tiling=None):
-        from common.families.ltx2.decoder import Ltx2Decoder
-
-        return Ltx2Decoder.load(info, dtype, device, tiling)
-
-
 _COMMON = dict(text=Ltx2PassText(), latents=Ltx2Latents(geometry=geometry), transformer=Ltx2Transformer(),
-               decoder=_Decoder(), guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS)
+               decoder=Ltx2Decoder, guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS)
 
 LTX2 = Binding(family="ltx2", pipeline="LTX2Pipeline", condition=NoCondition(),
                request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS), **_COMMON)

@@ -31,6 +31,11 @@ def with_image(info, latents: torch.Tensor, image: torch.Tensor | None) -> torch
     if image is None:
         return latents
     tokens = frame0_tokens(info, image).to(latents.dtype)
+    return with_tokens(latents, tokens)
+
+
+def with_tokens(latents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``latents`` [n, S, C] with their first tokens ``tokens`` [1, T0, C]."""
     return torch.cat([tokens.expand(latents.shape[0], -1, -1), latents[:, tokens.shape[1]:]], dim=1)
 
 
@@ -38,6 +43,15 @@ def with_image(info, latents: torch.Tensor, image: torch.Tensor | None) -> torch
 class Ltx2FirstFrame(FirstFrame):
     def image_input(self, info):
         return "required"
+
+    def wire_tensors(self, conditioner, images, last_image, params):
+        return conditioner.wire_tensors(images, last_image, params)
+
+    def cache_key(self, params):
+        """The image's latent depends on the size and the CRF it is re-compressed at."""
+        from common.families.ltx2.image import Ltx2ImageConditioner
+
+        return Ltx2ImageConditioner.cache_key(params)
 
     def from_wire(self, wire):
         c = wire.get(IMAGE_CONDITION.name)

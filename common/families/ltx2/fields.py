@@ -33,6 +33,7 @@ DECODE_NOISE_SCALE = RequestField("decode_noise_scale", float, "noise mixed into
                                   "timestep-conditioned decode (left out: decode_timestep)", minimum=0.0, maximum=1.0)
 # The pipeline's own defaults (its __call__ signature) for the fields above.
 DEFAULTS = {"height": 512, "width": 768, "num_frames": 121, "num_inference_steps": 30, "guidance_scale": 3.0,
+            "max_sequence_length": 1024,
             "frame_rate": 24.0, "motion_speed": 1.0, "stg_scale": 1.0, "modality_scale": 3.0,
             "guidance_rescale": 0.7, "stg_block": 28, "use_cross_timestep": True, "decode_timestep": 0.0}
 

@@ -15,6 +15,7 @@ import torch
 
 from common.diffusion.parts.guidance import Guidance
 from common.diffusion.parts.text import TextCond, text_kwargs
+from common.families.ltx2.condition import with_tokens
 from common.families.ltx2.fields import stream_value
 from common.families.ltx2.transformer import ISOLATED, PERTURBED, ROW_KIND
 
@@ -58,6 +59,10 @@ class Ltx2Guidance(Guidance):
         perturbed = next(on) if max(stg) > 0.0 else None
         isolated = next(on) if max(iso) > 1.0 else None
         g, sigma, latents = x.grid.geometry, x.sigma, x.latents.float()
+        if x.image is not None:  # image-to-video: x0 from frame 0's true tokens (rescale's std covers them)
+            from diffusers import LTX2Pipeline
+
+            latents = with_tokens(latents, LTX2Pipeline._pack_latents(x.image, g.patch_size, g.patch_size_t).float())
         streams = []
         for k, x_t in enumerate(g.split(latents)):
             def x0(v):

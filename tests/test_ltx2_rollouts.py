@@ -1,0 +1,125 @@
+"""LTX-2 rollouts over both streams: the trainer recomputes the joint and each stream's log-probs; an SDE on one
+stream leaves the other on its ODE; requests batched with others at other steps equal their runs alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from common.builtin import ensure_builtin
+from common.diffusion.params import FieldError
+from common.families.ltx2.latents import geometry_of
+from common.protocol.messages import (LOG_PROB_STEPS, LOG_PROBS, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
+                                      TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, RolloutParams)
+from family_harness import ModuleModels, compare_tasks, max_diff
+from rl import Trajectory
+
+TOL = 1e-5
+STEPS = 3
+models = ModuleModels()
+GUIDED = dict(guidance_scale=3.0, stg_scale=1.0, modality_scale=2.0, guidance_rescale=0.5, audio_guidance_scale=5.0,
+              negative_prompt="blurry, silent")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module():
+    yield from models.module_scope()
+
+
+def picture(seed: int = 0) -> PIL.Image.Image:
+    rng = np.random.RandomState(seed)
+    return PIL.Image.fromarray(rng.randint(0, 256, (40, 56, 3), dtype=np.uint8)).resize((70, 50))
+
+
+def rollout(eng, sde_type: str, guided: bool, n: int = 2, seed: int = 3, **rollout_fields):
+    over = GUIDED if guided else dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0)
+    noise_level = 0.8 if sde_type == "cps" else 0.7
+    return eng.params(num_inference_steps=STEPS, n=n, seed=seed, prompt="a dog barks at the sea",
+                      rollout=RolloutParams(sde_type=sde_type, noise_level=noise_level, return_trajectory=True,
+                                            **rollout_fields), **over)
+
+
+# (model, step variant, guided, the SDE's streams)
+CASES = {
+    "sde-guided-both": ("tiny-ltx2", "sde", True, None),
+    "cps-video-only": ("tiny-ltx2", "cps", False, ["video"]),
+    "flow_grpo_wan-audio-only-guided": ("tiny-ltx2", "flow_grpo_wan", True, ["audio"]),
+    "i2v-dance_grpo-both": ("tiny-ltx2-i2v", "dance_grpo", True, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_trainer_recomputes_the_joint_and_each_streams_log_probs(case, record_property):
+    model, sde_type, guided, chosen = CASES[case]
+    model_dir = ensure_builtin(model)
+    eng = models.engine(model_dir)
+    torch.set_num_threads(1)
+    image = picture() if model.endswith("i2v") else None
+    p = rollout(eng, sde_type, guided, sde_streams=chosen, sde_step_indices=[0, 1])
+    task = eng.run(p, image=image)
+    ex = task.extras()
+    streams = chosen or ["video", "audio"]
+    assert sorted(k for k in ex if k.startswith("log_probs_")) == sorted(f"log_probs_{s}" for s in streams)
+
+    trainer = models.trainer(model_dir)
+    inputs = None if image is None else trainer.image(p, image)
+    embeddings = trainer.embeddings(p, inputs)
+    steps = ex[LOG_PROB_STEPS.name]
+    diffs = {}
+    g = geometry_of(eng.info, p)
+    for i in range(p.n):
+        sample = Trajectory(ex[TRAJECTORY_LATENTS.name][i], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
+        with torch.no_grad():
+            got = trainer.log_probs_by_stream(sample, steps, p, embeddings=embeddings, image=inputs)
+        assert sorted(got) == sorted(["log_probs", *(f"log_probs_{s}" for s in streams)])
+        for name, values in got.items():
+            diffs[f"{name}[{i}]"] = max_diff(values, ex[name][i])
+        if chosen is not None:  # the stream left out took its Euler step at every SDE step
+            other = 1 if chosen == ["video"] else 0
+            for k in steps.tolist():
+                x = sample.latents[k : k + 1]
+                with torch.no_grad():
+                    v = trainer.velocity(x, sample.timesteps[k], *embeddings, p, inputs, sample.sigmas[k])
+                euler = x + (sample.sigmas[k + 1] - sample.sigmas[k]) * v
+                diffs[f"ode step {k}[{i}]"] = max_diff(g.split(sample.latents[k + 1 : k + 2])[other],
+                                                       g.split(euler)[other])
+    record_property("diffs", diffs)
+    assert max(diffs.values()) <= TOL, diffs
+    if chosen is None and image is None:  # the joint Gaussian is the element-weighted average of the streams'
+        v, a = ex[STREAM_LOG_PROBS["video"].name], ex[STREAM_LOG_PROBS["audio"].name]
+        weighted = (g.video_tokens * v + g.audio_tokens * a) / g.tokens
+        assert max_diff(weighted, ex[LOG_PROBS.name]) <= TOL
+
+
+def test_requests_batched_at_other_steps_equal_their_runs_alone():
+    """A guided rollout (four passes a sample), a CFG-only generation and an unguided rollout with the SDE on the
+    audio alone, started one step apart, in shared forwards: each equals its run alone."""
+    eng = models.engine(ensure_builtin("tiny-ltx2"))
+    made = [rollout(eng, "sde", True, seed=11),
+            eng.params(num_inference_steps=STEPS, seed=12, guidance_scale=4.0, stg_scale=0.0, modality_scale=1.0,
+                       negative_prompt="noise"),
+            rollout(eng, "cps", False, n=1, seed=13, sde_streams=["audio"])]
+    alone = [eng.run(p) for p in made]
+    tasks = [eng.task(made[0])]
+    eng.step(tasks)
+    tasks.append(eng.task(made[1]))
+    eng.step(tasks)
+    tasks.append(eng.task(made[2]))
+    before = eng.shared_forwards
+    while not all(t.done for t in tasks):
+        eng.step([t for t in tasks if not t.done])
+    assert eng.shared_forwards > before
+    diffs = [compare_tasks(a, b) for a, b in zip(alone, tasks)]
+    assert max(diffs) <= TOL, diffs
+
+
+@pytest.mark.parametrize("model, streams, why", [
+    ("tiny-ltx2", ["speech"], "among"), ("tiny-ltx2", ["video", "video"], "distinct"),
+    ("tiny-flux", ["video"], "one latent stream")])
+def test_sde_streams_are_checked(model, streams, why):
+    trainer = models.trainer(ensure_builtin(model))
+    with pytest.raises(FieldError) as e:
+        trainer.params("a dog", rollout=True, sde_streams=streams)
+    assert e.value.field == "sde_streams" and why in str(e.value)
