@@ -45,6 +45,13 @@ def _request(accept: str = "") -> Request:
     return Request({"type": "http", "method": "POST", "path": "/generate", "headers": [(b"accept", accept.encode())]})
 
 
+def _info(model: str):
+    from common.builtin import ensure_builtin
+    from common.families import read_model
+
+    return read_model(ensure_builtin(model))
+
+
 def _params(frame_rate: float | None, n: int = 1) -> GenerationParams:
     fields = {} if frame_rate is None else {"frame_rate": frame_rate}
     return GenerationParams(prompt="a fox", negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=FRAMES,
@@ -88,8 +95,8 @@ def _lag(reference: np.ndarray, decoded: np.ndarray, span: int) -> int:
 @pytest.mark.parametrize("fps,channels", [(24.0, 2), (23.976, 2), (25.0, 1)])
 def test_mp4_carries_the_waveform_in_sync(fps, channels):
     wave, clicks = _waveform(fps, channels)
-    params = _params(fps)
-    rate = media.frame_rate(params, 16)
+    rate = media.video_fps(_params(fps), _info("tiny-ltx2"))  # LTX-2 takes the request's frame_rate
+    assert rate == fps
     answer = media_response("r1", 7, _outcome(_frames(), wave[None]), 1, "mp4", rate, 0.5, _request(), bare=True)
     assert answer.media_type == "video/mp4"
     data = answer.body
@@ -181,8 +188,7 @@ def test_json_and_msgpack_answers_carry_audio_and_sample_rate(accept):
 def test_a_model_without_sound_answers_as_before():
     frames = _frames()
     silent = _outcome(frames, None)
-    params = _params(None)
-    fps = media.frame_rate(params, 16)  # no frame_rate field: the model's own rate, as before
+    fps = media.video_fps(_params(None), _info("tiny"))  # a family without a frame_rate field: the model's rate
     assert fps == 16
     mp4 = media_response("r5", 7, silent, 1, "mp4", fps, 0.5, _request(), bare=True).body
     assert mp4 == media.mp4_bytes(frames[0], 16)  # the existing function's output, byte for byte
@@ -201,15 +207,13 @@ def test_a_model_without_sound_answers_as_before():
 
 
 def test_wav_from_a_model_without_sound_is_a_400():
-    from common.builtin import ensure_builtin
     from common.config.engine import Limits
-    from common.families import read_model
     from router.api.schemas import GenerateBody
     from router.core.errors import FieldError
     from router.core.request_params import makes_sound, to_params
 
-    info = read_model(ensure_builtin("tiny"))
-    assert not makes_sound(info)
+    info = _info("tiny")
+    assert not makes_sound(info) and makes_sound(_info("tiny-ltx2"))
     with pytest.raises(FieldError) as e:
         to_params(GenerateBody(prompt="a fox", output_type="wav"), info, Limits())
     assert e.value.field == "output_type"
@@ -218,17 +222,12 @@ def test_wav_from_a_model_without_sound_is_a_400():
 
 def test_the_schema_offers_wav_only_from_a_model_with_sound(tmp_path):
     """/openapi.json's output_type: wav where the model directory has a vocoder (the same rule as the 400)."""
-    import dataclasses
-
-    from common.builtin import ensure_builtin
     from common.config.engine import EngineConfig
     from common.config.topology import parse_topology
-    from common.families import read_model
     from router.api.body_facts import body_facts
     from router.core.request_params import makes_sound
 
-    silent = read_model(ensure_builtin("tiny"))
-    sounding = dataclasses.replace(silent, index={**silent.index, "vocoder": ["diffusers", "AnyVocoder"]})
+    silent, sounding = _info("tiny"), _info("tiny-ltx2")
     assert makes_sound(sounding) and not makes_sound(silent)
     config = EngineConfig(model=str(silent.path), workers=parse_topology("encoder=1,denoise=1,decode=1", tmp_path),
                           router_endpoint=f"ipc://{tmp_path}/router.sock", runtime_dir=str(tmp_path))

@@ -297,13 +297,6 @@ def test_a_model_with_sound_plays_its_video_with_sound(web, engine_factory):
 
     import av
 
-    from common.builtin import ensure_builtin
-    from common.families import UnknownFamily, read_model
-
-    try:
-        read_model(ensure_builtin("tiny-ltx2"))
-    except UnknownFamily:
-        pytest.skip("tiny-ltx2's family is not served by this checkout")
     eng = engine_factory("tiny-ltx2")
     page = open_page(web, eng.url)
     generate_video(page, "a drum in the rain", num_inference_steps=2, seed=3)

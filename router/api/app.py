@@ -22,7 +22,7 @@ from router.api.body_facts import body_facts
 from router.api.cancel_api import AbortBody, abort_request, client_gone_mid_body, gone_of
 from router.api.drain import ReadBodyFirst
 from router.api.http_errors import install_error_handlers
-from router.api.media import MEDIA_TYPES, file_types, frame_rate
+from router.api.media import MEDIA_TYPES, file_types, video_fps
 from router.api.metrics import RequestMetrics, exposition
 from router.api.openapi import MODULE_QUERY, engine_openapi, errors, ok, request_body
 from router.api.request_ids import REQUEST_ID_PARAMETER, REQUEST_ID_PATH, request_id_of
@@ -121,7 +121,7 @@ class Routes:
         steps_done = outcome.info.get("steps_done")
         if body.output_type in MEDIA_TYPES and steps_done is None:  # a partial answer holds latents: JSON
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
-            fps = frame_rate(params, self.engine.info.fps)  # a model's frame_rate field, else its own rate
+            fps = video_fps(params, self.engine.info)  # the request's rate where its family takes one
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
                                            fps, time.perf_counter() - done.started, request, bare)
         payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - done.started,

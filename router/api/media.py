@@ -15,7 +15,6 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from common.diffusion.request_fields import field_value
 from common.protocol.messages import AUDIO
 from router.api.sound import WAV, AudioTrack, Sound, wav_bytes
 
@@ -60,11 +59,11 @@ def video_rate(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(1001)
 
 
-def frame_rate(params, model_fps: int) -> float:
-    """The frame rate a request's video plays at: its ``frame_rate`` field where the model has one, else the
-    model's."""
-    rate = field_value(params, "frame_rate")
-    return model_fps if rate is None else rate
+def video_fps(params, info) -> float:
+    """The frame rate a request's video plays at (``info``: the model's ModelInfo): the request's own where its
+    family takes one as a field (the binding's ``request_fps``), else the model's."""
+    from_request = info.family.request_fps
+    return info.fps if from_request is None else from_request(params)
 
 
 def sound_of(sample) -> Sound | None:

@@ -158,7 +158,7 @@ class OpenAIRoutes:
             outcome = await self.engine.run_job(params, timeout_s, images, started)
             sample = outcome.sample(0)  # the MP4 carries its sound where the model makes sound
             return await asyncio.to_thread(media.mp4_bytes, sample.tensors[OUTPUT.name],
-                                           media.frame_rate(params, self.info.fps), media.sound_of(sample))
+                                           media.video_fps(params, self.info), media.sound_of(sample))
 
         return f"{width}x{height}", seconds_of(frames, self.info.fps), run
 
