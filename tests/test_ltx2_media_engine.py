@@ -33,8 +33,10 @@ FIELDS = dict(prompt="a drum in the rain", width=64, height=64, num_frames=9, nu
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory):
-    return engine_factory(MODEL)
+def engine(shared_engine):
+    # Shared (tests/test_ltx2_engine.py's too): the one video job made here stays listed, which no other module
+    # depends on.
+    return shared_engine(MODEL)
 
 
 def _vocoder_rate(engine) -> int:
