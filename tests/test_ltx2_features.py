@@ -129,3 +129,62 @@ def test_several_adapters_in_one_batched_step_each_equal_alone(tmp_path_factory,
     record_property("diffs", diffs)
     assert max(diffs) <= ROLLOUT_TOL, diffs
     assert max_diff(tasks[0].latents, tasks[3].latents) > 1e-3  # the scale reaches the rows
+
+
+# --- sleep and wake -------------------------------------------------------------------------------------------
+
+
+def _outputs(eng, image) -> dict[str, torch.Tensor]:
+    """What each component computes for one request: its text (and image) wire tensors, both streams' latents,
+    the frames and the waveform decoded from them."""
+    p, _ = request(eng, SERVING["all-rescale"])
+    torch.set_num_threads(1)
+    texts = eng.encoder.wire_tensors([p.prompt, p.negative_prompt], p.max_sequence_length)
+    out = {f"text{i}.{k}": t for i, wire in enumerate(texts) for k, t in wire.items()}
+    out.update({f"image.{k}": t for k, t in eng.image_wire(p, image).items()})
+    out["latents"] = eng.run(p, image=image).latents
+    decoded = eng.decoded(out["latents"], p)
+    out["frames"], out["audio"] = decoded.frames, decoded.audio
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-ltx2", "tiny-ltx2-i2v"])
+def test_every_component_sleeps_and_wakes_bit_identical(model, tmp_path_factory):
+    from common.diffusion.policy import Policy
+    from common.diffusion.weights import load_into
+    from common.diffusion.weight_storage import weight_tensors
+    from common.runtime.component_memory import ComponentMemory, modules_of
+    from test_sleep import _load_component, _sums, _unsettled
+
+    eng = models.engine(models.get(model, tmp_path_factory).model_dir)
+    info = eng.info
+    components = {"transformer": eng.policy.experts,
+                  "text_encoder": modules_of({"text_encoder": eng.encoder, "images": eng.images}),
+                  "vae": modules_of({"decoder": eng.decoder})}
+    kinds = {tag: sorted(type(m).__name__ for m in modules.values()) for tag, modules in components.items()}
+    assert kinds["vae"] == ["AutoencoderKLLTX2Audio", "AutoencoderKLLTX2Video", "LTX2Vocoder"]
+    assert kinds["text_encoder"] == sorted(["Gemma3ForConditionalGeneration", "LTX2TextConnectors",
+                                            *(["AutoencoderKLLTX2Video"] if eng.images is not None else [])])
+    assert kinds["transformer"] == ["LTX2VideoTransformer3DModel"]
+    assert _unsettled(components) == {}
+    image = picture() if eng.images is not None else None
+    before, sums = _outputs(eng, image), {tag: _sums(modules) for tag, modules in components.items()}
+    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
+              for tag, modules in components.items()}
+    trainer = Policy.load(info, torch.float32, "cpu").experts
+    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
+        for c in memory.values():
+            assert c.release(level) == sum(m.nbytes for m in c.modules.values())
+        # every module of every component released: no weight (parameter or persistent buffer) keeps its values
+        assert all(t.numel() == 0 for modules in components.values() for m in modules.values()
+                   for t in weight_tensors(m).values()), how
+        if how == "push":
+            for name, m in memory["transformer"].modules.items():
+                m.materialize()
+                load_into(m.module, trainer[name].state_dict())
+        for c in memory.values():
+            c.resume(reload="disk" if level == 2 else None)
+        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
+        assert _unsettled(components) == {}, how
+        after = _outputs(eng, image)
+        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
