@@ -188,3 +188,46 @@ def test_every_component_sleeps_and_wakes_bit_identical(model, tmp_path_factory)
         assert _unsettled(components) == {}, how
         after = _outputs(eng, image)
         assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+
+
+# --- groups ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["tiny-ltx2", "tiny-ltx2-i2v"])
+def test_a_group_encodes_once_and_branches_as_its_samples_alone(model, tmp_path_factory, record_property):
+    from common.protocol.messages import IMAGE, PROTOCOL_VERSION, EncodeRequest, Route
+    from test_edit_rollouts import _encoder_stage, _spy
+
+    eng = models.engine(models.get(model, tmp_path_factory).model_dir)
+    image = picture() if eng.images is not None else None
+    window = [1, 2]
+    p = rollout(eng, "sde", True, n=2, sde_step_indices=window, share_prefix=True)
+
+    stage = _encoder_stage(eng)
+    text_calls, image_calls = [], []
+    _spy(stage.text_encoder, "wire_tensors", text_calls)
+    if image is not None:
+        _spy(stage.images, "wire_tensors", image_calls)
+    pixels = {} if image is None else {IMAGE.name: torch.from_numpy(np.asarray(image).copy())}
+    msg = EncodeRequest(v=PROTOCOL_VERSION, request_id="group", route=Route(encoder=0, denoise=0, decode=0), params=p)
+    (fwd,) = stage.process_batch([(msg, pixels)])
+    assert len(text_calls) == 1 and len(image_calls) == (image is not None)  # one encode for the n samples
+    want = eng.image_wire(p, image)
+    assert all(torch.equal(fwd.tensors[k], want[k]) for k in want)
+
+    group = eng.run(p, image=image)
+    ex = group.extras()
+    traj = ex[TRAJECTORY_LATENTS.name]
+    k = window[0]
+    assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
+    assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
+    worst = 0.0
+    for i in range(p.n):
+        alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
+            p.rollout, share_prefix=False, initial_noise_seed=p.seed)), image=image)
+        ax = alone.extras()
+        worst = max(worst, max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0]),
+                    *(max_diff(ex[name][i], ax[name][0]) for name in ex if name.startswith("log_probs")),
+                    max_diff(group.latents[i], alone.latents[0]))
+    record_property("max_abs_diff", worst)
+    assert worst <= ROLLOUT_TOL
