@@ -11,6 +11,8 @@ component, groups.
    released and resumed (level 1, level 2 with a push or from disk) gives every output back bit for bit.
 3. Groups: the encoder stage encodes a group's texts (and image) once; ``initial_noise_seed`` + ``share_prefix``
    branches equal each sample run alone.
+4. Weight sync (heavy: a launched engine): a perturbed transformer from disk and from the trainer's memory each
+   changes both streams; the original weights pushed back give the first answer back bit for bit.
 """
 
 from __future__ import annotations
@@ -231,3 +233,48 @@ def test_a_group_encodes_once_and_branches_as_its_samples_alone(model, tmp_path_
                     max_diff(group.latents[i], alone.latents[0]))
     record_property("max_abs_diff", worst)
     assert worst <= ROLLOUT_TOL
+
+
+# --- weight sync (a launched engine: the workers' update paths) -----------------------------------------------
+
+
+@pytest.mark.heavy
+def test_weight_sync_from_disk_and_memory_changes_both_streams_and_the_originals_restore_them(
+        engine_factory, lora_root, record_property):
+    from common.builtin import ensure_builtin
+    from common.diffusion.weights import save_weights, state_dict_checksum
+    from rl import TrainerPolicy
+    from router.client import EngineClient
+
+    model_dir = ensure_builtin("tiny-ltx2")
+    eng = models.engine(model_dir)
+    original = TrainerPolicy(model_dir).transformer.state_dict()
+
+    def changed(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in original.items()}
+
+    engine = engine_factory("tiny-ltx2", extra=["--weight-root", str(lora_root), "--weight-sync-from-memory"])
+    req = dict(prompt="a dog barks at the sea", negative_prompt="blurry", seed=3, num_inference_steps=3,
+               guidance_scale=4.0, stg_scale=1.0, output_type="latent")
+    g = geometry_of(eng.info, eng.params(**{k: v for k, v in req.items() if k != "output_type"}))
+    with EngineClient(engine.url) as client:
+        def streams():
+            return g.split(client.generate(**req)["samples"][0]["output"])
+
+        base = streams()
+        new = changed(1)
+        save_weights(new, lora_root / "ltx2-step-1")
+        assert client.update_weights_from_disk(str(lora_root / "ltx2-step-1"))["sha256"] == state_dict_checksum(new)
+        from_disk = streams()
+        other = changed(2)
+        assert client.update_weights_from_tensors(other)["sha256"] == state_dict_checksum(other)
+        from_memory = streams()
+        assert client.update_weights_from_tensors(original)["sha256"] == state_dict_checksum(original)
+        restored = streams()
+    diffs = {f"{name}[{k}]": max_diff(run[k], base[k]) for name, run in (("disk", from_disk), ("memory", from_memory))
+             for k in (0, 1)}
+    record_property("diffs", diffs)
+    assert min(diffs.values()) > 1e-3, diffs  # each update changes the video and the audio latents
+    assert max_diff(from_memory[0], from_disk[0]) > 1e-3
+    assert all(torch.equal(r, b) for r, b in zip(restored, base))  # bit for bit
