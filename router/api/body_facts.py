@@ -29,7 +29,7 @@ MAX_ENUM = 256  # the most values an enum may list; past it the schema says less
 def _frames(config: EngineConfig, info: ModelInfo) -> list[int]:
     if not info.family.video:
         return [1]
-    return list(range(1, config.limits.max_num_frames + 1, 4))  # 4k+1
+    return list(range(1, config.limits.max_num_frames + 1, info.vae_scale_temporal))  # (Wan 4k+1, LTX-2 8k+1)
 
 
 def _sizes(multiple: int, config: EngineConfig) -> dict:

@@ -50,7 +50,7 @@ class GenerateBody(BaseModel):
     # Sizes, steps and guidance left out take the model's serving defaults.
     height: int | None = None
     width: int | None = None
-    num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (image families: 1)")
+    num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)

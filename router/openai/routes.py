@@ -147,7 +147,8 @@ class OpenAIRoutes:
             raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
                              "use /v1/images/generations")
         width, height = parse_size(body.size, self.info.defaults)
-        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
+        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"],
+                            self.info.vae_scale_temporal)
         gen = self._generate_body(body, width, height, frames, 1, "frames")
         params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
         images = await self.engine.images_of(gen, names=INPUT_REFERENCE)
