@@ -30,7 +30,7 @@ from edit_models import SCALE, EditModels, no_grad
 from family_harness import compare_tasks, max_diff
 from rl import Trajectory
 from test_ltx2 import CASES as SERVING, pipeline_latents, request
-from test_ltx2_rollouts import picture, rollout
+from test_ltx2_rollouts import picture, rollout as one_frame_rollout
 
 SERVE_TOL, ROLLOUT_TOL = 1e-4, 1e-5
 # The built-ins, each with a diffusers LoRA file and a peft folder on the family's default targets (edit_models.py).
@@ -40,6 +40,13 @@ models = EditModels()
 @pytest.fixture(scope="module", autouse=True)
 def _module():
     yield from models.module_scope()
+
+
+def rollout(eng, sde_type, guided, **fields):
+    """test_ltx2_rollouts' rollout at the model's default frame count: image to video has video tokens of
+    its own past the image's frame 0 (at one frame every video token is the condition's)."""
+    p = one_frame_rollout(eng, sde_type, guided, **fields)
+    return msgspec.structs.replace(p, num_frames=eng.info.defaults["num_frames"])
 
 
 # --- LoRA -----------------------------------------------------------------------------------------------------
@@ -110,7 +117,7 @@ def test_lora_rollout_log_probs_equal_the_trainers_peft_recompute(model, kind, t
         assert sorted(got) == ["log_probs", "log_probs_audio", "log_probs_video"]
         diffs.update({f"{name}[{i}]": max_diff(v, ex[name][i]) for name, v in got.items()})
     record_property("diffs", diffs)
-    assert max(diffs.values()) <= ROLLOUT_TOL, diffs
+    assert all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)
     base = eng.run(p, image=image).extras()  # not vacuous: the adapter moves the trajectory
     assert max_diff(base[TRAJECTORY_LATENTS.name], ex[TRAJECTORY_LATENTS.name]) > 1e-3
 
@@ -118,7 +125,10 @@ def test_lora_rollout_log_probs_equal_the_trainers_peft_recompute(model, kind, t
 def test_several_adapters_in_one_batched_step_each_equal_alone(tmp_path_factory, record_property):
     m = models.get("tiny-ltx2", tmp_path_factory)
     eng = m.eng
-    p = rollout(eng, "sde", True, n=1, sde_step_indices=[0, 1])
+    # One frame, as test_ltx2_rollouts' batching: at the default 9 frames with CFG, STG, modality, rescale and
+    # audio guidance 5, four rows without any adapter already batch 1.05e-5 from alone (latents of about 5;
+    # guidance multiplies the forwards' rounding), which is not the adapters' part to measure.
+    p = one_frame_rollout(eng, "sde", True, n=1, sde_step_indices=[0, 1])
     file, peft = m.adapters["file"][1], m.adapters["peft"][1]
     loras = [(file, SCALE), (peft, SCALE), None, (file, 0.5)]
     requests = [p] * len(loras)  # one seed: the rows differ by their adapter and scale alone
@@ -129,7 +139,7 @@ def test_several_adapters_in_one_batched_step_each_equal_alone(tmp_path_factory,
     assert eng.shared_forwards > shared  # the four requests' rows went through shared forwards
     diffs = [compare_tasks(t, eng.run(q, lora=lo)) for t, q, lo in zip(tasks, requests, loras)]
     record_property("diffs", diffs)
-    assert max(diffs) <= ROLLOUT_TOL, diffs
+    assert all(d <= ROLLOUT_TOL for d in diffs), diffs
     assert max_diff(tasks[0].latents, tasks[3].latents) > 1e-3  # the scale reaches the rows
 
 
@@ -223,16 +233,16 @@ def test_a_group_encodes_once_and_branches_as_its_samples_alone(model, tmp_path_
     k = window[0]
     assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
     assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
-    worst = 0.0
+    diffs = {}
     for i in range(p.n):
         alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
             p.rollout, share_prefix=False, initial_noise_seed=p.seed)), image=image)
         ax = alone.extras()
-        worst = max(worst, max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0]),
-                    *(max_diff(ex[name][i], ax[name][0]) for name in ex if name.startswith("log_probs")),
-                    max_diff(group.latents[i], alone.latents[0]))
-    record_property("max_abs_diff", worst)
-    assert worst <= ROLLOUT_TOL
+        diffs[f"trajectory[{i}]"] = max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0])
+        diffs[f"latents[{i}]"] = max_diff(group.latents[i], alone.latents[0])
+        diffs.update({f"{name}[{i}]": max_diff(ex[name][i], ax[name][0]) for name in ex if name.startswith("log_probs")})
+    record_property("diffs", diffs)
+    assert len(diffs) == 2 * 5 and all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)
 
 
 # --- weight sync (a launched engine: the workers' update paths) -----------------------------------------------
