@@ -18,7 +18,9 @@ from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
 from router.core.engine import served_model_id
-from router.core.request_params import max_images
+from router.api.media import MEDIA_TYPES, file_types
+from router.api.schemas import HttpOutputType
+from router.core.request_params import makes_sound, max_images
 from common.diffusion.params import OWN_SLOTS, size_multiple
 from router.api.openapi import constrain
 
@@ -109,6 +111,9 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
         "width": {**step, "maximum": limits.max_width},
         "sigmas": steps,
         "timesteps": {**steps, "items": {"maximum": float(info.num_train_timesteps)}},
+        # wav (the sound alone) from a model that makes sound only
+        "output_type": {"enum": [t for t in get_args(HttpOutputType)
+                                 if t not in MEDIA_TYPES or t in file_types(makes_sound(info))]},
     }
     openai = {**common, "size": _sizes(multiple, config), "model": {"enum": [served_model_id(Path(info.path))]}}
     rank = {"properties": {"rank": {"maximum": limits.max_lora_rank}}}

@@ -156,7 +156,9 @@ class OpenAIRoutes:
 
         async def run(started: Started) -> bytes:
             outcome = await self.engine.run_job(params, timeout_s, images, started)
-            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
+            sample = outcome.sample(0)  # the MP4 carries its sound where the model makes sound
+            return await asyncio.to_thread(media.mp4_bytes, sample.tensors[OUTPUT.name],
+                                           media.video_fps(params, self.info), media.sound_of(sample))
 
         return f"{width}x{height}", seconds_of(frames, self.info.fps), run
 
