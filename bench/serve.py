@@ -448,6 +448,7 @@ def summarise(kind: str, level: float, results: list[Result], wall: float, n: in
         "samples_per_s": len(ok) * n / wall if wall > 0 else None,
         "latency_p50_s": percentile(lat, 0.50), "latency_p90_s": percentile(lat, 0.90),
         "latency_p99_s": percentile(lat, 0.99), "latency_mean_s": sum(lat) / len(lat) if lat else None,
+        "latencies_s": [r.latency_s for r in sorted(ok, key=lambda r: r.index)],  # by request, for a noisy machine
         "mean_encode_s": mean("encode_s"), "mean_denoise_s": mean("denoise_s"),
         "mean_decode_s": mean("decode_s"), "mean_total_s": mean("total_s"),
         **_image_encode_stats(ok),
@@ -591,7 +592,8 @@ def run_diffusers(model_dir: Path, work: Workload, count: int, meter: CpuMeter, 
            "wall_s": wall,
            "req_per_s": count / wall, "samples_per_s": count * work.n / wall,
            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
-           "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count}
+           "latency_p99_s": percentile(latencies, 0.99), "latency_mean_s": sum(latencies) / count,
+           "latencies_s": latencies}
     return res, outputs, sounds
 
 
