@@ -181,9 +181,9 @@ PRESETS = {
     # LTX-2 (LTX2Pipeline: video and audio latents denoised jointly) at small-ltx2's default 256x384, 25 frames,
     # with the guidance the pipeline's defaults run: CFG 3.0 (audio 7.0), STG 1.0 on the model's stg_block,
     # modality 3.0, rescale 0.7 on both streams; four rows a step (cond, uncond, perturbed, isolated), which
-    # the pipeline runs as three transformer calls. The audio fields are sent explicitly: the engine's audio
-    # fields left out take the video ones, the pipeline's have their own defaults. 3 steps keep the run (8
-    # requests at c=1 and c=8, diffusers' 8) to a few minutes on 2 cores. Decode is two VAEs and the vocoder:
+    # the pipeline runs as three transformer calls. Every guidance field is sent, so that engine and pipeline
+    # run the same values whatever either's defaults (the engine's are the model's serving ones). 3 steps keep
+    # the run (8 requests at c=1 and c=8, diffusers' 8) to a few minutes on 2 cores. Decode is two VAEs and the vocoder:
     # the decode worker gets every core, as diffusers' in-process decode has (and the encoder, as the edits).
     "small-ltx2": dict(model="small-ltx2", height=256, width=384, num_frames=25, steps=3, guidance=3.0,
                        fields=dict(audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0,
@@ -997,8 +997,8 @@ def main(argv: list[str] | None = None) -> dict:
             if devices != {args.device.split(":")[0]}:
                 print(f"WARNING: the engine's workers run on {sorted(devices)}, the baseline on {args.device}: "
                       "the ratios compare different hardware", flush=True)
-            diff, reference, reference_sounds = run_diffusers(model_dir, work, args.diffusers_requests, meter, args.device,
-                                            args.dtype)
+            diff, reference, reference_sounds = run_diffusers(model_dir, work, args.diffusers_requests, meter,
+                                                              args.device, args.dtype)
             res["diffusers"] = diff
             for lv in levels:
                 lv["throughput_vs_diffusers"] = (lv["req_per_s"] / diff["req_per_s"]) if lv["req_per_s"] else None
