@@ -10,6 +10,7 @@ embedding that moves a few percent per step, as a trained model's: common/builti
 - A caching request batched with others joined at later steps (another method, another set of passes,
   no caching) equals its run alone (both streams within 1e-5) with the same counts; a threshold below every
   change computes every step and equals the request without caching.
+- A rollout's SDE steps always compute every pass; its log-probs equal the trainer's recompute within 1e-5.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 from common.builtin import ensure_builtin
 from common.diffusion.cache_signals import cache_problem, first_block_residuals
 from common.diffusion.step_cache import METHODS
-from common.protocol.messages import CacheParams
+from common.protocol.messages import (LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS,
+                                     TRAJECTORY_TIMESTEPS, CacheParams, RolloutParams)
 from family_harness import ModuleModels, compare_tasks, max_diff
-from test_step_cache import IMAGES, run_joined
+from rl import Trajectory
+from test_step_cache import IMAGES, WINDOW, _run_recorded, run_joined
 
 BATCH_TOL = 1e-5
 STEPS = 12
@@ -120,3 +123,22 @@ def test_a_tiny_threshold_computes_every_step_and_equals_no_caching(method):
     # four pieces of one forward where the uncached request takes its passes apart: float32 rounding apart
     assert max_diff(task.latents, plain.latents) <= BATCH_TOL
     assert not torch.equal(task.latents, eng.run(params(eng, method)).latents)  # skipping steps does change it
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_rollout_sde_steps_compute_and_log_probs_equal_the_trainers(method, record_property):
+    eng = engine("tiny-ltx2")
+    rollout = RolloutParams(sde_type="sde", noise_level=0.7, sde_step_indices=WINDOW, return_trajectory=True)
+    task, seen = _run_recorded(eng, params(eng, method, rollout=rollout))
+    skipped = [s for s, masks in seen if not all(all(m) for m in masks)]
+    assert skipped and not set(skipped) & set(WINDOW), skipped  # ODE steps outside the window only
+    log_probs = task.extras()[LOG_PROBS.name]
+    assert log_probs.shape == (1, len(WINDOW))
+    ex = task.extras()
+    traj = Trajectory(ex[TRAJECTORY_LATENTS.name][0], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
+    with torch.no_grad():
+        recomputed = models.trainer(eng.info.path).log_probs(traj, ex[LOG_PROB_STEPS.name], task.params)
+    d = max_diff(recomputed, log_probs[0])
+    record_property("max_diff", d)
+    print(f"\n[ltx2 {method}] rollout skipped steps {skipped}, log-probs {d:.3g}")
+    assert d <= 1e-5
