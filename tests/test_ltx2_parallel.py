@@ -7,8 +7,8 @@ group computes.
 - CFG parallel: the rows of a step (a request with all four passes beside one with CFG alone), conditional rows
   first as CFG parallel orders them, rebuilt from the wire and run as the two groups run them (the conditional
   rows; the unconditional, STG-perturbed and modality-isolated ones) equal the forward of them all within 1e-5.
-- Ulysses is refused at launch, naming why: diffusers' plan splits the video tokens but not the split rotary
-  embeddings (tried: the forward fails on two ranks); CFG parallel is accepted.
+- Ulysses is refused at launch, naming why; CFG parallel is accepted. Heavy: with diffusers' own plan on two
+  gloo ranks the forward fails (it splits the video tokens but not their 4-dim split rotary embeddings).
 
 The launched engines (CFG parallel equal to one device, frames and rollouts) are in tests/test_multi_device.py.
 """
@@ -89,3 +89,43 @@ def test_ulysses_is_refused_naming_why_and_cfg_parallel_is_not():
     assert "ulysses" in problem and "rotary" in problem and "cfg works" in problem
     cfg = WorkerSpec(role="denoise", index=0, devices=["cpu", "cpu"], cfg_parallel=True)
     assert layout_problem(info, [cfg]) is None
+
+
+def _ulysses_rank(rank: int, world: int, rendezvous: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from common.diffusion.context_parallel import enable_context_parallel, settled
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        eng = engine()
+        rows, _ = eng.policy.rows_of("transformer", _inputs(eng)[:1])
+        enable_context_parallel(eng.policy.experts["transformer"], world)
+        try:
+            with torch.no_grad():
+                out = settled(eng.policy.local("transformer", rows))
+        except RuntimeError as e:
+            out = str(e)
+        if rank == 0:
+            torch.save(out, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.heavy  # two spawned gloo ranks (about 6 s)
+def test_diffusers_plan_does_not_give_one_device_on_two_ranks(tmp_path):
+    """Why Ulysses is refused: with diffusers' own _cp_plan on two ranks the forward fails (or parts from one
+    device). Should diffusers' plan come to fit, this fails: then LTX-2 can set context_parallel."""
+    import torch.multiprocessing as mp
+
+    eng = engine()
+    rows, _ = eng.policy.rows_of("transformer", _inputs(eng)[:1])
+    with torch.no_grad():
+        ref = eng.policy.local("transformer", rows)
+    out_path = str(tmp_path / "out.pt")
+    mp.start_processes(_ulysses_rank, args=(2, str(tmp_path / "rendezvous"), out_path), nprocs=2,
+                       start_method="spawn", join=True)
+    out = torch.load(out_path)
+    print(f"\n[ltx2 ulysses 2] {out if isinstance(out, str) else max_diff(out, ref)}")
+    assert isinstance(out, str) or max_diff(out, ref) > TOL

@@ -68,10 +68,11 @@ def _isolation(model: torch.nn.Module) -> _Isolation:
 @dataclass(frozen=True, kw_only=True)
 class Ltx2Transformer(TransformerPart):
     model_class: str = "LTX2VideoTransformer3DModel"
-    # diffusers' _cp_plan splits the video tokens, the text and 3-dim rotary embeddings only: the split rotary
-    # embeddings (4-dim) and the cross-modal attentions' ones stay whole, and the forward fails on two ranks.
-    no_context_parallel: str = ("has a context-parallel plan in diffusers that splits the video tokens but not their "
-                                "split rotary embeddings nor the audio stream's attention with them")
+    # diffusers' _cp_plan splits the video tokens and the text, and 3-dim rotary embeddings only: the split
+    # ones (4-dim) stay whole and the forward fails on two ranks; splitting them too, the masked attentions fail
+    # (tests/test_ltx2_parallel.py).
+    no_context_parallel: str = ("has a context-parallel plan in diffusers that splits the video tokens but leaves "
+                                "their split rotary embeddings whole (its forward fails on two ranks)")
 
     def forward(self, model, hidden_states, timestep, text, grid: Ltx2Layout, guidance):
         g = grid.geometry
