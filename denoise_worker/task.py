@@ -123,9 +123,15 @@ class DenoiseTask:
         task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), sde, lora, image,
                    branch_at=branch_at)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
-            task.streams = {k: m.to(device) for k, m in streams.sde_streams(info, params).items()}
             ode = streams.ode_mask(info, params)
             task.ode = None if ode is None else ode.to(device)
+            condition = info.family.condition.log_prob_mask(info, task.latents, task.image)
+            task.streams = {k: m.to(device) for k, m in streams.sde_streams(info, params, condition).items()}
+            joint = task.log_prob_mask()
+            if joint is not None and not bool(joint.bool().any()):
+                raise RequestError("sde_streams: the SDE streams hold no element a step moves (an image-to-video "
+                                   "request of one latent frame has only the image's); choose another stream or "
+                                   "more frames")
             task.variant = step_variant(sde.sde_type, sde.noise_level)
             task._check_schedule()
             last = last_sde_step(sde.sde_step_indices)

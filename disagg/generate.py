@@ -1,7 +1,7 @@
 """``disagg generate "a fox at dawn" -o fox.mp4``: one video (or image) from a running engine or one of its own.
 
-The engine writes the file: ``/generate`` with ``output_type`` ``mp4`` (its model's frame rate) or ``png``
-(``round(255 x)`` of the one frame), so these bytes are what ``/generate`` answers for the same fields. A
+The engine writes the file: ``/generate`` with ``output_type`` ``mp4`` (its model's frame rate; with its
+sound where the model makes sound), ``png`` (``round(255 x)`` of the one frame) or ``wav`` (the sound alone), so these bytes are what ``/generate`` answers for the same fields. A
 ``.png`` asks for one frame (``num_frames`` 1), which every family takes: a video model's PNG is the
 one-frame video it makes, not the first frame of a longer one. Flags left out are not sent, so the model's
 serving defaults apply.
@@ -22,7 +22,7 @@ import httpx
 
 from disagg.progress import StepBar
 
-KINDS = {".png": "png", ".mp4": "mp4"}
+KINDS = {".png": "png", ".mp4": "mp4", ".wav": "wav"}  # .wav: the sound of a model that makes it
 API_KEY_ENV = "DISAGG_API_KEY"  # the variable the engine reads its key from (router/api/auth.py)
 # Each flag and the /generate field it sets; a flag left out (None) is not sent.
 FIELDS = {"negative_prompt": "negative_prompt", "seed": "seed", "steps": "num_inference_steps",
@@ -45,14 +45,15 @@ def add_parser(sub) -> None:
                        description="Make one video or image: with a running engine (--url), or an engine started "
                                    "for the request and stopped after it.", epilog="Flags left out take the model's defaults.")
     p.add_argument("prompt")
-    p.add_argument("-o", "--output", required=True, type=Path, help="the file to write: .mp4 or .png")
+    p.add_argument("-o", "--output", required=True, type=Path, help="the file to write: .mp4 or .png (.wav: "
+                   "the sound alone, models with sound; their .mp4 has it too)")
     p.add_argument("--model", help="the model of the engine started for the request (default: tiny); "
                                    "not with --url, whose engine serves its own")
     p.add_argument("--url", help="a running engine (e.g. http://127.0.0.1:8000); its API key from $" + API_KEY_ENV)
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="denoising steps")
     p.add_argument("--size", type=size, metavar="WxH")
-    p.add_argument("--frames", type=int, help="video models: the frame count (.mp4 only)")
+    p.add_argument("--frames", type=int, help="video models: the frame count (.mp4, .wav)")
     p.add_argument("--negative-prompt")
     p.add_argument("--guidance", type=float, help="guidance scale")
     p.add_argument("--image", type=Path, action="append", help="image-to-video models: the first frame (a PNG, "
@@ -85,10 +86,10 @@ def request_fields(args: argparse.Namespace, kind: str) -> dict:
 
 
 def checked_kind(args: argparse.Namespace) -> str:
-    """png or mp4, from -o; anything else ends the command before an engine is started."""
+    """png, mp4 or wav, from -o; anything else ends the command before an engine is started."""
     kind = KINDS.get(args.output.suffix.lower())
     if kind is None:
-        args.parser.error(f"-o must end in .mp4 or .png, got {args.output.name!r}")
+        args.parser.error(f"-o must end in .mp4, .png or .wav, got {args.output.name!r}")
     if not args.output.parent.is_dir():
         args.parser.error(f"-o: no directory {args.output.parent}")
     if args.url is not None and args.model is not None:

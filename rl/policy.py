@@ -159,7 +159,6 @@ class TrainerPolicy:
         variant = step_variant(rollout.sde_type, rollout.noise_level)
         cond, uncond = embeddings or self.embeddings(params, image)
         condition = None if image is None else image.condition
-        sde_streams = streams.sde_streams(self.info, params)
         out = []
         for i in [int(i) for i in steps]:
             x = trajectory.latents[i : i + 1].to(self.device)
@@ -169,8 +168,9 @@ class TrainerPolicy:
                            prev_sample=trajectory.latents[i + 1 : i + 2].to(self.device),
                            log_prob_mask=streams.log_prob_mask(self.info, params, own))
             out.append(step.log_prob[0])
-            if sde_streams and by_stream is not None:
-                for name, value in streams.stream_log_probs(variant, step, sde_streams, own).items():
+            if by_stream is not None:
+                chosen = streams.sde_streams(self.info, params, own)
+                for name, value in streams.stream_log_probs(variant, step, chosen, own).items():
                     by_stream.setdefault(name, []).append(value[0])
         return out
 

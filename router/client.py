@@ -80,7 +80,8 @@ class EngineClient:
         return self.model()["max_images"]
 
     def generate(self, prompt: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
-        """POST /generate; ``samples[i]["output"]`` is a torch tensor. ``image`` / ``last_image``
+        """POST /generate; ``samples[i]["output"]`` is a torch tensor (a model with sound: ``samples[i]["audio"]``
+        too, [channels, samples] at ``samples[i]["sample_rate"]``). ``image`` / ``last_image``
         (image-to-video, edits) may be a PIL image, an image file's bytes or path, or a base64 string;
         ``image`` a list of those too (models that take several: :meth:`max_images`)."""
         return self._post("/generate", {"prompt": prompt, **_images(fields)}, request_id)

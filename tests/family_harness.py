@@ -33,6 +33,17 @@ CPU = torch.device("cpu")
 MAX_BATCH = 8  # the denoise worker's --max-batch-size default is larger; 8 still packs every test's rows
 
 
+def gradient_picture(height: int, width: int, seed: int = 0):
+    """A smooth RGB image (a gradient plus noise, as PIL), so that resampling it matters."""
+    import numpy as np
+    import PIL.Image
+
+    rng = np.random.RandomState(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1)
+    return PIL.Image.fromarray(((0.7 * base + 0.3 * rng.rand(height, width, 3)) * 255).astype(np.uint8))
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()

@@ -128,8 +128,10 @@ def test_failures_exit_with_the_message_and_no_traceback(engine, tmp_path):
                 "missing or invalid API key")  # the 401's message
     failed_with(disagg("generate", PROMPT, "-o", str(out), "--url", f"http://127.0.0.1:{free_port()}"),
                 "cannot reach")
+    failed_with(disagg("generate", PROMPT, "-o", str(tmp_path / "x.wav"), "--url", engine.url),
+                "output_type: wav holds a model's sound")  # a model without sound
     # Refused before any engine starts (argparse's usage errors, exit code 2).
-    failed_with(disagg("generate", PROMPT, "-o", str(tmp_path / "x.gif")), "-o must end in .mp4 or .png")
+    failed_with(disagg("generate", PROMPT, "-o", str(tmp_path / "x.gif")), "-o must end in .mp4, .png or .wav")
     failed_with(disagg("generate", PROMPT, "-o", str(out), "--frames", "5"), "a .png holds one frame")
     failed_with(disagg("generate", PROMPT, "-o", str(out), "--size", "big"), "expected WIDTHxHEIGHT")
     assert not out.exists()

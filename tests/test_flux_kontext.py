@@ -22,7 +22,6 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 
@@ -32,6 +31,7 @@ from common.builtin.specs.flux_kontext import SPECS, TinyFluxKontextSpec
 from common.families.flux.kontext_images import KontextConditioner
 from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
 from family_harness import DTYPE, ModuleModels, max_diff
+from family_harness import gradient_picture as picture
 
 TOL = 1e-4
 # Other widths, rotary axes, text encoders, VAE and shift settings than the built-in's.
@@ -61,13 +61,6 @@ def dirs(tmp_path_factory):
         return _DIRS[which]
     return get
 
-
-def picture(height: int, width: int, seed: int = 0) -> PIL.Image.Image:
-    """A smooth RGB image (a gradient plus noise), so that resampling matters."""
-    rng = np.random.RandomState(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1)
-    return PIL.Image.fromarray(((0.7 * base + 0.3 * rng.rand(height, width, 3)) * 255).astype(np.uint8))
 
 
 def kontext_pipe(model_dir):

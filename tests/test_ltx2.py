@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import PIL.Image
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from common.builtin.build import build as build_builtin
 from common.builtin.specs.ltx2 import SPECS
 from common.families.ltx2.latents import geometry_of
 from family_harness import ModuleModels, max_diff
+from family_harness import gradient_picture as picture
 
 TOL = 1e-4
 # Other widths, depth, STG block, text budget and vocoder than the built-in's.
@@ -23,11 +22,15 @@ LTX2_X = dataclasses.replace(SPECS["tiny-ltx2"], name="ltx2-test-x", num_layers=
                              text_num_layers=3, connector_num_registers=16, stg_block=2, seed=7,
                              vocoder_upsample_factors=(4, 5, 8), vocoder_output_sampling_rate=16000)
 
+LTX2_X_I2V = dataclasses.replace(LTX2_X, name="ltx2-test-x-i2v", image_to_video=True)
+OTHER = {LTX2_X.name: LTX2_X, LTX2_X_I2V.name: LTX2_X_I2V}
+
 _MODELS = ModuleModels()
 _DIRS: dict[str, object] = {}
 
-OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=None, audio_stg_scale=None,
-           audio_modality_scale=None, audio_guidance_rescale=None)
+# The audio fields at 0: the video field's value (the pipeline's `audio_x or x`).
+OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
+           audio_modality_scale=0.0, audio_guidance_rescale=0.0)
 CASES = {
     "no-guidance": dict(model="tiny-ltx2", guidance_scale=1.0, **OFF),
     "cfg": dict(model="tiny-ltx2", guidance_scale=4.0, **OFF),
@@ -38,9 +41,13 @@ CASES = {
     # another configuration, frame rate and a non-square size; audio guidance alone turns CFG on
     "x-16fps": dict(model="ltx2-test-x", guidance_scale=1.0, height=96, width=64, num_frames=17, frame_rate=16.0,
                     **{**OFF, "audio_guidance_scale": 5.0, "modality_scale": 2.0}),
+    # the audio fields left out: the pipeline signature's defaults on both sides
     "i2v": dict(model="tiny-ltx2-i2v", guidance_scale=4.0, stg_scale=1.0, modality_scale=2.0, guidance_rescale=0.5,
-                audio_guidance_scale=None, audio_stg_scale=None, audio_modality_scale=None, audio_guidance_rescale=None,
                 image=(50, 70)),
+    # another configuration's image-to-video
+    "x-i2v-tall": dict(model="ltx2-test-x-i2v", guidance_scale=3.0, height=96, width=64, stg_scale=1.0,
+                       modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
+                       audio_modality_scale=0.0, audio_guidance_rescale=0.0, image_crf=0, image=(70, 40)),
 }
 
 
@@ -54,16 +61,10 @@ def dirs(tmp_path_factory):
     def get(which: str):
         if which not in _DIRS:
             _DIRS[which] = (ensure_builtin(which) if which in BUILTINS
-                            else build_builtin(LTX2_X, tmp_path_factory.mktemp(which)))
+                            else build_builtin(OTHER[which], tmp_path_factory.mktemp(which)))
         return _DIRS[which]
     return get
 
-
-def picture(height: int, width: int, seed: int = 0) -> PIL.Image.Image:
-    rng = np.random.RandomState(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1)
-    return PIL.Image.fromarray(((0.7 * base + 0.3 * rng.rand(height, width, 3)) * 255).astype(np.uint8))
 
 
 def request(eng, case: dict):

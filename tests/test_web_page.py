@@ -6,7 +6,8 @@ A video model (the built-in ``tiny``): the form starts from the model's defaults
 ``<progress>`` bar, the MP4 plays and its download link serves it, recent jobs list their prompts as text (a
 prompt of markup never runs), a bad size shows the engine's message; an engine with an API key asks for it;
 ``/docs`` renders its operations. An image model (``tiny-sd3``, heavy): the image, its progress, its list.
-An edit model (heavy): the uploads go to ``/v1/images/edits`` as data: URLs in ``image``.
+An edit model (heavy): the uploads go to ``/v1/images/edits`` as data: URLs in ``image``. A model with sound
+(``tiny-ltx2``, heavy): its MP4 plays with its audio track, not muted.
 
 ``DISAGG_WEB_SCREENSHOT=path.png`` saves the page after a finished generation (docs/web-page.png is one).
 """
@@ -277,6 +278,34 @@ def test_an_image_to_video_model_takes_the_uploaded_image(web, engine_factory, t
     page.wait_for_function(VIDEO_READY, timeout=WAIT_MS)
     assert page.is_hidden("#error") and recent_prompts(page)[0] == "a fox wakes up"
 
+
+# Plays the shown video a moment and reports whether its sound played: Chromium counts the audio it decodes.
+PLAY_WITH_SOUND = """async () => {
+  const v = document.getElementById('video');
+  v.currentTime = 0;
+  await v.play();
+  await new Promise(r => setTimeout(r, 300));
+  v.pause();
+  return {muted: v.muted, volume: v.volume, audioBytes: v.webkitAudioDecodedByteCount};
+}"""
+
+
+@pytest.mark.heavy
+def test_a_model_with_sound_plays_its_video_with_sound(web, engine_factory):
+    """tiny-ltx2: the job's MP4 has an audio track, and the page's player plays it, not muted."""
+    import io
+
+    import av
+
+    eng = engine_factory("tiny-ltx2")
+    page = open_page(web, eng.url)
+    generate_video(page, "a drum in the rain", num_inference_steps=2, seed=3)
+    played = page.evaluate(PLAY_WITH_SOUND)
+    assert played["muted"] is False and played["volume"] > 0 and played["audioBytes"] > 0, played
+    served = eng.http.get(page.get_attribute("#download", "data-content"))
+    with av.open(io.BytesIO(served.content)) as c:
+        assert [s.type for s in c.streams] == ["video", "audio"]
+    assert downloaded(page) == served.content
 
 def test_static_files_ship_with_the_package():
     """What the pages load is inside the package (pyproject's package data), never from a CDN."""

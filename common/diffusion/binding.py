@@ -43,6 +43,8 @@ class Binding:
     guidance: Guidance = Guidance()
     condition: NoCondition = NoCondition()
     fps: int = 16  # video: the MP4's frame rate unless serving_defaults.json says otherwise
+    # A family whose requests choose their video's frame rate: that rate, read off a request's params (the MP4's).
+    request_fps: Callable[[object], float] | None = None
     size_multiple: int = 16
     # The pipeline's own defaults for the request fields a model directory's serving defaults may override.
     defaults: dict = field(default_factory=dict)

@@ -144,9 +144,9 @@ def _check_video(v: dict, info: ModelInfo, limits, fields: dict) -> None:
             raise FieldError(name, f"must be within 1..{maximum}, got {asked}")
     if not info.family.video:
         return  # one frame: check_family_fields allows num_frames 1 only
-    f = v["num_frames"]
-    if f < 1 or (f - 1) % 4:
-        raise FieldError("num_frames", f"must be of the form 4k+1, got {f}")
+    f, k = v["num_frames"], info.vae_scale_temporal  # the VAE's frames per latent frame (Wan 4, LTX-2 8)
+    if f < 1 or (f - 1) % k:
+        raise FieldError("num_frames", f"must be of the form {k}k+1, got {f}")
     if f > limits.max_num_frames:
         raise FieldError("num_frames", f"must be at most {limits.max_num_frames}, got {f}")
 

@@ -23,11 +23,14 @@ def times(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None
     return a if b is None else a * b
 
 
-def sde_streams(info, params) -> dict[str, torch.Tensor]:
-    """The masks ([1, ...] each) of the streams a request's SDE steps take (empty: a one-stream model)."""
+def sde_streams(info, params, condition_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The masks ([1, ...] each) of the streams a request's SDE steps take (empty: a one-stream model), those
+    with an element the condition leaves in (an image-to-video request of one latent frame: its video has none,
+    so it has no log-prob of its own)."""
     masks = info.family.latents.stream_masks(info, params)
     chosen = None if params.rollout is None else params.rollout.sde_streams
-    return {k: m for k, m in masks.items() if chosen is None or k in chosen}
+    return {k: m for k, m in masks.items() if (chosen is None or k in chosen)
+            and (condition_mask is None or bool((m.to(condition_mask.device) * condition_mask).any()))}
 
 
 def ode_mask(info, params) -> torch.Tensor | None:

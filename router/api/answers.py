@@ -22,7 +22,7 @@ class TensorBody(Answer):
 
 
 class FileBody(Answer):
-    media_type: str = Field(description="video/mp4 or image/png")
+    media_type: str = Field(description="video/mp4, image/png or audio/wav")
     data: str = Field(description="the file in base64 (msgpack answers: the bytes)")
 
 
@@ -35,7 +35,10 @@ class Trajectory(Answer):
 class Sample(Answer):
     seed: int
     output: TensorBody | FileBody = Field(description="frames [F, H, W, 3] in [0, 1] or latents; a file for "
-                                          "output_type mp4 / png")
+                                          "output_type mp4 / png / wav")
+    audio: TensorBody | None = Field(default=None, description="models with sound, output as a tensor: the "
+                                     "waveform [channels, samples] float32")
+    sample_rate: int | None = Field(default=None, description="with audio: its samples per second (the vocoder's)")
     route: dict[str, int] = Field(description="the worker index of each stage")
     weight_version: int | None
     scheduler: str | None = Field(default=None, description="the serving or rollout scheduler's class")

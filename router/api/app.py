@@ -22,7 +22,7 @@ from router.api.body_facts import body_facts
 from router.api.cancel_api import AbortBody, abort_request, client_gone_mid_body, gone_of
 from router.api.drain import ReadBodyFirst
 from router.api.http_errors import install_error_handlers
-from router.api.media import MEDIA_TYPES
+from router.api.media import MEDIA_TYPES, file_types, video_fps
 from router.api.metrics import RequestMetrics, exposition
 from router.api.openapi import MODULE_QUERY, engine_openapi, errors, ok, request_body
 from router.api.request_ids import REQUEST_ID_PARAMETER, REQUEST_ID_PATH, request_id_of
@@ -33,6 +33,7 @@ from router.api.schemas import (
 from router.api.sleep_api import SleepRoutes, add_sleep_routes
 from router.api.web import add_web_routes
 from router.core.engine import Engine
+from router.core.request_params import makes_sound
 from router.openai.routes import OpenAIRoutes, add_openai_routes
 
 
@@ -120,8 +121,9 @@ class Routes:
         steps_done = outcome.info.get("steps_done")
         if body.output_type in MEDIA_TYPES and steps_done is None:  # a partial answer holds latents: JSON
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
+            fps = video_fps(params, self.engine.info)  # the request's rate where its family takes one
             return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
-                                           self.engine.info.fps, time.perf_counter() - done.started, request, bare)
+                                           fps, time.perf_counter() - done.started, request, bare)
         payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - done.started,
                                   wants_msgpack(request))
         if steps_done is not None:  # a rollout aborted with return_partial: the steps it took
@@ -141,18 +143,19 @@ SAMPLES = ("samples (tensors as {dtype, shape, data}; raw bytes with Accept: app
 
 
 def add_routes(app: FastAPI, routes: Routes) -> None:
+    files = file_types(makes_sound(routes.engine.info)).values()  # audio/wav from a model with sound only
     app.add_api_route("/health", routes.health, methods=["GET"], summary="Workers and their states",
                       responses={**ok(answers.Health, "every worker is ready"),
                                  503: {"model": answers.Health, "description": "not every worker is ready "
                                        "(starting, loading, lost): the same body, ok false"}})
     app.add_api_route("/generate", routes.generate, methods=["POST"], summary="Generate videos (or images)",
                       openapi_extra={**request_body(GenerateBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
+                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=files),
                                  **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/rollout/generate", routes.rollout_generate, methods=["POST"],
                       summary="Generate with SDE log-probs (and trajectories) for RL",
                       openapi_extra={**request_body(RolloutBody), "parameters": [REQUEST_ID_PARAMETER]},
-                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=MEDIA_TYPES.values()),
+                      responses={**ok(answers.Samples, SAMPLES, msgpack=True, media=files),
                                  **errors(400, 401, 409, 413, 429, 499, 500, 503, 504)})
     app.add_api_route("/update_weights_from_disk", routes.update_weights_from_disk, methods=["POST"],
                       summary="Load new weights into every denoise worker",

@@ -19,8 +19,8 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
-    KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS,
-    TRAJECTORY_TIMESTEPS,
+    AUDIO, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
+    TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
 from router.api import media
 from router.link.join import PER_SAMPLE_INFO, Outcome
@@ -127,6 +127,8 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
         "route": msgspec.structs.asdict(o.route),
         "weight_version": o.info.get("weight_version"),
     }
+    if AUDIO.name in t and output is None:  # a model with sound: its waveform beside the frames (a file has it)
+        body["audio"], body["sample_rate"] = tensor_to_body(t[AUDIO.name], binary), o.info["audio_sample_rate"]
     if "scheduler" in o.info:
         body["scheduler"] = o.info["scheduler"]
     if "schedule" in o.info:
@@ -180,12 +182,14 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
     }
 
 
-def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: str, fps: int, total_s: float,
+def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: str, fps: float, total_s: float,
                    request: Request, bare: bool) -> Response:
-    """Frames as files (``kind``: png or mp4). ``bare`` (one sample, no rollout tensors): the file itself, its
-    facts in headers; else the usual answer with each sample's ``output`` a ``{"media_type", "data"}``
-    (base64 in JSON). CPU-bound (video encoding): call it off the event loop."""
-    files = [media.encode(outcome.sample(i).tensors[OUTPUT.name], kind, fps) for i in range(n)]
+    """Frames as files (``kind``: png, mp4, or wav: the sound alone), an MP4 with the sound of a model that
+    makes sound. ``bare`` (one sample, no rollout tensors): the file itself, its facts in headers; else the
+    usual answer with each sample's ``output`` a ``{"media_type", "data"}`` (base64 in JSON). CPU-bound (video
+    encoding): call it off the event loop."""
+    samples = [outcome.sample(i) for i in range(n)]
+    files = [media.encode(s.tensors[OUTPUT.name], kind, fps, media.sound_of(s)) for s in samples]
     if bare:
         return Response(files[0], media_type=media.MEDIA_TYPES[kind], headers={
             "X-Request-Id": request_id, "X-Seed": str(seed),

@@ -18,7 +18,9 @@ from common.diffusion.cache_signals import cache_problem
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
 from router.core.engine import served_model_id
-from router.core.request_params import max_images
+from router.api.media import MEDIA_TYPES, file_types
+from router.api.schemas import HttpOutputType
+from router.core.request_params import makes_sound, max_images
 from common.diffusion.params import OWN_SLOTS, size_multiple
 from router.api.openapi import constrain
 
@@ -29,7 +31,7 @@ MAX_ENUM = 256  # the most values an enum may list; past it the schema says less
 def _frames(config: EngineConfig, info: ModelInfo) -> list[int]:
     if not info.family.video:
         return [1]
-    return list(range(1, config.limits.max_num_frames + 1, 4))  # 4k+1
+    return list(range(1, config.limits.max_num_frames + 1, info.vae_scale_temporal))  # (Wan 4k+1, LTX-2 8k+1)
 
 
 def _sizes(multiple: int, config: EngineConfig) -> dict:
@@ -109,6 +111,9 @@ def body_facts(config: EngineConfig, info: ModelInfo) -> dict[str, dict]:
         "width": {**step, "maximum": limits.max_width},
         "sigmas": steps,
         "timesteps": {**steps, "items": {"maximum": float(info.num_train_timesteps)}},
+        # wav (the sound alone) from a model that makes sound only
+        "output_type": {"enum": [t for t in get_args(HttpOutputType)
+                                 if t not in MEDIA_TYPES or t in file_types(makes_sound(info))]},
     }
     openai = {**common, "size": _sizes(multiple, config), "model": {"enum": [served_model_id(Path(info.path))]}}
     rank = {"properties": {"rank": {"maximum": limits.max_lora_rank}}}

@@ -18,9 +18,10 @@ from common.protocol.messages import (
 from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
 
 MAX_SEED = 2**63 - 1
-# What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router.
-HttpOutputType = Literal["frames", "latent", "mp4", "png"]
-MEDIA_OUTPUTS = ("mp4", "png")
+# What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router (wav: the
+# sound alone, from a model that makes sound).
+HttpOutputType = Literal["frames", "latent", "mp4", "png", "wav"]
+MEDIA_OUTPUTS = ("mp4", "png", "wav")
 MAX_IMAGES = len(EDIT_IMAGES)  # the most images a request's image list may hold (the wire's image, image.2, ...)
 # ``image`` as a list: an edit model's several images (one_image_or_a_list checks the shape first).
 ImageList = Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)]
@@ -50,7 +51,7 @@ class GenerateBody(BaseModel):
     # Sizes, steps and guidance left out take the model's serving defaults.
     height: int | None = None
     width: int | None = None
-    num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (image families: 1)")
+    num_frames: int | None = Field(default=None, description="video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
@@ -63,7 +64,9 @@ class GenerateBody(BaseModel):
     max_sequence_length: int | None = Field(default=None, ge=1, description="the text encoder's token budget "
                                             "(as the family's diffusers pipeline: Wan 512, SD3 256)")
     output_type: HttpOutputType = Field(default="frames", description="frames or latent tensors, or frames as an "
-                                        "mp4 (H.264) or png (one frame) file; Accept: video/mp4 or image/png too")
+                                        "mp4 (H.264, with an audio track from a model with sound) or png (one "
+                                        "frame) file, or the sound alone as a wav (models with sound); Accept: "
+                                        "video/mp4, image/png or audio/wav too")
     timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
                                   description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")

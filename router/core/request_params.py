@@ -28,6 +28,12 @@ def request_of(body: GenerateBody) -> dict:
     return request
 
 
+def makes_sound(info: ModelInfo) -> bool:
+    """Whether the model's results carry a waveform: its directory has a vocoder (the decode worker's mel
+    spectrogram to sound)."""
+    return info.has_component("vocoder")
+
+
 def max_images(info: ModelInfo) -> int:
     """How many images ``image`` may hold on this model (0: none; more than 1: a list of up to that)."""
     return info.family.condition.images_allowed(info)
@@ -56,6 +62,8 @@ def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | 
         params = conversion.to_params(request, info, limits, cache, sizes)
     except conversion.FieldError as e:
         raise FieldError(e.field, e.message) from None
+    if body.output_type == "wav" and not makes_sound(info):
+        raise FieldError("output_type", f"wav holds a model's sound: {info.family.pipeline} makes none")
     if body.output_type == "png" and params.num_frames != 1:
         raise FieldError("output_type", f"png holds one frame: set num_frames to 1 (got {params.num_frames}), "
                                         "or ask for mp4")

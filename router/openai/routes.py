@@ -147,7 +147,8 @@ class OpenAIRoutes:
             raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
                              "use /v1/images/generations")
         width, height = parse_size(body.size, self.info.defaults)
-        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"])
+        frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"],
+                            self.info.vae_scale_temporal)
         gen = self._generate_body(body, width, height, frames, 1, "frames")
         params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
         images = await self.engine.images_of(gen, names=INPUT_REFERENCE)
@@ -155,7 +156,9 @@ class OpenAIRoutes:
 
         async def run(started: Started) -> bytes:
             outcome = await self.engine.run_job(params, timeout_s, images, started)
-            return await asyncio.to_thread(media.mp4_bytes, outcome.tensors[OUTPUT.name][0], self.info.fps)
+            sample = outcome.sample(0)  # the MP4 carries its sound where the model makes sound
+            return await asyncio.to_thread(media.mp4_bytes, sample.tensors[OUTPUT.name],
+                                           media.video_fps(params, self.info), media.sound_of(sample))
 
         return f"{width}x{height}", seconds_of(frames, self.info.fps), run
 

@@ -117,8 +117,9 @@ def parse_size(size: str | None, defaults: dict) -> tuple[int, int]:
     return width, height  # their multiples and bounds: the model's rule (common/diffusion/params.py)
 
 
-def frames_for(seconds: str | None, num_frames: int | None, fps: int, default_frames: int) -> int:
-    """A video's frame count: ``num_frames``, else ``fps * seconds + 1``, else the model's default."""
+def frames_for(seconds: str | None, num_frames: int | None, fps: int, default_frames: int, stride: int = 4) -> int:
+    """A video's frame count: ``num_frames``, else ``fps * seconds + 1``, else the model's default (``stride``:
+    the VAE's frames per latent frame; counts are ``stride * k + 1``)."""
     if num_frames is not None:
         return num_frames
     if seconds is None:
@@ -128,8 +129,9 @@ def frames_for(seconds: str | None, num_frames: int | None, fps: int, default_fr
     except ValueError:
         raise FieldError("seconds", f"must be a number of seconds, got {seconds!r}") from None
     frames = fps * value + 1
-    if not math.isfinite(value) or value <= 0 or abs(frames - round(frames)) > 1e-6 or (round(frames) - 1) % 4:
-        raise FieldError("seconds", f"must be a positive multiple of {4 / fps:g} s ({fps} fps, 4k+1 frames), "
+    if not math.isfinite(value) or value <= 0 or abs(frames - round(frames)) > 1e-6 or (round(frames) - 1) % stride:
+        raise FieldError("seconds", f"must be a positive multiple of {stride / fps:g} s ({fps} fps, "
+                         f"{stride}k+1 frames), "
                          f"got {seconds!r}")
     return int(round(frames))
 

@@ -24,7 +24,7 @@ from common.diffusion.parts.latents import Geometry
 from common.diffusion.request_fields import NUM_FRAMES
 from common.families.ltx2.condition import Ltx2FirstFrame
 from common.families.ltx2.decoder import Ltx2Decoder
-from common.families.ltx2.fields import DEFAULTS, FIELDS
+from common.families.ltx2.fields import DEFAULTS, FIELDS, frame_rate
 from common.families.ltx2.geometry import video_compression
 from common.families.ltx2.guidance import Ltx2Guidance
 from common.families.ltx2.image import IMAGE_CRF, load_conditioner
@@ -60,7 +60,8 @@ class Ltx2PassText(Ltx2Text):
 
 
 _COMMON = dict(text=Ltx2PassText(), latents=Ltx2Latents(geometry=geometry), transformer=Ltx2Transformer(),
-               decoder=Ltx2Decoder, guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS)
+               decoder=Ltx2Decoder, guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS,
+               request_fps=frame_rate)
 
 LTX2 = Binding(family="ltx2", pipeline="LTX2Pipeline", condition=NoCondition(),
                request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS), **_COMMON)

@@ -228,6 +228,7 @@ function show(kind, blob, filename, prompt, contentPath) {
   video.hidden = kind !== "video";
   picture.hidden = kind !== "image";
   if (kind === "video") {
+    video.muted = false; // a model with sound: its MP4's audio track plays
     video.src = shownURL;
     picture.removeAttribute("src");
   } else {
