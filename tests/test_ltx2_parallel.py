@@ -26,6 +26,8 @@ from common.families.layouts import layout_problem
 from common.families.ltx2.transformer import CONDITIONAL, ISOLATED, PERTURBED, ROW_KIND
 from family_harness import ModuleModels, max_diff
 
+# CFG alone: STG and modality guidance off on both streams (the built-in's audio fields turn them on)
+CFG_ONLY = dict(stg_scale=0.0, modality_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0)
 TOL = 1e-5
 models = ModuleModels()
 
@@ -43,7 +45,7 @@ def _inputs(eng):
     every = eng.task(eng.params(prompt="a drum solo", negative_prompt="blurry", guidance_scale=4.0, stg_scale=1.0,
                                 modality_scale=3.0, num_frames=9, seed=2, n=2))
     cfg = eng.task(eng.params(prompt="rain on a tin roof", negative_prompt="blurry", guidance_scale=3.0,
-                              stg_scale=0.0, modality_scale=1.0, num_frames=9, seed=5))
+                              **CFG_ONLY, num_frames=9, seed=5))
     eng.step([cfg])  # another step
     return [every.model_input(), cfg.model_input()]
 

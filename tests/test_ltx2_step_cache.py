@@ -32,6 +32,8 @@ from test_step_cache import IMAGES, WINDOW, _run_recorded, run_joined
 BATCH_TOL = 1e-5
 STEPS = 12
 THRESHOLDS = {"teacache": 0.3, "first_block": 0.3}  # tests/test_step_cache.py's
+# CFG alone: STG and modality guidance off on both streams (the built-in's audio fields turn them on)
+CFG_ONLY = dict(stg_scale=0.0, modality_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0)
 ALL_PASSES = dict(guidance_scale=4.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.5)
 models = ModuleModels()
 
@@ -97,11 +99,12 @@ def test_a_caching_request_batched_with_others_equals_its_run_alone(method, reco
     eng = engine("tiny-ltx2")
     other = next(m for m in METHODS if m != method)
     jobs = [dict(p=params(eng, method)),
-            dict(p=params(eng, prompt="a quiet harbour at dusk", seed=4, stg_scale=0.0, modality_scale=1.0),
-                 join=2),
-            dict(p=params(eng, other, prompt="a kite over a beach", seed=5, modality_scale=1.0), join=3)]
+            dict(p=params(eng, prompt="a quiet harbour at dusk", seed=4, **CFG_ONLY), join=2),
+            dict(p=params(eng, other, prompt="a kite over a beach", seed=5, modality_scale=1.0, audio_modality_scale=1.0),
+                 join=3)]  # CFG and STG: three passes
     before = eng.shared_forwards
     together = run_joined(eng, jobs)
+    assert [t.branches for t in together] == [4, 2, 3]
     assert eng.shared_forwards > before
     diffs = []
     for job, t in zip(jobs, together):
