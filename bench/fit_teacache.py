@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.diffusion import schedulers  # noqa: E402
 from common.diffusion.cache_signals import SETTINGS_FILE, modulated_input, teacache_settings  # noqa: E402
+from common.diffusion.params import family_values  # noqa: E402
 from common.diffusion.policy import Policy, uses_guidance  # noqa: E402
 from common.diffusion.step_cache import METHODS, rel_l1, rescale  # noqa: E402
 from common.families import read_model  # noqa: E402
@@ -114,7 +115,9 @@ class Runner:
                       max_sequence_length=d["max_sequence_length"], output_type="latent")
         if self.family.cfg_field == "true_cfg_scale":
             fields["true_cfg_scale"] = float(d.get("true_cfg_scale", 1.0))
-        return GenerationParams(**fields)
+        # The family's own fields at their defaults, as the router fills them (LTX-2's further guidance passes).
+        own = family_values(fields, self.info)
+        return GenerationParams(**fields, fields=own)
 
     def task(self, p: GenerationParams) -> DenoiseTask:
         guided = uses_guidance(self.family.guidance.scale(p))
@@ -138,9 +141,9 @@ class Runner:
         while not task.done:
             x = task.model_input()
             name = policy.expert_for(x.timestep)
-            pieces = [replace(x, uncond=None)]
-            if x.uncond is not None:
-                pieces.append(replace(x, cond=x.uncond, uncond=None, unconditional=True))
+            # every guidance pass alone, as denoise_worker/caching.py splits a request
+            pieces = [replace(x, cond=c, uncond=None, passes=(), unconditional=b > 0, settings=None)
+                      for b, c in enumerate(x.branches)]
             signals = [modulated_input(policy, name, piece) for piece in pieces]
             raw = policy.batched_velocity(pieces)  # single-branch pieces: each branch's raw output
             if before is not None and before[0] == name:
@@ -148,7 +151,7 @@ class Runner:
                     out.append(Pair(prompt, b, task.step, float(rel_l1(signals[b], before[1][b])[0]),
                                     float(rel_l1(raw[b].flatten(1), before[2][b].flatten(1)).mean())))
             before = (name, signals, raw)
-            v = raw[0] if len(raw) == 1 else self.family.guidance.guide(raw[0], raw[1], policy.guidance_scale(name, x))
+            v = policy.combine(name, x, raw)
             task.advance(v)
         return out
 

@@ -45,7 +45,8 @@ def plan_step(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
             plans[i] = StepPlan([task.model_input()], lambda outs: outs[0])
             continue
         x = x_of[i] = task.model_input()
-        branches[i] = [replace(x, cond=c, uncond=None, passes=(), unconditional=b > 0)
+        # Each pass alone, without its request's guidance settings: the forward gives back its raw output.
+        branches[i] = [replace(x, cond=c, uncond=None, passes=(), unconditional=b > 0, settings=None)
                        for b, c in enumerate(x.branches)]
     if not branches:
         return plans

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from common.transport.forward_link import receive_call, send_call
 from common.diffusion.context_parallel import enable_context_parallel, settled
 from common.diffusion.lora import LoraAdapter, LoraModule
-from common.diffusion.parts.reference import grid_from_wire, grid_to_wire
 from common.diffusion.policy import Policy
 from common.diffusion.rows import Rows
 from common.runtime.component_memory import ModuleMemory, return_freed_memory
@@ -103,7 +102,7 @@ class ParallelForward:
         dropped = self._dropped[:]
         self._dropped.clear()  # (not a new list: the finalizers append to this one)
         send_call(FORWARD, inputs, device=self.device, expert=expert, text_of=rows.text_of, loras=loras, split=split,
-                  dropped=dropped, grid=grid_to_wire(rows.grid))
+                  dropped=dropped, grid=self.policy.family.latents.layout_to_wire(rows.grid))
         mine = settled(self.policy.local(expert, rows, 0, split))
         if split == rows.n:
             return mine
@@ -189,7 +188,7 @@ class Follower:
         loras = [None if lo is None else (self.adapters[lo[0]], lo[1]) for lo in f["loras"]]
         texts = {k.removeprefix(TEXT_PREFIX): v for k, v in tensors.items() if k.startswith(TEXT_PREFIX)}
         rows = Rows(tensors["hidden_states"], tensors["timestep"], texts, f["text_of"], loras,
-                    f["split"], grid_from_wire(f["grid"]), tensors.get("guidance"))
+                    f["split"], self.policy.family.latents.layout_from_wire(f["grid"]), tensors.get("guidance"))
         start, stop = (0, f["split"]) if self.layout.cfg_rank == 0 else (f["split"], rows.n)
         if start == stop:
             return  # nothing for this CFG group (no unconditional rows)

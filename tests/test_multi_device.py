@@ -178,6 +178,9 @@ OTHER_MODELS = {  # model: (layout, request overrides)
     "tiny-alt": ("cfg2", {}),  # 3 heads: CFG parallel only (Ulysses 2 is refused, see test_context_parallel)
     "small": ("cfg2-ulysses2", {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 3}),
     "tiny-sana": ("cfg2", {"height": 96, "width": 160}),  # no context-parallel plan in diffusers: CFG parallel
+    # LTX-2: every guidance pass (uncond, STG-perturbed, modality-isolated) on the unconditional ranks; Ulysses is
+    # refused for it (tests/test_ltx2_parallel.py)
+    "tiny-ltx2": ("cfg2", {"stg_scale": 1.0, "modality_scale": 3.0, "num_frames": 9}),
 }
 
 

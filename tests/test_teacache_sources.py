@@ -19,7 +19,8 @@ from conftest import ROOT
 
 PUBLISHED = {"tiny": "Wan2.1-T2V-1.3B", "tiny-wan-i2v": "Wan2.1-I2V-14B-480P"}
 FITTED = {"tiny-sd3": "small-sd3-smooth", "tiny-flux": "small-flux-smooth",
-          "tiny-qwen-image": "small-qwen-image-smooth", "tiny-sd3-smooth": "small-sd3-smooth"}
+          "tiny-qwen-image": "small-qwen-image-smooth", "tiny-sd3-smooth": "small-sd3-smooth",
+          "tiny-ltx2": "small-ltx2-smooth"}
 
 
 @pytest.mark.parametrize("name", [*PUBLISHED, *FITTED])

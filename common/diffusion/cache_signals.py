@@ -3,8 +3,8 @@
 - :func:`modulated_input`: one request branch's timestep-modulated input (the family's
   transformer part's ``modulated_input``): a few Linear layers, no pass of the transformer.
 - :func:`first_block_residuals`: the probe of ``first_block``: the rows' forward up to the first
-  transformer block (diffusers' block registry says which output is the image stream), stopped there; its
-  residual (output - input) per row. The probe runs eagerly, its hook in place only while it runs (a
+  transformer block, stopped there; its residual (output - input) per row (the transformer part's
+  ``block_residual``: the stream diffusers' block registry names, or every stream of a joint model). The probe runs eagerly, its hook in place only while it runs (a
   compiled expert keeps its graphs, which guard on hooks: no recompile per decision) and on this process only (a worker that splits the sequence over ranks cannot
   serve it: the router refuses ``first_block`` there).
 - :func:`teacache_settings`: the model's TeaCache polynomial and warm-up: its directory's ``step_cache.json``
@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from diffusers.hooks._helpers import TransformerBlockRegistry
 
 from common.diffusion.parts.text import text_kwargs
 from common.diffusion.model_info import STEP_CACHE_FILE, ModelInfo
@@ -88,9 +87,8 @@ class _FirstBlockTap:
     and stops the forward. (A compiled expert guards on its blocks' hooks: one left in place would make every
     graph compile again.)"""
 
-    def __init__(self, block: torch.nn.Module):
-        self.block = block
-        self.index = TransformerBlockRegistry.get(type(self.block)).return_hidden_states_index
+    def __init__(self, part, block: torch.nn.Module):
+        self.part, self.block = part, block
         self.residual: torch.Tensor | None = None
 
     @contextmanager
@@ -103,9 +101,7 @@ class _FirstBlockTap:
             handle.remove()
 
     def _hook(self, module, args, kwargs, output):
-        before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        after = output if isinstance(output, torch.Tensor) else output[self.index]
-        self.residual = (after - before).float()
+        self.residual = self.part.block_residual(self.block, args, kwargs, output)
         raise _Probed
 
 
@@ -118,7 +114,8 @@ def first_block_residuals(policy: Policy, name: str, inputs: list[ModelInput]) -
     model = policy.experts[name]
     tap = _TAPS.get(model)
     if tap is None:
-        tap = _TAPS[model] = _FirstBlockTap(policy.family.transformer.blocks(model)[0])
+        part = policy.family.transformer
+        tap = _TAPS[model] = _FirstBlockTap(part, part.blocks(model)[0])
     rows, blocks = policy.rows_of(name, inputs)
     try:
         with tap.armed(), torch.compiler.set_stance("force_eager"):

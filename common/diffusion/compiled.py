@@ -129,12 +129,17 @@ def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch
             with torch.no_grad():
                 policy.share_text()  # its processors now, or their later install would recompile
                 image = parts.condition.example(info, tuple(latent_shape), g, device, dtype)
-                extra = dict(grid=parts.condition.token_layout(parts.latents.token_grid(info, d["height"], d["width"]),
-                                                               image),
-                             image=image, embedded_guidance=parts.guidance.embedded(info, d["guidance_scale"]))
-                policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra))
+                # The grid as a request's: the latents part's layout of the model's default request (LTX-2's
+                # carries its geometry and frame rate, not a token grid).
+                params = _default_request(info)
+                extra = dict(grid=parts.condition.token_layout(parts.latents.layout(info, params), image),
+                             image=image, embedded_guidance=parts.guidance.embedded(info, d["guidance_scale"]),
+                             sigma=t / info.num_train_timesteps)
+                # The request's further guidance passes (LTX-2's perturbed and isolated rows) and its settings.
+                guided = dict(passes=parts.guidance.passes(params, texts[0]), settings=parts.guidance.settings(params))
+                policy.velocity(ModelInput(latents(1), t, texts[0], texts[1], 5.0, **extra, **guided))
                 if batch > 1:
-                    policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra)])
+                    policy.batched_velocity([ModelInput(latents(batch), t, texts[0], texts[1], 5.0, **extra, **guided)])
                 if batch > 1:  # a step-caching request's two branches as pieces: one row per text
                     policy.batched_velocity([ModelInput(latents(1), t, texts[0], None, 1.0, **extra),
                                              ModelInput(latents(1), t, texts[1], None, 1.0, **extra,
@@ -142,13 +147,25 @@ def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch
                 dynamic = parts.transformer.compile_dynamic
                 if batch > 1 and dynamic:  # texts of two sizes in one forward
                     policy.batched_velocity([ModelInput(latents(batch), t, texts[0], _shorter(texts[1], dynamic),
-                                                        5.0, **extra)])
+                                                        5.0, **extra, **guided)])
         except Exception as e:
             uncompile(policy.experts)
             raise CompileError(f"torch.compile failed on {name} at latents {list(latent_shape)}: "
                                f"{type(e).__name__}: {e}") from e
         seconds[name] = time.perf_counter() - start
     return seconds
+
+
+def _default_request(info):
+    """The model's default request (its serving defaults, its family's fields at theirs), as the router fills it."""
+    from common.diffusion.params import family_values
+    from common.protocol.messages import GenerationParams
+
+    d = info.defaults
+    fields = dict(prompt="", negative_prompt="", seed=0, height=d["height"], width=d["width"], num_frames=d.get("num_frames", 1),
+                  num_inference_steps=d["num_inference_steps"], guidance_scale=float(d["guidance_scale"]),
+                  max_sequence_length=d["max_sequence_length"])
+    return GenerationParams(**fields, fields=family_values(fields, info))
 
 
 def _shorter(text, dynamic: dict[str, tuple[int, ...]]):

@@ -13,7 +13,7 @@ def layout_problem(info, workers, cache=None) -> str | None:
     if not family.transformer.context_parallel:
         for spec in workers:
             if spec.role == "denoise" and (spec.ulysses > 1 or spec.ring > 1):
-                return (f"--topology: {family.pipeline}'s transformer has no context-parallel plan in diffusers, "
+                return (f"--topology: {family.pipeline}'s transformer {family.transformer.no_context_parallel}, "
                         "so its denoise workers cannot use ulysses or ring (cfg works)")
     problem = None if cache is None else cache_problem(cache.method, family, workers, info)
     return problem and f"--cache: {problem}"

@@ -13,6 +13,7 @@ the serving default names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.builtin.build import component_seed, seeded
 from common.builtin.spec import BuiltinSpec, check_weights_dtype
@@ -36,6 +37,11 @@ class TinyLtx2Spec(BuiltinSpec):
 
     name: str
     image_to_video: bool = False
+    # TeaCache's polynomial the built directory carries in step_cache.json (none is published for LTX-2): a line
+    # fitted on small-ltx2-smooth by bench/fit_teacache.py --degree 1 over every guidance pass (2 prompts, 30
+    # steps: R^2 0.86).
+    teacache_coefficients: tuple[float, ...] = (5.38060050e-01, 4.09891032e-03)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-ltx2-smooth"
     # Gemma3ForConditionalGeneration (its text model; a one-layer vision tower the class needs)
     text_hidden_size: int = 32
     text_num_layers: int = 2

@@ -115,6 +115,19 @@ class LatentsPart:
         ``grid``; hashable, equal for requests that can share a forward): the token grid of its size."""
         return self.token_grid(info, *self.size(info, params.height, params.width, params.fields))
 
+    def layout_to_wire(self, grid) -> list | dict:
+        """:meth:`layout`'s value (with a condition's :class:`~common.diffusion.parts.reference.TokenLayout`) as
+        plain data for a message header: a multi-device worker's followers get it with every forward."""
+        from common.diffusion.parts.reference import grid_to_wire
+
+        return grid_to_wire(grid)
+
+    def layout_from_wire(self, value: list | dict):
+        """:meth:`layout_to_wire`'s inverse."""
+        from common.diffusion.parts.reference import grid_from_wire
+
+        return grid_from_wire(value)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackedLatents(LatentsPart):

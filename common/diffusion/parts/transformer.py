@@ -34,6 +34,8 @@ class TransformerPart:
     # length); every other dimension is static (fixed-length texts: a graph each).
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=dict)
     context_parallel: bool = False  # diffusers has a context-parallel plan for it (Ulysses / ring)
+    # Why not, in the launcher's refusal (a family whose diffusers plan exists but does not fit says so).
+    no_context_parallel: str = "has no context-parallel plan in diffusers"
     splits_text: bool = False  # that plan splits the text's sequence too (then its length must divide)
     # A trainer's default LoRA target modules (peft's ``target_modules``: suffixes of the Linear paths).
     lora_targets: tuple[str, ...] = ATTENTION_PROJECTIONS
@@ -68,6 +70,16 @@ class TransformerPart:
 
     def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return getattr(model, self.block_list)
+
+    def block_residual(self, block: torch.nn.Module, args: tuple, kwargs: dict, output) -> torch.Tensor:
+        """A block's residual (output - input) per row, float32 [B, ...], from its forward hook's arguments:
+        first-block caching's signal. Default: the latent stream diffusers' block registry names."""
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        index = TransformerBlockRegistry.get(type(block)).return_hidden_states_index
+        before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        after = output if isinstance(output, torch.Tensor) else output[index]
+        return (after - before).float()
 
     def shares_text(self, info: "ModelInfo") -> bool:
         """Whether text-only activations can be computed once per distinct text (common/diffusion/shared_text.py):

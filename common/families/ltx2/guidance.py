@@ -53,6 +53,8 @@ class Ltx2Guidance(Guidance):
 
     def combine(self, x, outs, scale):
         s: Ltx2Scales = x.settings
+        if s is None:  # one pass run alone (a step-caching branch): its own output, guided later with the rest
+            return outs[0]
         cfg, stg, iso = s.guidance_scale, s.stg_scale, s.modality_scale
         on = iter(outs[1:])  # the passes present, in ModelInput.branches' order
         uncond = next(on) if max(cfg) > 1.0 else None

@@ -3,6 +3,7 @@ pipeline draws them (video noise, then audio noise, from one generator), and the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,14 @@ class Ltx2Latents(LatentsPart):
         return Ltx2Layout(geometry_of(info, params), conditioning_frame_rate(params),
                           int(_or_default(field_value(params, STG_BLOCK.name), DEFAULTS["stg_block"])),
                           bool(_or_default(field_value(params, CROSS_TIMESTEP.name), DEFAULTS["use_cross_timestep"])))
+
+    def layout_to_wire(self, grid: Ltx2Layout) -> dict:
+        return {"geometry": dataclasses.asdict(grid.geometry), "fps": grid.fps, "stg_block": grid.stg_block,
+                "cross_timestep": grid.cross_timestep}
+
+    def layout_from_wire(self, value: dict) -> Ltx2Layout:
+        return Ltx2Layout(Ltx2Geometry(**{k: int(v) for k, v in value["geometry"].items()}), float(value["fps"]),
+                          int(value["stg_block"]), bool(value["cross_timestep"]))
 
 
 def _or_default(value, default):
