@@ -182,10 +182,14 @@ PRESETS = {
     # with the guidance the pipeline's defaults run: CFG 3.0 (audio 7.0), STG 1.0 on the model's stg_block,
     # modality 3.0, rescale 0.7 on both streams; four rows a step (cond, uncond, perturbed, isolated), which
     # the pipeline runs as three transformer calls. Every guidance field is sent, so that engine and pipeline
-    # run the same values whatever either's defaults (the engine's are the model's serving ones). 3 steps keep
-    # the run (8 requests at c=1 and c=8, diffusers' 8) to a few minutes on 2 cores. Decode is two VAEs and the vocoder:
-    # the decode worker gets every core, as diffusers' in-process decode has (and the encoder, as the edits).
-    "small-ltx2": dict(model="small-ltx2", height=256, width=384, num_frames=25, steps=3, guidance=3.0,
+    # run the same values whatever either's defaults (the engine's are the model's serving ones). The
+    # pipeline's own 30 steps: an answer of 25 float32 frames is 29.5 MB, which costs the engine's request a
+    # fixed ~0.3 s on this CPU whatever its steps (~0.26 s of it the HTTP answer, the rest the hops), against
+    # diffusers' frames handed over in process; at 3 steps (1.0 s) that alone is 1.3x, at 30 steps (~10 s)
+    # 1.03x, where a real LTX-2 request (minutes) sits. 8 requests at c=1 and at c=8 (all in flight), about
+    # 8 minutes on 2 cores. Decode is two VAEs and the vocoder: the decode worker gets every core, as
+    # diffusers' in-process decode has (and the encoder, as the edits).
+    "small-ltx2": dict(model="small-ltx2", height=256, width=384, num_frames=25, steps=30, guidance=3.0,
                        fields=dict(audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0,
                                    modality_scale=3.0, audio_modality_scale=3.0, guidance_rescale=0.7,
                                    audio_guidance_rescale=0.7),
