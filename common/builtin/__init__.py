@@ -22,9 +22,11 @@ from common.builtin.specs.sana import SPECS as SANA_SPECS
 from common.builtin.specs.sd3 import SPECS as SD3_SPECS
 from common.builtin.specs.wan import SPECS as WAN_SPECS
 from common.builtin.specs.wan_i2v import SPECS as WAN_I2V_SPECS
+from common.builtin.specs.z_image import SPECS as Z_IMAGE_SPECS
 
 BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS, **SANA_SPECS,
-            **QWEN_IMAGE_EDIT_SPECS, **FLUX_KONTEXT_SPECS, **LTX2_SPECS}
+            **QWEN_IMAGE_EDIT_SPECS, **FLUX_KONTEXT_SPECS, **LTX2_SPECS,
+            **Z_IMAGE_SPECS}
 # ``<name>-smooth``: the model with a timestep embedding that changes smoothly between steps, as a trained
 # one's (common/builtin/smooth_time.py), for step caching.
 SMOOTH_BASES = ("tiny", "small", "tiny-moe", "tiny-sd3", "small-sd3", "tiny-flux", "small-flux", "tiny-qwen-image",
