@@ -22,9 +22,10 @@ def size_threads(model: torch.nn.Module, inputs: list[ModelInput], max_threads: 
     if max_threads == 1:
         return
     cfg = model.config
-    width = cfg.num_attention_heads * cfg.attention_head_dim
+    # (Some configs name the width and depth dim and n_layers.)
+    width = cfg.num_attention_heads * cfg.attention_head_dim if "num_attention_heads" in cfg else cfg.get("dim", 1)
     # Transformer blocks: FLUX has double- and single-stream ones.
-    blocks = cfg.get("num_layers", 1) + cfg.get("num_single_layers", 0)
+    blocks = cfg.get("num_layers", cfg.get("n_layers", 1)) + cfg.get("num_single_layers", 0)
     tokens = image_tokens + text_kwargs(inputs[0].cond)[HIDDEN].shape[1]
     rows = sum(x.row_count for x in inputs)
     threads = max_threads if rows * tokens * width * width * blocks >= SMALL_FORWARD else 1

@@ -19,9 +19,11 @@ from common.families.sana.binding import SANA
 from common.families.sd3.binding import SD3
 from common.families.wan.binding import WAN
 from common.families.wan.i2v import WAN_I2V
+from common.families.z_image.binding import Z_IMAGE
 
 BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE, SANA,
-                                                        QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, FLUX_KONTEXT, LTX2, LTX2_I2V)}
+                                                        QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, FLUX_KONTEXT, LTX2, LTX2_I2V,
+                                                        Z_IMAGE)}
 
 
 class UnknownFamily(ValueError):

@@ -1,0 +1,1 @@
+"""Z-Image (``ZImagePipeline``): see :mod:`common.families.z_image.binding`."""
