@@ -161,7 +161,7 @@ def test_too_many_references_are_refused():
     from common.diffusion.params import check_images
 
     info = models.trainer(ensure_builtin("tiny-flux2-klein")).info  # (the router's check, before the images load)
-    check_images({"image": ["a"] * 4}, info)
+    check_images({"image": ["a"] * 3}, info)
     with pytest.raises(FieldError) as e:
-        check_images({"image": ["a"] * 5}, info)
+        check_images({"image": ["a"] * 4}, info)
     assert e.value.field == "image"

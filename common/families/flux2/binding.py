@@ -29,7 +29,7 @@ from common.families.flux2.transformer import Flux2Transformer
 from common.families.flux2.vae import Flux2Decoder
 from common.protocol.messages import PROMPT_EMBEDS
 
-MAX_REFERENCES = 4  # this engine's limit on a request's reference images (the pipeline sets none)
+MAX_REFERENCES = 3  # the most images a request carries (router/api/schemas.py MAX_IMAGES); the pipeline sets none
 
 
 @dataclass(frozen=True)
