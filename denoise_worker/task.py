@@ -107,7 +107,8 @@ class DenoiseTask:
         seq_len = info.family.latents.seq_len(info, params)
         on_rollout = sde is not None and sde.schedule == "rollout"
         scheduler = schedulers.build(rollout_template if on_rollout else serving_template, params, device,
-                                     image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas)
+                                     image_seq_len=seq_len, default_sigmas=info.family.guidance.default_sigmas,
+                                     mu=info.family.latents.mu(info, params))
         if sde is not None:
             schedulers.check_rollout_schedule(scheduler)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]

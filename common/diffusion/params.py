@@ -86,6 +86,9 @@ def check_model_fields(request: dict, info: ModelInfo) -> None:
         # linspace(1, 1, 1) stretched to the terminal sigma divides 0 by 0 (diffusers gives NaN images).
         raise FieldError("num_inference_steps", "this model's scheduler stretches its schedule to shift_terminal, "
                                                 "which needs at least 2 steps")
+    refused = family.guidance.refusal(info, request)
+    if refused is not None:
+        raise FieldError(*refused)
     g = request.get("guidance_scale")
     if g is not None and family.cfg_field != "guidance_scale" and family.guidance.embedded(info, g) is None:
         raise FieldError("guidance_scale", f"this {family.pipeline} transformer has no guidance embedding (its "

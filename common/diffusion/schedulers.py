@@ -72,14 +72,14 @@ def dynamic(config) -> bool:
 
 
 def build(template, params: GenerationParams, device: torch.device | str = "cpu", *, image_seq_len: int = 0,
-          default_sigmas: bool = False):
+          default_sigmas: bool = False, mu: float | None = None):
     """A fresh scheduler for one request: sigmas first, else timesteps, else the step count.
 
     ``timesteps`` name the exact timesteps to run; the scheduler's sigmas become
     ``timesteps / num_train_timesteps`` (the flow-match convention), which for
     a statically shifted scheduler means handing it the un-shifted sigmas.
     A dynamically shifted scheduler takes the request's ``mu``, else the one of
-    ``image_seq_len`` (:func:`calculate_shift`); ``default_sigmas``: the step count
+    ``image_seq_len`` (:func:`calculate_shift`) unless the family gives its own (``mu``); ``default_sigmas``: the step count
     becomes ``sigmas = linspace(1, 1/N, N)``, as the family's pipeline passes them.
     """
     scheduler = type(template).from_config(template.config)
@@ -88,7 +88,7 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
     if params.mu is not None:
         kwargs["mu"] = params.mu
     elif dynamic(scheduler.config):
-        kwargs["mu"] = calculate_shift(image_seq_len, scheduler.config)
+        kwargs["mu"] = calculate_shift(image_seq_len, scheduler.config) if mu is None else mu
     sigmas = params.sigmas
     if sigmas is None and params.timesteps is None and default_sigmas and "sigmas" in accepts \
             and not scheduler.config.get("use_flow_sigmas", False):

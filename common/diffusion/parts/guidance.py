@@ -39,6 +39,10 @@ class Guidance:
         """Classifier-free guidance of one request's two passes, in its pipeline's order of operations."""
         return uncond + scale * (cond - uncond)
 
+    def refusal(self, info: "ModelInfo", request: dict) -> tuple[str, str] | None:
+        """(field, why) where this model directory refuses a request's guidance fields, else None."""
+        return None
+
     def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
         """The transformer's guidance-embedding input for a request's ``guidance_scale``, else None."""
         return None

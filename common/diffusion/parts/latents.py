@@ -106,6 +106,11 @@ class LatentsPart:
         height, width = self.size(info, params.height, params.width, params.fields)
         return self.image_seq_len(info, height, width, params.num_frames)
 
+    def mu(self, info: "ModelInfo", params) -> float | None:
+        """The dynamic shift's ``mu`` a pipeline computes its own way for a request without one (None: the
+        scheduler config's ``calculate_shift`` of :meth:`seq_len`)."""
+        return None
+
     def stream_masks(self, info: "ModelInfo", params) -> dict[str, torch.Tensor]:
         """Per stream (:attr:`streams`), 1 on its elements of a sample's latents [1, ...] (none: one stream)."""
         return {}
