@@ -12,6 +12,7 @@ from common.diffusion.binding import Binding
 from common.diffusion.model_info import ModelInfo, read_index
 from common.families.flux.binding import FLUX
 from common.families.flux.kontext import FLUX_KONTEXT
+from common.families.hunyuan_video15.binding import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
 from common.families.ltx2.binding import LTX2, LTX2_I2V
 from common.families.qwen_image.binding import QWEN_IMAGE
 from common.families.qwen_image.edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
@@ -22,6 +23,7 @@ from common.families.wan.i2v import WAN_I2V
 
 BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE, SANA,
                                                         QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, FLUX_KONTEXT, LTX2, LTX2_I2V)}
+BINDINGS.update({b.pipeline: b for b in (HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V)})
 
 
 class UnknownFamily(ValueError):

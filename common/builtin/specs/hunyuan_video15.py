@@ -70,7 +70,6 @@ class TinyHunyuanVideo15Spec(BuiltinSpec):
     width: int = 80
     num_frames: int = 5
     num_inference_steps: int = 3
-    guidance_scale: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("rope_axes_dim", "vae_block_out_channels"):
@@ -95,6 +94,11 @@ class TinyHunyuanVideo15Spec(BuiltinSpec):
     @property
     def pipeline(self) -> str:
         return "HunyuanVideo15ImageToVideoPipeline" if self.image_to_video else "HunyuanVideo15Pipeline"
+
+    @property
+    def guidance_scale(self) -> float:
+        """The serving default: the guider's scale, as the pipeline runs it."""
+        return self.guider_scale
 
     @property
     def mrope_section(self) -> tuple[int, int, int]:
