@@ -16,6 +16,7 @@ from common.builtin.smooth_time import smooth_variants
 from common.builtin.specs.flux import SPECS as FLUX_SPECS
 from common.builtin.specs.flux_kontext import SPECS as FLUX_KONTEXT_SPECS
 from common.builtin.specs.flux2_klein import SPECS as FLUX2_KLEIN_SPECS
+from common.builtin.specs.hunyuan_video15 import SPECS as HUNYUAN_VIDEO15_SPECS
 from common.builtin.specs.ltx2 import SPECS as LTX2_SPECS
 from common.builtin.specs.qwen_image import SPECS as QWEN_IMAGE_SPECS
 from common.builtin.specs.qwen_image_edit import SPECS as QWEN_IMAGE_EDIT_SPECS
@@ -27,7 +28,8 @@ from common.builtin.specs.z_image import SPECS as Z_IMAGE_SPECS
 
 BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWEN_IMAGE_SPECS, **SANA_SPECS,
             **QWEN_IMAGE_EDIT_SPECS, **FLUX_KONTEXT_SPECS, **LTX2_SPECS,
-            **Z_IMAGE_SPECS, **FLUX2_KLEIN_SPECS}
+            **Z_IMAGE_SPECS, **FLUX2_KLEIN_SPECS,
+            **HUNYUAN_VIDEO15_SPECS}
 # ``<name>-smooth``: the model with a timestep embedding that changes smoothly between steps, as a trained
 # one's (common/builtin/smooth_time.py), for step caching.
 SMOOTH_BASES = ("tiny", "small", "tiny-moe", "tiny-sd3", "small-sd3", "tiny-flux", "small-flux", "tiny-qwen-image",

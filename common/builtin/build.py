@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 # it is; loading CLIPImageProcessor reads them.
 SAVED_AS = {"CLIPImageProcessorPil": ("transformers", "CLIPImageProcessor"),
             # Qwen2VLProcessor without its (torchvision) video processor: common/families/qwen_image/processor.py.
-            "ImageTextProcessor": ("transformers", "Qwen2VLProcessor")}
+            "ImageTextProcessor": ("transformers", "Qwen2VLProcessor"),
+            # SigLIP's PIL image processor, saved under the class real checkpoints name (as CLIP's above).
+            "SiglipImageProcessorPil": ("transformers", "SiglipImageProcessor")}
 
 
 def component_seed(spec, component: str) -> int:

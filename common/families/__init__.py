@@ -13,6 +13,7 @@ from common.diffusion.model_info import ModelInfo, read_index
 from common.families.flux.binding import FLUX
 from common.families.flux.kontext import FLUX_KONTEXT
 from common.families.flux2.binding import FLUX2_KLEIN
+from common.families.hunyuan_video15.binding import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
 from common.families.ltx2.binding import LTX2, LTX2_I2V
 from common.families.qwen_image.binding import QWEN_IMAGE
 from common.families.qwen_image.edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
@@ -24,7 +25,8 @@ from common.families.z_image.binding import Z_IMAGE
 
 BINDINGS: dict[str, Binding] = {b.pipeline: b for b in (WAN, WAN_I2V, SD3, FLUX, QWEN_IMAGE, SANA,
                                                         QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, FLUX_KONTEXT, LTX2, LTX2_I2V,
-                                                        Z_IMAGE, FLUX2_KLEIN)}
+                                                        Z_IMAGE, FLUX2_KLEIN,
+                                                        HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V)}
 
 
 class UnknownFamily(ValueError):

@@ -75,11 +75,19 @@ AUDIO_PROMPT_EMBEDS = TensorField("audio_prompt_embeds", FLOAT_DTYPES, 2, requir
 NEGATIVE_AUDIO_PROMPT_EMBEDS = TensorField("negative_audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
 PROMPT_MASK = TensorField("prompt_mask", INT_DTYPES, 1, required=False)
 NEGATIVE_PROMPT_MASK = TensorField("negative_prompt_mask", INT_DTYPES, 1, required=False)
+# A second text encoder's sequence beside ``prompt_embeds`` (HunyuanVideo 1.5's ByT5 glyph encoder) [L2, D2],
+# and the mask over its L2 tokens [L2] (1: attended).
+GLYPH_EMBEDS = TensorField("glyph_embeds", FLOAT_DTYPES, 2, required=False)
+NEGATIVE_GLYPH_EMBEDS = TensorField("negative_glyph_embeds", FLOAT_DTYPES, 2, required=False)
+GLYPH_MASK = TensorField("glyph_mask", INT_DTYPES, 1, required=False)
+NEGATIVE_GLYPH_MASK = TensorField("negative_glyph_mask", INT_DTYPES, 1, required=False)
 # A prompt's text tensor -> the same tensor of the negative prompt.
 NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS,
-               AUDIO_PROMPT_EMBEDS.name: NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK.name: NEGATIVE_PROMPT_MASK}
+               AUDIO_PROMPT_EMBEDS.name: NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK.name: NEGATIVE_PROMPT_MASK,
+               GLYPH_EMBEDS.name: NEGATIVE_GLYPH_EMBEDS, GLYPH_MASK.name: NEGATIVE_GLYPH_MASK}
 TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS,
-                AUDIO_PROMPT_EMBEDS, NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK)
+                AUDIO_PROMPT_EMBEDS, NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK,
+                GLYPH_EMBEDS, NEGATIVE_GLYPH_EMBEDS, GLYPH_MASK, NEGATIVE_GLYPH_MASK)
 # Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
 # encoder's image side makes of them (encoder -> denoise worker; see Binding.condition.fields).
 IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)

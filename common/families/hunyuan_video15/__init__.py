@@ -1,0 +1,1 @@
+"""HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``, ``HunyuanVideo15ImageToVideoPipeline``)."""
