@@ -64,23 +64,19 @@ def test_padded_masked_text_pads_to_the_budget_and_stacks_to_the_longest():
     assert part.key([a, b]) == ()  # texts of any budget share a forward
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Snapped:
-    """A latents part that makes every request at the next multiple of 64."""
+def _snapped(inner):
+    """``inner`` (a latents part) making every request at the next multiple of 64."""
+    class Snapped(type(inner)):
+        def size(self, info, height, width, fields):
+            return -(-height // 64) * 64, -(-width // 64) * 64
 
-    inner: object
-
-    def size(self, info, height, width, fields):
-        return -(-height // 64) * 64, -(-width // 64) * 64
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    return Snapped(**{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
 
 
 def test_a_latents_part_that_snaps_sizes_makes_noise_at_the_snapped_size():
     info = read_model(ensure_builtin("tiny-sd3"))
-    snapped = dataclasses.replace(info, family=dataclasses.replace(info.family, latents=_Snapped(
-        inner=info.family.latents)))
+    snapped = dataclasses.replace(info, family=dataclasses.replace(info.family, latents=_snapped(
+        info.family.latents)))
     with pytest.raises(FieldError) as e:
         to_params({"prompt": "a fox", "height": 72, "width": 64}, info, Limits())
     assert e.value.field == "height"
