@@ -119,3 +119,94 @@ def test_several_adapters_in_one_batched_step_each_equal_alone(tmp_path_factory,
     record_property("diffs", diffs)
     assert all(d <= ROLLOUT_TOL for d in diffs), diffs
     assert max_diff(tasks[0].latents, tasks[3].latents) > 1e-3  # the scale reaches the rows
+
+
+# --- sleep and wake -------------------------------------------------------------------------------------------
+
+
+def _outputs(eng) -> dict[str, torch.Tensor]:
+    """What each component computes for one request: its texts' wire tensors, the latents, the frames."""
+    p, _ = request(eng, SERVING["norm-trunc"])
+    torch.set_num_threads(1)
+    texts = eng.encoder.wire_tensors([p.prompt, p.negative_prompt], p.max_sequence_length)
+    out = {f"text{i}.{k}": t for i, wire in enumerate(texts) for k, t in wire.items()}
+    out["latents"] = eng.run(p).latents
+    out["frames"] = eng.frames(out["latents"], p)
+    return out
+
+
+def test_every_component_sleeps_and_wakes_bit_identical(tmp_path_factory):
+    from common.diffusion.policy import Policy
+    from common.diffusion.weights import load_into
+    from common.diffusion.weight_storage import weight_tensors
+    from common.runtime.component_memory import ComponentMemory, modules_of
+    from test_sleep import _load_component, _sums, _unsettled
+
+    eng = models.engine(models.get(MODEL, tmp_path_factory).model_dir)
+    info = eng.info
+    assert eng.images is None  # text to image: no image side
+    components = {"transformer": eng.policy.experts,
+                  "text_encoder": modules_of({"text_encoder": eng.encoder, "images": eng.images}),
+                  "vae": modules_of({"decoder": eng.decoder})}
+    kinds = {tag: sorted(type(m).__name__ for m in modules.values()) for tag, modules in components.items()}
+    assert kinds == {"transformer": ["ZImageTransformer2DModel"], "text_encoder": ["Qwen3Model"],
+                     "vae": ["AutoencoderKL"]}, kinds
+    assert _unsettled(components) == {}
+    before, sums = _outputs(eng), {tag: _sums(modules) for tag, modules in components.items()}
+    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
+              for tag, modules in components.items()}
+    trainer = Policy.load(info, torch.float32, "cpu").experts
+    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
+        for c in memory.values():
+            assert c.release(level) == sum(m.nbytes for m in c.modules.values())
+        # every module of every component released: no weight (parameter or persistent buffer) keeps its values
+        assert all(t.numel() == 0 for modules in components.values() for m in modules.values()
+                   for t in weight_tensors(m).values()), how
+        if how == "push":
+            for name, m in memory["transformer"].modules.items():
+                m.materialize()
+                load_into(m.module, trainer[name].state_dict())
+        for c in memory.values():
+            c.resume(reload="disk" if level == 2 else None)
+        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
+        assert _unsettled(components) == {}, how
+        after = _outputs(eng)
+        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+
+
+# --- groups ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guided", [True, False])
+def test_a_group_encodes_once_and_branches_as_its_samples_alone(guided, tmp_path_factory, record_property):
+    from common.protocol.messages import PROTOCOL_VERSION, EncodeRequest, Route
+    from test_edit_rollouts import _encoder_stage, _spy
+
+    eng = models.engine(models.get(MODEL, tmp_path_factory).model_dir)
+    window = [1, 2]
+    p = rollout(eng, "sde", guided, n=2, sde_step_indices=window, share_prefix=True)
+
+    stage = _encoder_stage(eng)
+    text_calls = []
+    _spy(stage.text_encoder, "wire_tensors", text_calls)
+    msg = EncodeRequest(v=PROTOCOL_VERSION, request_id="group", route=Route(encoder=0, denoise=0, decode=0), params=p)
+    stage.process_batch([(msg, {})])
+    assert len(text_calls) == 1  # one encode for the n samples (prompt and negative in one call)
+    assert len(text_calls[0][0]) == (2 if guided else 1), text_calls[0][0]
+
+    group = eng.run(p)
+    ex = group.extras()
+    traj = ex[TRAJECTORY_LATENTS.name]
+    k = window[0]
+    assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
+    assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
+    diffs = {}
+    for i in range(p.n):
+        alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
+            p.rollout, share_prefix=False, initial_noise_seed=p.seed)))
+        ax = alone.extras()
+        diffs[f"trajectory[{i}]"] = max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0])
+        diffs[f"latents[{i}]"] = max_diff(group.latents[i], alone.latents[0])
+        diffs[f"log_probs[{i}]"] = max_diff(ex[LOG_PROBS.name][i], ax[LOG_PROBS.name][0])
+    record_property("diffs", diffs)
+    assert len(diffs) == 2 * 3 and all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)
