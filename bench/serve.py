@@ -10,6 +10,7 @@
     python bench/serve.py --preset small-qwen-image-edit    # image editing (also small-flux-kontext): a picture each
     python bench/serve.py --model tiny-qwen-image-edit-plus --pictures 2  # two pictures per request, as a list
     python bench/serve.py --preset small-ltx2               # LTX-2 (video with sound), CFG + STG + modality
+    python bench/serve.py --preset small-z-image            # Z-Image-Turbo's setting: 8 steps, no guidance
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -195,6 +196,16 @@ PRESETS = {
                                    audio_guidance_rescale=0.7),
                        concurrency=[1, 8], requests=8, warmup=1, encoder_threads="all", decode_threads="all",
                        target_p50_ratio=1.05),
+    # Z-Image (ZImagePipeline) as Z-Image-Turbo is served: 8 steps, guidance_scale 0 (the pipeline's guidance is
+    # off at 0, so one forward per step on both sides), at small-z-image's 256x256 (~17M transformer,
+    # compute-bound). One request at a time against diffusers in-process (target: engine p50 <= 1.05x
+    # diffusers'), and 16 in flight. cfg_normalization and cfg_truncation go to the pipeline as the model's
+    # serving defaults (run_diffusers' fixed), which are the pipeline's own. At 8 one-forward steps a request is
+    # short, so its encode and decode weigh: the encoder and decode workers get every core, as the pipeline's
+    # in-process encode and decode have (one request at a time they never run beside the denoiser).
+    "small-z-image": dict(model="small-z-image", height=256, width=256, num_frames=None, steps=8, guidance=0.0,
+                          concurrency=[1, 16], requests=16, warmup=1, encoder_threads="all", decode_threads="all",
+                          target_p50_ratio=1.05),
 }
 # Serving defaults of a family's fields that the pipeline takes under another name and shape.
 PIPELINE_ARGS = {"stg_block": lambda v: {"spatio_temporal_guidance_blocks": [int(v)]}}

@@ -165,3 +165,27 @@ def test_the_sender_keeps_a_waveform_where_the_answer_carries_one():
     check = serve.compare({"c=1": with_sound.sounds}, {0: [wave + 1e-3]}, 1e-4)
     assert not check["ok"] and abs(check["max_abs_diff"] - 1e-3) < 1e-6
     assert serve.compare({"c=1": with_sound.sounds}, {0: [wave]}, 1e-4)["ok"]
+
+
+def test_z_image_preset_runs_turbos_setting_one_forward_a_step_on_both_sides():
+    """small-z-image: Z-Image-Turbo's 8 steps at guidance_scale 0, which both the engine (its guidance part's
+    switch) and ZImagePipeline (``do_classifier_free_guidance``: above 0) run without a negative pass; the
+    guidance fields the baseline is handed as the model's serving defaults are the pipeline's own defaults."""
+    import inspect
+    from types import SimpleNamespace
+
+    import diffusers
+
+    from common.diffusion.policy import uses_guidance
+
+    args = serve.parse_args(["--preset", "small-z-image"])
+    binding = binding_for(BUILTINS[args.model].PIPELINE)
+    assert binding.family == "z-image" and args.steps == 8 and args.guidance == 0.0
+    assert args.encoder_threads == args.decode_threads == "all"  # the CPU only (as the edit presets')
+    assert serve.parse_args(["--preset", "small-z-image", "--device", "cuda"]).decode_threads is None
+    assert not uses_guidance(binding.guidance.scale(SimpleNamespace(guidance_scale=args.guidance)))
+    pipeline = getattr(diffusers, binding.pipeline)
+    assert not pipeline.do_classifier_free_guidance.fget(SimpleNamespace(_guidance_scale=args.guidance))
+    signature = inspect.signature(pipeline.__call__).parameters
+    own = [f.name for f in binding.request_fields if f.name.startswith("cfg_")]
+    assert own and all(binding.defaults[name] == signature[name].default for name in own), own
