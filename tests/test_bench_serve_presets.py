@@ -189,3 +189,29 @@ def test_the_sender_keeps_a_waveform_where_the_answer_carries_one():
     check = serve.compare({"c=1": with_sound.sounds}, {0: [wave + 1e-3]}, 1e-4)
     assert not check["ok"] and abs(check["max_abs_diff"] - 1e-3) < 1e-6
     assert serve.compare({"c=1": with_sound.sounds}, {0: [wave]}, 1e-4)["ok"]
+
+
+def test_flux2_klein_preset_sends_no_negative_prompt_and_no_guidance():
+    """small-flux2-klein: a step-distilled model, so guidance at most 1 (which its refusal lets through) and no
+    negative prompt, which Flux2KleinPipeline does not take (the engine refuses even an empty one); pipelines
+    that take one still get the empty one."""
+    from types import SimpleNamespace
+
+    args = serve.parse_args(["--preset", "small-flux2-klein"])
+    spec = BUILTINS[args.model]
+    binding = binding_for(spec.PIPELINE)
+    assert spec.is_distilled and args.guidance <= 1.0 and args.concurrency == [1, 16]
+    assert (args.height, args.width) == (spec.height, spec.width)
+    assert not serve.takes_negative_prompt(binding.pipeline)
+    assert serve.takes_negative_prompt("FluxPipeline") and serve.takes_negative_prompt("WanPipeline")
+    work = serve.Workload(height=args.height, width=args.width, num_frames=1, steps=args.steps,
+                          guidance=args.guidance, output_type="frames", n=1, seed=0, video=False,
+                          negative_prompt=serve.takes_negative_prompt(binding.pipeline))
+    info = SimpleNamespace(family=binding, index={"is_distilled": spec.is_distilled})
+    for body in (work.body(0), work.warmup_body(0)):
+        assert "negative_prompt" not in body and body["guidance_scale"] == args.guidance
+        assert binding.guidance.refusal(info, body) is None
+    # What the engine refuses, so the check above is not vacuous.
+    assert binding.guidance.refusal(info, {**work.body(0), "negative_prompt": ""})[0] == "negative_prompt"
+    assert binding.guidance.refusal(info, {**work.body(0), "guidance_scale": 4.0})[0] == "guidance_scale"
+    assert serve.Workload(**{**work.__dict__, "negative_prompt": True}).body(0)["negative_prompt"] == ""

@@ -210,3 +210,27 @@ def gemma3(spec, component: str, **config) -> PreTrainedModel:
 
     config = Gemma3Config(**gemma3_config(**config))
     return seeded(spec, component, lambda: Gemma3ForConditionalGeneration(config))
+
+
+QWEN3_ROPE_THETA = 1000000.0
+QWEN3_MAX_POSITION_EMBEDDINGS = 40960
+
+
+def qwen3(spec, component: str, tokenizer, causal_lm: bool = False) -> PreTrainedModel:
+    """Qwen3 (GQA, q/k norms, tied embeddings) with the spec's ``text_*`` sizes and ``tokenizer``'s ids:
+    ``Qwen3Model`` (Z-Image's text encoder) or, with ``causal_lm``, ``Qwen3ForCausalLM`` (FLUX.2 [klein]'s)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    from common.builtin.tokenizer.qwen import ENDOFTEXT_TOKEN, IM_END_TOKEN
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=spec.text_hidden_size,
+                         intermediate_size=spec.text_intermediate_size, num_hidden_layers=spec.text_num_layers,
+                         num_attention_heads=spec.text_num_heads, num_key_value_heads=spec.text_num_kv_heads,
+                         head_dim=spec.text_head_dim, hidden_act="silu",
+                         max_position_embeddings=QWEN3_MAX_POSITION_EMBEDDINGS, rms_norm_eps=1e-6,
+                         rope_parameters=dict(rope_type="default", rope_theta=QWEN3_ROPE_THETA),
+                         tie_word_embeddings=True, bos_token_id=ids(ENDOFTEXT_TOKEN), eos_token_id=ids(IM_END_TOKEN),
+                         pad_token_id=ids(ENDOFTEXT_TOKEN))
+    model_class = Qwen3ForCausalLM if causal_lm else Qwen3Model
+    return seeded(spec, component, lambda: model_class(config))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from common.builtin.build import component_seed, seeded
 from common.builtin.spec import BuiltinSpec, check_weights_dtype
+from common.builtin.text_encoders import qwen3
 
 # Flux2KleinPipeline's default text_encoder_out_layers: hidden_states[27] needs 27 decoder layers.
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
@@ -26,15 +27,6 @@ ROPE_AXES = 4  # Flux2Transformer2DModel's position ids: (t, h, w, l)
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                         max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
                         time_shift_type="exponential")
-# Qwen3's chat template as the pipeline applies it (one user turn, a generation prompt, thinking off).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}")
-THINK_TOKENS = ("<think>", "</think>")
-
-
 @dataclass(frozen=True, kw_only=True)
 class TinyFlux2KleinSpec(BuiltinSpec):
     """One tiny FLUX.2 [klein] configuration plus the request it serves."""
@@ -108,33 +100,6 @@ SPECS: dict[str, TinyFlux2KleinSpec] = {
 }
 
 
-def tokenizer():
-    """The built-ins' Qwen2 tokenizer (common/builtin/tokenizer/qwen.py) with Qwen3's thinking tokens and chat
-    template."""
-    from common.builtin.tokenizer.qwen import qwen2_tokenizer
-
-    tok = qwen2_tokenizer()
-    tok.add_tokens(list(THINK_TOKENS))
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def text_encoder(spec: TinyFlux2KleinSpec, tok):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from common.builtin.tokenizer.qwen import ENDOFTEXT_TOKEN, IM_END_TOKEN
-
-    ids = tok.convert_tokens_to_ids
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=spec.text_hidden_size,
-                         intermediate_size=spec.text_intermediate_size, num_hidden_layers=spec.text_num_layers,
-                         num_attention_heads=spec.text_num_heads, num_key_value_heads=spec.text_num_kv_heads,
-                         head_dim=spec.text_head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-                         tie_word_embeddings=True, bos_token_id=ids(ENDOFTEXT_TOKEN), eos_token_id=ids(IM_END_TOKEN),
-                         pad_token_id=ids(ENDOFTEXT_TOKEN))
-    return seeded(spec, "text_encoder", lambda: Qwen3ForCausalLM(config))
-
-
 def vae(spec: TinyFlux2KleinSpec):
     """``AutoencoderKLFlux2`` with seeded batch-norm statistics (the defaults, mean 0 and variance 1, would
     make the pipeline's normalisation an identity no test could tell from a missing one)."""
@@ -157,7 +122,9 @@ def components(spec: TinyFlux2KleinSpec) -> dict:
     """``Flux2KleinPipeline``'s components of ``spec`` (and its ``is_distilled`` flag)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
-    tok = tokenizer()
+    from common.builtin.tokenizer.qwen import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
     transformer = dict(patch_size=1, in_channels=spec.latent_channels * PACK_SIZE * PACK_SIZE, out_channels=None,
                        num_layers=spec.num_layers, num_single_layers=spec.num_single_layers,
                        attention_head_dim=spec.attention_head_dim, num_attention_heads=spec.num_attention_heads,
@@ -167,7 +134,7 @@ def components(spec: TinyFlux2KleinSpec) -> dict:
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=vae(spec),
-        text_encoder=text_encoder(spec, tok),
+        text_encoder=qwen3(spec, "text_encoder", tok, causal_lm=True),
         tokenizer=tok,
         transformer=seeded(spec, "transformer", lambda: Flux2Transformer2DModel(**transformer)),
         is_distilled=spec.is_distilled,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.builtin.build import seeded
 from common.builtin.spec import BuiltinSpec, KLVaeSizes, check_kl_vae, check_weights_dtype
+from common.builtin.text_encoders import qwen3
 
 VAE_LEVELS = 4  # 8x, as Z-Image's (FLUX.1's) VAE
 VAE_SCALING_FACTOR = 0.3611
@@ -18,20 +19,6 @@ LATENT_CHANNELS = 16
 PIXEL_MULTIPLE = 16
 # The FlowMatchEulerDiscreteScheduler config Tongyi-MAI/Z-Image-Turbo ships: a static shift (3.0).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, use_dynamic_shifting=False)
-# Qwen3's chat template, as much of it as ZImagePipeline's one user message without tools reaches
-# (``enable_thinking=False`` adds the empty think block the real template adds).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
-QWEN3_ROPE_THETA = 1000000.0
-QWEN3_RMS_NORM_EPS = 1e-6
-QWEN3_MAX_POSITION_EMBEDDINGS = 40960
-
-
 @dataclass(frozen=True, kw_only=True)
 class TinyZImageSpec(BuiltinSpec, KLVaeSizes):
     """One tiny Z-Image configuration plus the request it is meant to serve."""
@@ -111,37 +98,18 @@ def transformer_config(spec: TinyZImageSpec) -> dict:
                 rope_theta=256.0, t_scale=1000.0, axes_dims=list(spec.axes_dims), axes_lens=[1024, 512, 512])
 
 
-def qwen3_model(spec: TinyZImageSpec, tokenizer):
-    """``Qwen3Model`` (Qwen3-4B's structure: GQA, q/k norms, tied embeddings) with the spec's sizes."""
-    from transformers import Qwen3Config, Qwen3Model
-
-    from common.builtin.tokenizer.qwen import ENDOFTEXT_TOKEN, IM_END_TOKEN
-
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=spec.text_hidden_size,
-                         intermediate_size=spec.text_intermediate_size, num_hidden_layers=spec.text_num_layers,
-                         num_attention_heads=spec.text_num_heads, num_key_value_heads=spec.text_num_kv_heads,
-                         head_dim=spec.text_head_dim, hidden_act="silu",
-                         max_position_embeddings=QWEN3_MAX_POSITION_EMBEDDINGS, rms_norm_eps=QWEN3_RMS_NORM_EPS,
-                         rope_parameters=dict(rope_type="default", rope_theta=QWEN3_ROPE_THETA),
-                         tie_word_embeddings=True, bos_token_id=ids(ENDOFTEXT_TOKEN), eos_token_id=ids(IM_END_TOKEN),
-                         pad_token_id=ids(ENDOFTEXT_TOKEN))
-    return seeded(spec, "text_encoder", lambda: Qwen3Model(config))
-
-
 def components(spec: TinyZImageSpec) -> dict:
     """``ZImagePipeline``'s components of ``spec``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
 
-    from common.builtin.tokenizer.qwen import qwen2_tokenizer
+    from common.builtin.tokenizer.qwen import qwen3_tokenizer
     from common.builtin.vaes import autoencoder_kl
 
-    tokenizer = qwen2_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = qwen3_tokenizer()
     return dict(
         transformer=seeded(spec, "transformer", lambda: ZImageTransformer2DModel(**transformer_config(spec))),
         vae=autoencoder_kl(spec, sample_size=1024, scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR),
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG, shift=spec.shift),
-        text_encoder=qwen3_model(spec, tokenizer),
+        text_encoder=qwen3(spec, "text_encoder", tokenizer),
         tokenizer=tokenizer,
     )

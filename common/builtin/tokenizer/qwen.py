@@ -124,3 +124,24 @@ def qwen2_tokenizer() -> Qwen2Tokenizer:
     if prefix_len != PROMPT_TEMPLATE_START_IDX:
         raise RuntimeError(f"the template's prefix is {prefix_len} tokens, expected {PROMPT_TEMPLATE_START_IDX}")
     return tokenizer
+
+
+# Qwen3's chat template, as much of it as the pipelines' one user turn without tools reaches
+# (``enable_thinking=False`` adds the empty think block the real template adds).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+QWEN3_THINK_TOKENS = ("<think>", "</think>")
+
+
+def qwen3_tokenizer():
+    """The built-ins' Qwen2 tokenizer with Qwen3's thinking tokens and chat template (Qwen3's vocabulary is
+    Qwen2's plus those)."""
+    tok = qwen2_tokenizer()
+    tok.add_tokens(list(QWEN3_THINK_TOKENS))
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
