@@ -12,6 +12,7 @@
     python bench/serve.py --model tiny-qwen-image-edit-plus --pictures 2  # two pictures per request, as a list
     python bench/serve.py --preset small-ltx2               # LTX-2 (video with sound), CFG + STG + modality
     python bench/serve.py --preset small-z-image            # Z-Image-Turbo's setting: 8 steps, no guidance
+    python bench/serve.py --preset small-hunyuan-video15    # HunyuanVideo 1.5, CFG through the model's guider
     python bench/serve.py --concurrency 1 4 --requests 32 --output-type latent
     python bench/serve.py --rate 5 --duration 20            # open loop: Poisson arrivals at 5 req/s
     python bench/serve.py --url http://127.0.0.1:8000       # a running engine instead of starting one
@@ -215,6 +216,15 @@ PRESETS = {
     "small-z-image": dict(model="small-z-image", height=256, width=256, num_frames=None, steps=8, guidance=0.0,
                           concurrency=[1, 16], requests=16, warmup=1, encoder_threads="all", decode_threads="all",
                           target_p50_ratio=1.05),
+    # HunyuanVideo 1.5 (HunyuanVideo15Pipeline) at small-hunyuan-video15's default 144x256, 9 frames, 10 steps:
+    # a ~21M transformer with CFG through the directory's guider. The pipeline takes no guidance_scale (its guider
+    # holds the scale), so none is sent: both sides run the guider's 6.0, the engine's default for this model.
+    # One request at a time against diffusers in-process (target: engine p50 <= 1.05x diffusers'); ~28 s a
+    # request in diffusers on 2 busy cores, so 4 requests. The encoder and decode workers get every core, as
+    # diffusers' in-process encode and decode have (at c=1 neither runs beside the denoiser).
+    "small-hunyuan-video15": dict(model="small-hunyuan-video15", height=144, width=256, num_frames=9, steps=10,
+                                  guidance=None, concurrency=[1], requests=4, warmup=1, encoder_threads="all",
+                                  decode_threads="all", target_p50_ratio=1.05),
 }
 # Serving defaults of a family's fields that the pipeline takes under another name and shape.
 PIPELINE_ARGS = {"stg_block": lambda v: {"spatio_temporal_guidance_blocks": [int(v)]}}

@@ -131,6 +131,30 @@ def test_ltx2_preset_runs_the_pipelines_default_guidance_on_the_served_block():
     assert work.warmup_body(0)["audio_guidance_scale"] == args.fields["audio_guidance_scale"]
 
 
+def test_hunyuan_video15_preset_leaves_the_scale_to_the_models_guider():
+    """small-hunyuan-video15: ``HunyuanVideo15Pipeline`` takes no ``guidance_scale`` (its guider holds the scale),
+    so the requests carry none and both sides run the guider's, CFG on (the engine's default is the guider's
+    scale); every argument the baseline hands the pipeline is one it takes; the built-in's size, frames and
+    steps; one request at a time against diffusers."""
+    import inspect
+
+    import diffusers
+
+    args = serve.parse_args(["--preset", "small-hunyuan-video15"])
+    spec = BUILTINS[args.model]
+    signature = inspect.signature(getattr(diffusers, binding_for(spec.pipeline).pipeline).__call__).parameters
+    assert "guidance_scale" not in signature and args.guidance is None
+    assert "guidance_scale" in spec.SERVING_DEFAULT_KEYS and spec.guidance_scale == spec.guider_scale > 1
+    work = serve.Workload(height=args.height, width=args.width, num_frames=args.num_frames, steps=args.steps,
+                          guidance=args.guidance, output_type="frames", n=1, seed=0)
+    for body in (work.body(0), work.warmup_body(0)):
+        sent = {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps"}
+        assert "guidance_scale" not in body and sent <= set(body) and sent <= set(signature)
+    assert (args.height, args.width, args.num_frames, args.steps) == (spec.height, spec.width, spec.num_frames,
+                                                                      spec.num_inference_steps)
+    assert args.concurrency == [1] and serve.PRESETS["small-hunyuan-video15"]["target_p50_ratio"] == 1.05
+
+
 def test_the_sender_keeps_a_waveform_where_the_answer_carries_one():
     """The check's waveform side: an answer's ``audio`` is kept beside its frames (and none where the answers
     have none), and the comparison sees a waveform that differs."""

@@ -30,6 +30,7 @@ MROPE_PROPORTIONS = (2, 3, 3)  # Qwen2.5-VL's temporal / height / width rotary s
 class TinyHunyuanVideo15Spec(BuiltinSpec):
     """One tiny HunyuanVideo 1.5 configuration (text-to-video, or image-to-video) plus its default request."""
 
+    PIPELINE = "HunyuanVideo15Pipeline"  # the family's (the class attribute); :attr:`pipeline` is this spec's
     SERVING_DEFAULT_KEYS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 
     name: str
