@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.diffusion import schedulers  # noqa: E402
 from common.diffusion.cache_signals import SETTINGS_FILE, modulated_input, teacache_settings  # noqa: E402
 from common.diffusion.params import family_values  # noqa: E402
-from common.diffusion.policy import Policy, uses_guidance  # noqa: E402
+from common.diffusion.policy import Policy  # noqa: E402
 from common.diffusion.step_cache import METHODS, rel_l1, rescale  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.builtin import BUILTINS, ensure_builtin  # noqa: E402
@@ -120,7 +120,7 @@ class Runner:
         return GenerationParams(**fields, fields=own)
 
     def task(self, p: GenerationParams) -> DenoiseTask:
-        guided = uses_guidance(self.family.guidance.scale(p))
+        guided = self.family.guidance.uses_cfg(p)
         wires = self.encoder.wire_tensors([p.prompt, p.negative_prompt] if guided else [p.prompt],
                                           p.max_sequence_length)
         pixels = {}

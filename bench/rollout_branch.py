@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.builtin import ensure_builtin  # noqa: E402
 from common.diffusion import schedulers, text_roles  # noqa: E402
-from common.diffusion.policy import Policy, uses_guidance  # noqa: E402
+from common.diffusion.policy import Policy  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.protocol.messages import LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams, RolloutParams  # noqa: E402
 from denoise_worker.forward import step_velocities  # noqa: E402
@@ -83,7 +83,7 @@ class Model:
     @torch.no_grad()
     def run(self, p: GenerationParams) -> tuple[DenoiseTask, int, float, float]:
         if self.cond is None:
-            guided = uses_guidance(self.family.guidance.scale(p))
+            guided = self.family.guidance.uses_cfg(p)
             texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
             wires = text_roles.encode(self.encoder, texts, p.max_sequence_length)
             self.cond = [self.texts.conditioning(w, p.max_sequence_length) for w in wires]

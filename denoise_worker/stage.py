@@ -30,7 +30,7 @@ from common.diffusion import schedulers
 from common.diffusion.compiled import compile_experts, warm_up
 from common.families import read_model
 from common.diffusion.cache_signals import teacache_settings
-from common.diffusion.policy import Policy, uses_guidance
+from common.diffusion.policy import Policy
 from denoise_worker.adapters import AdapterTable
 from denoise_worker.caching import request_cache
 from denoise_worker.controls import DenoiseControls, applies_between_steps
@@ -123,7 +123,7 @@ class DenoiseStage(Stage):
         cond = self.texts.conditioning(self._text(tensors, {f.name: f.name for f in self.family.text.fields}),
                                        p.max_sequence_length)
         uncond = None
-        if uses_guidance(self.family.guidance.scale(p)):
+        if self.family.guidance.uses_cfg(p):
             negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text.fields})
             uncond = self.texts.conditioning(negative, p.max_sequence_length)
         image = self.family.condition.from_wire({f.name: tensors[f.name] for f in self.family.condition.fields

@@ -13,7 +13,6 @@ import torch
 
 from common.config.engine import torch_dtype_for
 from common.diffusion import text_roles
-from common.diffusion.policy import uses_guidance
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
 from common.protocol.errors import RequestError
@@ -56,7 +55,7 @@ class EncoderStage(QueuedBatchStage):
         for (msg, _), images in zip(items, seen):
             p = msg.params
             texts.add(self._key(p.prompt, p.max_sequence_length, False, images))
-            if uses_guidance(self.family.guidance.scale(p)):
+            if self.family.guidance.uses_cfg(p):
                 texts.add(self._key(p.negative_prompt, p.max_sequence_length, True, images))
         embeds = {t: self.cache.get(t) for t in sorted(texts)}
         for budget in sorted({key[1] for key, e in embeds.items() if e is None}):
@@ -79,7 +78,7 @@ class EncoderStage(QueuedBatchStage):
             except Exception as e:  # one request's image fails that request alone
                 out.append(e)
                 continue
-            forward = self._forward(msg, embeds, elapsed, uses_guidance(self.family.guidance.scale(msg.params)), image,
+            forward = self._forward(msg, embeds, elapsed, self.family.guidance.uses_cfg(msg.params), image,
                                     time.perf_counter() - t1, images)
             if INITIAL_LATENTS.name in pixels:  # a resumed rollout's starting latents ride on to the denoise worker
                 forward.tensors[INITIAL_LATENTS.name] = pixels[INITIAL_LATENTS.name]

@@ -21,7 +21,7 @@ from common.diffusion import streams, text_roles
 from common.diffusion.kl import kl_at
 from common.diffusion.params import to_params
 from common.diffusion.parts.text import Conditioning, cond_to
-from common.diffusion.policy import ModelInput, Policy, step_at, uses_guidance
+from common.diffusion.policy import ModelInput, Policy, step_at
 from common.diffusion.step_variants import step_variant
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
@@ -108,7 +108,7 @@ class TrainerPolicy:
         (its image embeds join each prompt's conditioning)."""
         length = params.max_sequence_length
         texts = [(params.prompt, False), (params.negative_prompt, True)] \
-            if uses_guidance(self.family.guidance.scale(params)) else [(params.prompt, False)]
+            if self.family.guidance.uses_cfg(params) else [(params.prompt, False)]
         beside = {} if image is None else {k: t for k, t in image.wire.items()
                                            if k in self.family.condition.text_fields}
         seen = [image.images] * len(texts) if image is not None and self.family.condition.text_sees_images() else None

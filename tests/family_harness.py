@@ -17,7 +17,7 @@ from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.parts.decoder import Decoded
 from common.diffusion.params import family_values
-from common.diffusion.policy import Policy, uses_guidance
+from common.diffusion.policy import Policy
 from common.families import read_model
 from common.runtime.component_memory import settle_held
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
@@ -94,7 +94,7 @@ class InProcess:
     def task(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:
         """The encoder worker's wire tensors (prompt and negative in one call; the image side's for a request
         with ``image``), then the denoise worker's task."""
-        guided = uses_guidance(self.family.guidance.scale(p))
+        guided = self.family.guidance.uses_cfg(p)
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
         seen = None  # an edit model's text encoder sees the request's images
         if image is not None and self.family.condition.text_sees_images():
@@ -174,7 +174,7 @@ class InStage:
         """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
         from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
 
-        guided = uses_guidance(self.eng.family.guidance.scale(p))
+        guided = self.eng.family.guidance.uses_cfg(p)
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
         seen = None  # an edit model's text encoder sees the request's images, as in InProcess.task
         if image is not None and self.eng.family.condition.text_sees_images():

@@ -226,14 +226,12 @@ def test_z_image_preset_runs_turbos_setting_one_forward_a_step_on_both_sides():
 
     import diffusers
 
-    from common.diffusion.policy import uses_guidance
-
     args = serve.parse_args(["--preset", "small-z-image"])
     binding = binding_for(BUILTINS[args.model].PIPELINE)
     assert binding.family == "z-image" and args.steps == 8 and args.guidance == 0.0
     assert args.encoder_threads == args.decode_threads == "all"  # the CPU only (as the edit presets')
     assert serve.parse_args(["--preset", "small-z-image", "--device", "cuda"]).decode_threads is None
-    assert not uses_guidance(binding.guidance.scale(SimpleNamespace(guidance_scale=args.guidance)))
+    assert not binding.guidance.uses_cfg(SimpleNamespace(guidance_scale=args.guidance))
     pipeline = getattr(diffusers, binding.pipeline)
     assert not pipeline.do_classifier_free_guidance.fget(SimpleNamespace(_guidance_scale=args.guidance))
     signature = inspect.signature(pipeline.__call__).parameters

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from common.diffusion.cache_signals import first_block_residuals
-from common.diffusion.policy import uses_guidance
 from common.diffusion.step_cache import rel_l1
 from common.protocol.messages import CacheParams
 from edit_models import MODELS, images_for
@@ -54,7 +53,7 @@ def cached(eng, p, method: str, image) -> dict:
 def test_each_method_skips_steps_of_an_edit(model, record_property):
     eng = engine(model)
     p = params(eng)
-    branches = 2 if uses_guidance(eng.family.guidance.scale(p)) else 1
+    branches = 2 if eng.family.guidance.uses_cfg(p) else 1
     counts = {method: cached(eng, p, method, images_for(model)) for method in THRESHOLDS}
     record_property("counts", counts)
     message = f"{model}, {STEPS} steps x {branches} branches: {counts}"

@@ -160,11 +160,8 @@ def _outputs(eng, image) -> dict[str, torch.Tensor]:
 
 def test_every_component_sleeps_and_wakes_bit_identical(tmp_path_factory):
     from common.builtin import ensure_builtin
-    from common.diffusion.policy import Policy
-    from common.diffusion.weights import load_into
-    from common.diffusion.weight_storage import weight_tensors
-    from common.runtime.component_memory import ComponentMemory, modules_of
-    from test_sleep import _load_component, _sums, _unsettled
+    from common.runtime.component_memory import modules_of
+    from test_sleep import _unsettled, assert_sleep_cycles
 
     eng = models.engine(ensure_builtin(MODEL))
     info = eng.info
@@ -176,27 +173,8 @@ def test_every_component_sleeps_and_wakes_bit_identical(tmp_path_factory):
                      "text_encoder": ["AutoencoderKLFlux2", "Qwen3ForCausalLM"]}, kinds
     assert _unsettled(components) == {}
     image = picture()
-    before, sums = _outputs(eng, image), {tag: _sums(modules) for tag, modules in components.items()}
-    assert before["image.reference_latents"].numel() > 0
-    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
-              for tag, modules in components.items()}
-    trainer = Policy.load(info, torch.float32, "cpu").experts
-    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
-        for c in memory.values():
-            assert c.release(level) == sum(m.nbytes for m in c.modules.values())
-        # every module of every component released: no weight (parameter or persistent buffer) keeps its values
-        assert all(t.numel() == 0 for modules in components.values() for m in modules.values()
-                   for t in weight_tensors(m).values()), how
-        if how == "push":
-            for name, m in memory["transformer"].modules.items():
-                m.materialize()
-                load_into(m.module, trainer[name].state_dict())
-        for c in memory.values():
-            c.resume(reload="disk" if level == 2 else None)
-        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
-        assert _unsettled(components) == {}, how
-        after = _outputs(eng, image)
-        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+    assert _outputs(eng, image)["image.reference_latents"].numel() > 0
+    assert_sleep_cycles(info, components, lambda: _outputs(eng, image))
 
 
 # --- groups ---------------------------------------------------------------------------------------------------

@@ -187,11 +187,8 @@ def _outputs(eng, image) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("model", ["tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"])
 def test_every_component_sleeps_and_wakes_bit_identical(model):
-    from common.diffusion.policy import Policy
-    from common.diffusion.weights import load_into
-    from common.diffusion.weight_storage import weight_tensors
-    from common.runtime.component_memory import ComponentMemory, modules_of
-    from test_sleep import _load_component, _sums, _unsettled
+    from common.runtime.component_memory import modules_of
+    from test_sleep import _unsettled, assert_sleep_cycles
 
     eng = models.engine(ensure_builtin(model))
     info = eng.info
@@ -205,26 +202,7 @@ def test_every_component_sleeps_and_wakes_bit_identical(model):
     assert kinds["transformer"] == ["HunyuanVideo15Transformer3DModel"]
     assert _unsettled(components) == {}
     image = picture(50, 70) if eng.images is not None else None
-    before, sums = _outputs(eng, image), {tag: _sums(modules) for tag, modules in components.items()}
-    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
-              for tag, modules in components.items()}
-    trainer = Policy.load(info, torch.float32, "cpu").experts
-    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
-        for c in memory.values():
-            assert c.release(level) == sum(m.nbytes for m in c.modules.values())
-        # every module of every component released: no weight (parameter or persistent buffer) keeps its values
-        assert all(t.numel() == 0 for modules in components.values() for m in modules.values()
-                   for t in weight_tensors(m).values()), how
-        if how == "push":
-            for name, m in memory["transformer"].modules.items():
-                m.materialize()
-                load_into(m.module, trainer[name].state_dict())
-        for c in memory.values():
-            c.resume(reload="disk" if level == 2 else None)
-        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
-        assert _unsettled(components) == {}, how
-        after = _outputs(eng, image)
-        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+    assert_sleep_cycles(info, components, lambda: _outputs(eng, image))
 
 
 # --- groups ---------------------------------------------------------------------------------------------------

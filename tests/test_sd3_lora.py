@@ -24,7 +24,7 @@ from conftest import solo_then_concurrent
 from common.diffusion import schedulers
 from common.diffusion.lora import build_adapter
 from common.diffusion.lora_format import METADATA_KEY, LoraConfig, lora_sha256, parse_state, read_lora
-from common.diffusion.policy import ModelInput, Policy, uses_guidance
+from common.diffusion.policy import ModelInput, Policy
 from common.diffusion.weight_storage import settle
 from common.families import read_model
 from common.builtin import ensure_builtin
@@ -119,7 +119,7 @@ class Stages:
         texts = set()
         for p in params:
             texts.add((p.prompt, p.max_sequence_length))
-            if uses_guidance(p.guidance_scale):
+            if self.info.family.guidance.uses_cfg(p):
                 texts.add((p.negative_prompt, p.max_sequence_length))
         out = {}
         for budget in sorted({n for _, n in texts}):
@@ -132,7 +132,7 @@ class Stages:
         """denoise_worker/stage.py's new_task."""
         cond = self.texts.conditioning(wire[(p.prompt, p.max_sequence_length)], p.max_sequence_length)
         uncond = None
-        if uses_guidance(p.guidance_scale):
+        if self.info.family.guidance.uses_cfg(p):
             uncond = self.texts.conditioning(wire[(p.negative_prompt, p.max_sequence_length)], p.max_sequence_length)
         return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
                                   self.device, lora=lora)

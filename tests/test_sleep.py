@@ -164,6 +164,32 @@ def _unsettled(components) -> dict[str, list[str]]:
     return {f"{tag}.{name}": bad for tag, modules in components.items() for name, m in modules.items()
             if (bad := unsettled(m))}
 
+def assert_sleep_cycles(info, components: dict[str, dict], outputs) -> None:
+    """Level 1; level 2 and a push of the trainer's load of the same checkpoint (the transformer, the encoder's
+    and decoder's reloaded); level 2 reloaded from disk: each time every weight (parameter or persistent buffer)
+    released, then the same checksums, every weight laid out as a fresh load's, and ``outputs()`` (name ->
+    tensor) equal to those before, bit for bit."""
+    before, sums = outputs(), {tag: _sums(modules) for tag, modules in components.items()}
+    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
+              for tag, modules in components.items()}
+    trainer = Policy.load(info, torch.float32, "cpu").experts
+    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
+        for c in memory.values():
+            assert c.release(level) == sum(m.nbytes for m in c.modules.values())
+        assert all(t.numel() == 0 for modules in components.values() for m in modules.values()
+                   for t in weight_tensors(m).values()), how
+        if how == "push":
+            for name, m in memory["transformer"].modules.items():
+                m.materialize()
+                load_into(m.module, trainer[name].state_dict())
+        for c in memory.values():
+            c.resume(reload="disk" if level == 2 else None)
+        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
+        assert _unsettled(components) == {}, how
+        after = outputs()
+        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+
+
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v",
                                    "tiny-wan-i2v-a14b", "tiny-qwen-image-edit"])
@@ -188,26 +214,7 @@ def test_every_family_is_bit_identical_after_a_release_and_a_resume_or_a_push(mo
     # memory lays them out: tests/family_harness.py)
     assert _unsettled(components) == {}
     image = picture(40, 24, 1) if info.family.condition.image_input(info) is not None else None
-    before, sums = _outputs(engine, image), {tag: _sums(modules) for tag, modules in components.items()}
-    memory = {tag: ComponentMemory(tag, modules, lambda tag=tag: _load_component(info, tag))
-              for tag, modules in components.items()}
-    trainer = Policy.load(info, torch.float32, "cpu").experts
-    for level, how in ((1, "restore"), (2, "push"), (2, "disk")):
-        for c in memory.values():
-            nbytes = sum(m.nbytes for m in c.modules.values())
-            assert c.release(level) == nbytes
-        assert all(p.numel() == 0 for modules in components.values() for m in modules.values()
-                   for p in m.parameters())
-        if how == "push":
-            for name, m in memory["transformer"].modules.items():
-                m.materialize()
-                load_into(m.module, trainer[name].state_dict())
-        for c in memory.values():
-            c.resume(reload="disk" if level == 2 else None)
-        assert {tag: _sums(modules) for tag, modules in components.items()} == sums, how
-        assert _unsettled(components) == {}, how
-        after = _outputs(engine, image)
-        assert [k for k in before if not torch.equal(after[k], before[k])] == [], how
+    assert_sleep_cycles(info, components, lambda: _outputs(engine, image))
 
 
 def test_a_fresh_stage_reload_takes_the_same_weights(tiny_dir, tmp_path):

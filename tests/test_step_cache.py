@@ -29,7 +29,6 @@ import torch
 
 from common.diffusion import step_cache
 from common.diffusion.cache_signals import cache_problem
-from common.diffusion.policy import uses_guidance
 from common.diffusion.step_cache import METHODS, RequestCache, parse_flag, rel_l1, rescale, threshold_problem
 from common.builtin import ensure_builtin
 from common.protocol.messages import (
@@ -104,7 +103,7 @@ def image_for(eng: InProcess, i: int = 0):
 
 
 def branches(eng: InProcess, p) -> int:
-    return 2 if uses_guidance(eng.family.guidance.scale(p)) else 1
+    return 2 if eng.family.guidance.uses_cfg(p) else 1
 
 
 def run_joined(eng: InProcess, jobs: list[dict], policy=None) -> list:

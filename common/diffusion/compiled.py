@@ -157,14 +157,15 @@ def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch
 
 
 def _default_request(info):
-    """The model's default request (its serving defaults, its family's fields at theirs), as the router fills it."""
+    """The model's default request (its serving defaults, its family's fields at theirs), as the router fills it
+    (not through ``to_params``: an edit model's default request has no image, which that refuses)."""
     from common.diffusion.params import family_values
     from common.protocol.messages import GenerationParams
 
     d = info.defaults
-    fields = dict(prompt="", negative_prompt="", seed=0, height=d["height"], width=d["width"], num_frames=d.get("num_frames", 1),
-                  num_inference_steps=d["num_inference_steps"], guidance_scale=float(d["guidance_scale"]),
-                  max_sequence_length=d["max_sequence_length"])
+    fields = dict(prompt="", negative_prompt="", seed=0, height=d["height"], width=d["width"],
+                  num_frames=d.get("num_frames", 1), num_inference_steps=d["num_inference_steps"],
+                  guidance_scale=float(d["guidance_scale"]), max_sequence_length=d["max_sequence_length"])
     return GenerationParams(**fields, fields=family_values(fields, info))
 
 

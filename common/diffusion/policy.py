@@ -39,11 +39,6 @@ from common.diffusion.weight_storage import settle
 EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
 
-def uses_guidance(guidance_scale: float) -> bool:
-    """Classifier-free guidance (a second, unconditional pass) runs only above 1, as in diffusers."""
-    return guidance_scale > 1.0
-
-
 @dataclass(frozen=True)
 class ModelInput:
     """What a request's samples bring to a transformer forward: latents at one timestep, their text,

@@ -35,6 +35,11 @@ class Guidance:
         value = field_value(params, self.field)
         return 1.0 if value is None else float(value)
 
+    def uses_cfg(self, params) -> bool:
+        """Whether a request runs classifier-free guidance's unconditional pass (its negative prompt encoded):
+        above a scale of 1, as in diffusers."""
+        return self.scale(params) > 1.0
+
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance of one request's two passes, in its pipeline's order of operations."""
         return uncond + scale * (cond - uncond)

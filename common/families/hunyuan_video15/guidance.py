@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 from common.diffusion.parts.guidance import Guidance
-from common.diffusion.request_fields import field_value
 
 
 def cfg_on(scale: float) -> bool:
@@ -26,15 +25,12 @@ def cfg_on(scale: float) -> bool:
 class HunyuanVideo15Guidance(Guidance):
     default_sigmas: bool = True  # the pipeline's linspace(1, 0, N + 1)[:-1]
 
-    def scale(self, params) -> float:
-        """The policy's switch (2: a second pass, 1: none); the scale itself is :meth:`settings`."""
-        return 2.0 if cfg_on(float(field_value(params, self.field))) else 1.0
-
-    def settings(self, params) -> float:
-        return float(field_value(params, self.field))
+    def uses_cfg(self, params) -> bool:
+        """The guider runs its second pass at any scale but 1, below 1 too."""
+        return cfg_on(self.scale(params))
 
     def combine(self, x, outs, scale):
-        if len(outs) == 1 or x.settings is None:  # one pass (or a step-caching branch run alone)
+        if len(outs) == 1:  # one pass (or a step-caching branch run alone)
             return outs[0]
         cond, uncond = outs[0], outs[1]
-        return uncond + x.settings * (cond - uncond)
+        return uncond + scale * (cond - uncond)

@@ -34,10 +34,9 @@ class Ltx2Guidance(Guidance):
     in_one_forward: bool = True  # [uncond, cond] in one forward, then STG's pass, then modality's
     default_sigmas: bool = True
 
-    def scale(self, params) -> float:
-        """CFG runs when either stream's scale is above 1 (the policy's switch: 2 above, 1 without)."""
-        video, audio = stream_value(params, "guidance_scale")
-        return 2.0 if max(video, audio) > 1.0 else 1.0
+    def uses_cfg(self, params) -> bool:
+        """CFG runs when either stream's scale is above 1 (each stream's own scale is in ``settings``)."""
+        return max(stream_value(params, "guidance_scale")) > 1.0
 
     def passes(self, params, cond) -> tuple:
         stg, modality = stream_value(params, "stg_scale"), stream_value(params, "modality_scale")

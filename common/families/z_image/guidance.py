@@ -37,12 +37,12 @@ class ZImageCfg:
 class ZImageGuidance(Guidance):
     default_sigmas: bool = True  # the pipeline's sigmas linspace(1, 1/N, N)
 
-    def scale(self, params) -> float:
-        """The policy's switch: 2 when guidance runs (``guidance_scale > 0``), else 1 (one pass)."""
-        return 2.0 if float(params.guidance_scale) > 0.0 else 1.0
+    def uses_cfg(self, params) -> bool:
+        """On above 0 (``do_classifier_free_guidance``), not 1: the Turbo setting, 0, runs one pass."""
+        return self.scale(params) > 0.0
 
     def settings(self, params) -> ZImageCfg:
-        return ZImageCfg(float(params.guidance_scale), float(field_value(params, CFG_NORMALIZATION.name) or 0.0),
+        return ZImageCfg(self.scale(params), float(field_value(params, CFG_NORMALIZATION.name) or 0.0),
                          field_value(params, CFG_TRUNCATION.name))
 
     def combine(self, x, outs, scale):
