@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from diffusers import WanTransformer3DModel
 
 from common.builtin import ensure_builtin
+from common.runtime.exit_now import exit_now
 
 TOL = 1e-5
 
@@ -39,6 +40,7 @@ def _rank(rank: int, world: int, rendezvous: str, name: str, out_path: str) -> N
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as a worker's ranks leave: the interpreter's teardown after gloo can abort
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
@@ -73,6 +75,7 @@ def _refused(rank: int, rendezvous: str, why_path: str) -> None:
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as a worker's ranks leave: the interpreter's teardown after gloo can abort
 
 
 def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_path: str) -> None:
@@ -96,6 +99,7 @@ def _leader_and_follower(rank: int, world: int, rendezvous: str, cfg: int, out_p
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as a worker's ranks leave: the interpreter's teardown after gloo can abort
 
 
 def _call(model, k: int) -> dict:

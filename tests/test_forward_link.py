@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.runtime.exit_now import exit_now
 from common.transport.forward_link import receive_call, send_call
 
 
@@ -31,6 +32,7 @@ def _rank(rank: int, world: int, rendezvous: str, report: str) -> None:
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as a worker's ranks leave: the interpreter's teardown after gloo can abort
 
 
 def _follow(rank: int, report: str) -> None:

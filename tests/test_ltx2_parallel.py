@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from common.builtin import ensure_builtin
+from common.runtime.exit_now import exit_now
 from common.config.engine import WorkerSpec
 from common.diffusion.rows import Rows
 from common.families.layouts import layout_problem
@@ -113,6 +114,7 @@ def _ulysses_rank(rank: int, world: int, rendezvous: str, out_path: str) -> None
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as a worker's ranks leave: the interpreter's teardown after gloo can abort
 
 
 @pytest.mark.heavy  # two spawned gloo ranks (about 6 s)
