@@ -231,9 +231,30 @@ def test_z_image_preset_runs_turbos_setting_one_forward_a_step_on_both_sides():
     assert binding.family == "z-image" and args.steps == 8 and args.guidance == 0.0
     assert args.encoder_threads == args.decode_threads == "all"  # the CPU only (as the edit presets')
     assert serve.parse_args(["--preset", "small-z-image", "--device", "cuda"]).decode_threads is None
-    assert not binding.guidance.uses_cfg(SimpleNamespace(guidance_scale=args.guidance))
+    assert not binding.guidance.uses_cfg(SimpleNamespace(guidance_scale=args.guidance, fields={}))
     pipeline = getattr(diffusers, binding.pipeline)
     assert not pipeline.do_classifier_free_guidance.fget(SimpleNamespace(_guidance_scale=args.guidance))
     signature = inspect.signature(pipeline.__call__).parameters
     own = [f.name for f in binding.request_fields if f.name.startswith("cfg_")]
     assert own and all(binding.defaults[name] == signature[name].default for name in own), own
+
+
+def test_the_paired_comparison_takes_turns_and_compares_medians():
+    """The c=1 target is checked on requests taking turns, the first of each pair alternating, so that a machine
+    slowing down over the run weighs on the engine and the pipeline alike; the ratio is of the two medians."""
+    order = []
+
+    def engine(i):
+        order.append(("engine", i))
+        return [1.0, 5.0, 2.0, 3.0][i]  # the engine's own latency, as reported
+
+    def pipeline(i):
+        order.append(("diffusers", i))
+
+    paired = serve._paired(4, engine, pipeline)
+    assert order == [("engine", 0), ("diffusers", 0), ("diffusers", 1), ("engine", 1),
+                     ("engine", 2), ("diffusers", 2), ("diffusers", 3), ("engine", 3)]
+    assert paired["engine_latencies_s"] == [1.0, 5.0, 2.0, 3.0] and len(paired["diffusers_latencies_s"]) == 4
+    assert paired["p50_ratio"] == serve.percentile([1.0, 5.0, 2.0, 3.0], 0.5) / paired["diffusers_p50_s"]
+    assert serve.parse_args(["--preset", "small-z-image"]).pairs == 16
+    assert serve.parse_args(["--preset", "small-z-image", "--no-diffusers"]).pairs == 0
