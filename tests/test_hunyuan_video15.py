@@ -128,6 +128,9 @@ REFUSED = {
     "mu": ("tiny-hunyuan-video15", dict(mu=0.5)),
     "last_image": ("tiny-hunyuan-video15-i2v", dict(image="x", last_image="y")),
     "num_frames": ("tiny-hunyuan-video15", dict(num_frames=6)),
+    # image-to-video: the size is the aspect bucket nearest the image (the pipeline has no height or width)
+    "height": ("tiny-hunyuan-video15-i2v", dict(image="x", height=64)),
+    "width": ("tiny-hunyuan-video15-i2v", dict(image="x", width=96)),
 }
 
 

@@ -66,3 +66,29 @@ def test_refusals_name_their_field(eng):
                         ({"image": "data:image/png;base64,AAAA"}, "image")):
         r = eng.http.post("/generate", json={"prompt": "a dog", **body})
         assert r.status_code == 400 and r.json()["error"]["field"] == field, (body, r.text)
+
+
+def test_openai_video_job_is_an_mp4_of_the_requested_frames(eng):
+    """``/v1/videos`` through the official client: the job's MP4 decodes to the requested frames at the model's
+    size, faithful to ``/generate``'s float frames (luma: yuv420p halves the chroma of random-weight noise)."""
+    import math
+
+    import openai
+
+    from common.protocol.http_tensors import body_to_tensor
+    from router.api.media import decode_mp4
+
+    fields = {k: v for k, v in REQ.items() if k != "prompt"}
+    with openai.OpenAI(base_url=eng.url + "/v1", api_key="unused", max_retries=0) as c:
+        video = c.videos.create_and_poll(prompt=REQ["prompt"], extra_body={**fields, "num_frames": 5},
+                                         poll_interval_ms=50)
+        assert video.status == "completed", video.error
+        mp4 = c.videos.download_content(video.id).read()
+        c.videos.delete(video.id)
+    frames = torch.from_numpy(decode_mp4(mp4)).float() / 255
+    r = eng.http.post("/generate", json={**REQ, "num_frames": 5})
+    assert r.status_code == 200, r.text
+    ref = body_to_tensor(r.json()["samples"][0]["output"])
+    assert frames.shape == ref.shape and frames.shape[0] == 5 and video.size == f"{ref.shape[2]}x{ref.shape[1]}"
+    luma = torch.tensor([0.299, 0.587, 0.114])
+    assert 10 * math.log10(1.0 / ((frames @ luma - ref @ luma) ** 2).mean().item()) >= 30

@@ -200,6 +200,13 @@ def _edit_image() -> str:
 OTHER_MODELS.update({m: ("cfg2-ulysses2", {"image": _edit_image(), "true_cfg_scale": 2.0, "height": 32, "width": 32,
                                             "num_inference_steps": 3, **over})
                      for m, over in (("tiny-qwen-image-edit", {"guidance_scale": None}), ("tiny-flux-kontext", {}))})
+# Z-Image and HunyuanVideo 1.5: no context-parallel plan in diffusers (tests/test_families_parallel.py), CFG
+# parallel; FLUX.2 [klein]: diffusers' plan splits its image and text tokens (its negative is the empty prompt).
+OTHER_MODELS.update({
+    "tiny-z-image": ("cfg2", {"cfg_normalization": 1.0, "height": 48, "width": 80}),
+    "tiny-flux2-klein": ("cfg2-ulysses2", {"negative_prompt": None, "height": 48, "width": 64}),
+    "tiny-hunyuan-video15": ("cfg2", {"num_frames": 5}),
+})
 # One device runs SANA's [uncond, cond] in one forward, CFG parallel a row per rank: the latents round apart
 # (2.6e-6 of 6.3) and its random DC-AE (latents / 0.414, six levels) and resize turn that into 1.7e-5 of the
 # frames (measured in process on this request: two one-row forwards against one of both rows).

@@ -2,6 +2,8 @@
 
 After each path the engine's checksum equals the trainer's and its outputs equal a fresh engine started
 from those weights; refused and broken-off updates change nothing and the engine keeps serving.
+Z-Image, FLUX.2 [klein] and HunyuanVideo 1.5 (heavy): an update from disk and one from memory each change
+the answer, and the original weights give the first answer back bit for bit.
 """
 
 from __future__ import annotations
@@ -357,3 +359,49 @@ def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(client, engi
     d = next(w for w in client.health()["workers"] if w["role"] == "denoise")
     assert d["state"] == "ready" and d["weights"] == "current" and d["missing"] == []
     assert client.generate(**REQ)["samples"][0]["weight_version"] == version + 1
+
+
+# Each family's request (the families' own fields; FLUX.2 [klein]'s negative is the empty prompt).
+FAMILY_REQ = {
+    "tiny-z-image": dict(REQ, negative_prompt="blurry", num_inference_steps=3),
+    "tiny-flux2-klein": dict(REQ, num_inference_steps=3, height=48, width=64),
+    "tiny-hunyuan-video15": dict(REQ, negative_prompt="blurry", num_inference_steps=3, num_frames=5),
+}
+
+
+@pytest.mark.heavy  # an engine per family
+@pytest.mark.parametrize("model", list(FAMILY_REQ))
+def test_each_family_updates_from_disk_and_memory_and_the_originals_give_the_first_answer(
+        model, engine_factory, tmp_path, record_property):
+    """An update from a checkpoint on disk, then one from the trainer's memory, each change the answer; the
+    original weights pushed back give the first answer bit for bit."""
+    from common.builtin import ensure_builtin
+    from common.diffusion.weights import save_weights
+
+    original = TrainerPolicy(ensure_builtin(model)).transformer.state_dict()
+
+    def changed(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in original.items()}
+
+    engine = engine_factory(model, extra=["--weight-root", str(tmp_path), "--weight-sync-from-memory"])
+    req = FAMILY_REQ[model]
+    with EngineClient(engine.url) as client:
+        def output() -> torch.Tensor:
+            return client.generate(**req)["samples"][0]["output"]
+
+        base = output()
+        new = changed(1)
+        save_weights(new, tmp_path / "step-1")
+        assert client.update_weights_from_disk(str(tmp_path / "step-1"))["sha256"] == state_dict_checksum(new)
+        from_disk = output()
+        other = changed(2)
+        assert client.update_weights_from_tensors(other)["sha256"] == state_dict_checksum(other)
+        from_memory = output()
+        assert client.update_weights_from_tensors(original)["sha256"] == state_dict_checksum(original)
+        restored = output()
+    diffs = {name: (run - base).abs().max().item() for name, run in (("disk", from_disk), ("memory", from_memory))}
+    diffs["memory-vs-disk"] = (from_memory - from_disk).abs().max().item()
+    record_property("diffs", diffs)
+    assert min(diffs.values()) > 1e-3, diffs
+    assert torch.equal(restored, base)  # bit for bit

@@ -146,12 +146,14 @@ class OpenAIRoutes:
         if not self.info.family.video:
             raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
                              "use /v1/images/generations")
-        width, height = parse_size(body.size, self.info.defaults)
+        # Left out: the model's size for the request (where a model's size follows its image, as an image-to-video
+        # pipeline's aspect bucket, that size: the model refuses one given).
+        width, height = (None, None) if body.size is None else parse_size(body.size, self.info.defaults)
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"],
                             self.info.vae_scale_temporal)
         gen = self._generate_body(body, width, height, frames, 1, "frames")
-        params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None)
-        images = await self.engine.images_of(gen, names=INPUT_REFERENCE)
+        images = await self.engine.images_of(gen, names=INPUT_REFERENCE)  # first: the size may follow the image
+        params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None, images=images)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
         async def run(started: Started) -> bytes:
@@ -160,7 +162,7 @@ class OpenAIRoutes:
             return await asyncio.to_thread(media.mp4_bytes, sample.tensors[OUTPUT.name],
                                            media.video_fps(params, self.info), media.sound_of(sample))
 
-        return f"{width}x{height}", seconds_of(frames, self.info.fps), run
+        return f"{params.width}x{params.height}", seconds_of(frames, self.info.fps), run
 
     async def rerun(self, row: JobRow, request: dict) -> Runner:
         """A job stored by an earlier start, checked again as a new one (router/openai/jobs.py fails it if it raises)."""

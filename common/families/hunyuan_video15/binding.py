@@ -23,7 +23,7 @@ from common.diffusion.parts.latents import Geometry, LatentsPart, vae_config
 from common.diffusion.request_fields import NUM_FRAMES, max_sequence_length
 from common.families.hunyuan_video15.condition import FirstFrameImage, NoImage
 from common.families.hunyuan_video15.decoder import HunyuanVideo15Decoder
-from common.families.hunyuan_video15.guidance import HunyuanVideo15Guidance
+from common.families.hunyuan_video15.guidance import HunyuanVideo15Guidance, HunyuanVideo15I2VGuidance
 from common.families.hunyuan_video15.text import TEXT, TOKENIZER_MAX_LENGTH
 from common.families.hunyuan_video15.transformer import HunyuanVideo15Transformer
 
@@ -86,4 +86,5 @@ HUNYUAN_VIDEO15 = HunyuanVideo15Binding(family="hunyuan-video15", pipeline="Huny
                                         condition=NoImage(), **_COMMON)
 HUNYUAN_VIDEO15_I2V = HunyuanVideo15Binding(family="hunyuan-video15-i2v",
                                             pipeline="HunyuanVideo15ImageToVideoPipeline",
-                                            condition=FirstFrameImage(), **_COMMON)
+                                            **{**_COMMON, "condition": FirstFrameImage(),
+                                               "guidance": HunyuanVideo15I2VGuidance()})

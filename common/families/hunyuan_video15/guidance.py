@@ -34,3 +34,16 @@ class HunyuanVideo15Guidance(Guidance):
             return outs[0]
         cond, uncond = outs[0], outs[1]
         return uncond + scale * (cond - uncond)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HunyuanVideo15I2VGuidance(HunyuanVideo15Guidance):
+    """Image-to-video's guidance, whose refusal hook (the family's request check) also refuses a size:
+    ``HunyuanVideo15ImageToVideoPipeline`` has no height or width, it takes the aspect bucket nearest the image."""
+
+    def refusal(self, info, request):
+        for name in ("height", "width"):
+            if request.get(name) is not None:
+                return name, (f"{info.family.pipeline} takes no {name}: the output's size is the aspect bucket "
+                              f"nearest the image's, got {request[name]!r}")
+        return super().refusal(info, request)
