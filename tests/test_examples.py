@@ -29,7 +29,8 @@ def _run_grpo(*flags: str) -> list[dict]:
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("flags", [("--model", "tiny"), ("--model", "tiny-sd3"), ("--model", "tiny-flux"),
-                                   ("--colocate",)], ids=["tiny", "tiny-sd3", "tiny-flux", "tiny-colocate"])
+                                   ("--model", "tiny-z-image"), ("--colocate",)],
+                         ids=["tiny", "tiny-sd3", "tiny-flux", "tiny-z-image", "tiny-colocate"])
 def test_grpo_example_raises_the_reward(flags):
     rows = _run_grpo(*flags)
     assert [r["iter"] for r in rows] == list(range(8))
