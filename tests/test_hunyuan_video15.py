@@ -149,3 +149,14 @@ def test_image_to_video_needs_its_image(dirs):
     with pytest.raises(FieldError) as e:
         check_images({"prompt": "a fox"}, info)
     assert e.value.field == "image"
+
+
+def test_only_image_to_video_is_sized_by_its_image(dirs):
+    """GET /v1/models' ``sized_by_image`` (the page sends no size then): the I2V model's, not the T2V one's nor an
+    edit model's, whose size follows the image only by default."""
+    from router.core.request_params import sized_by_image
+
+    assert sized_by_image(_MODELS.engine(dirs("tiny-hunyuan-video15-i2v")).info)
+    assert not sized_by_image(_MODELS.engine(dirs("tiny-hunyuan-video15")).info)
+    from common.families import read_model
+    assert not sized_by_image(read_model(ensure_builtin("tiny-qwen-image-edit")))

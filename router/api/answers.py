@@ -220,6 +220,8 @@ class ModelCard(Answer):
     image_input: str
     max_images: int = Field(description="how many images the image field may hold (a list: edit models that "
                             "take several); 0: none")
+    sized_by_image: bool = Field(description="the output's size follows the input image alone (a request's "
+                                 "size is refused)")
     fps: int
 
 

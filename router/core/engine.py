@@ -38,7 +38,7 @@ from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
 from router.core.metrics import EngineState, Metrics
 from router.core.progress import InFlight
-from router.core.request_params import image_items, initial_latents, max_images, to_params
+from router.core.request_params import image_items, initial_latents, max_images, sized_by_image, to_params
 from router.link.cancel import JOB_DELETED, Cancellations
 from router.link.dispatcher import Dispatcher
 from router.link.join import Outcome
@@ -133,15 +133,15 @@ class Engine:
     def models(self) -> dict:
         """The served model, as OpenAI's model list. Engine extensions (the web page starts from them): the
         request fields' serving defaults, whether it makes videos or images, whether it takes an input image
-        and how many (``max_images``), the field that scales its classifier-free guidance (``guidance_field``),
-        and its videos' frame rate."""
+        and how many (``max_images``), whether its output's size follows that image alone (``sized_by_image``),
+        the field that scales its classifier-free guidance (``guidance_field``), and its videos' frame rate."""
         info = self.info
         return {"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": int(Path(info.path).stat().st_mtime),
              "owned_by": "disagg-diffusion", "family": info.family.family, "pipeline": info.family.pipeline,
              "defaults": info.defaults, "video": info.family.video, "guidance_field": info.family.cfg_field,
              "image_input": info.family.condition.image_input(info) or "none", "max_images": max_images(info),
-             "fps": info.fps}]}
+             "sized_by_image": sized_by_image(info), "fps": info.fps}]}
 
     def sample_body_limit(self, rollout: bool = False) -> int:
         """A generation body's size limit; on a model that takes images, larger by their base64 (as many as it

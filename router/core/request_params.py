@@ -39,6 +39,12 @@ def max_images(info: ModelInfo) -> int:
     return info.family.condition.images_allowed(info)
 
 
+def sized_by_image(info: ModelInfo) -> bool:
+    """Whether the output's size follows the input image alone (HunyuanVideo 1.5 image to video: its aspect
+    bucket), so that a request's size is refused."""
+    return info.family.guidance.refusal(info, {"height": 1, "width": 1}) is not None
+
+
 def image_items(image) -> list[tuple[str, str]]:
     """``image`` (one, or a list) as (wire tensor name, the name a refusal gives it) per image, in order:
     ``image``, ``image.2``, ``image.3`` on the wire; ``image`` or ``image[i]`` in errors."""

@@ -67,7 +67,7 @@ async function loadModel() {
   $("model").textContent = `${model.id} (${model.video ? "video" : "image"}, ${model.pipeline})`;
   // Image models that take images: the size is the model's for the image unless one is typed.
   const image = model.image_input || "none";
-  const sizeFromImage = !model.video && image !== "none";
+  const sizeFromImage = (!model.video && image !== "none") || model.sized_by_image;
   for (const name of FIELDS) {
     if (sizeFromImage && (name === "width" || name === "height")) $(name).placeholder = "auto";
     else if (defaults[name] !== undefined && defaults[name] !== null) $(name).value = defaults[name];
@@ -117,8 +117,10 @@ async function requestBody() {
   const files = $("image-field").hidden ? [] : Array.from($("image").files);
   const width = number("width");
   const height = number("height");
-  // An edit with no size typed: the model's size for its image(s).
-  if (width === undefined && height === undefined && files.length && !model.video) body.size = "auto";
+  // An edit with no size typed: the model's size for its image(s); a model sized by its image alone: none.
+  const untyped = width === undefined && height === undefined;
+  if (untyped && model.sized_by_image) { /* the image's aspect bucket */ }
+  else if (untyped && files.length && !model.video) body.size = "auto";
   else body.size = `${width ?? defaults.width}x${height ?? defaults.height}`;
   const extra = { num_inference_steps: number("num_inference_steps"), seed: number("seed"),
                   [guidanceField()]: number("guidance_scale") };
