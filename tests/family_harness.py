@@ -44,6 +44,13 @@ def gradient_picture(height: int, width: int, seed: int = 0):
     return PIL.Image.fromarray(((0.7 * base + 0.3 * rng.rand(height, width, 3)) * 255).astype(np.uint8))
 
 
+def negative_for(info: ModelInfo, text: str) -> str | None:
+    """``text`` as a request's negative prompt, or None on a model that refuses one (FLUX.2 [klein]: its CFG's
+    negative is the empty prompt), as its family's guidance says."""
+    refused = info.family.guidance.refusal(info, {"negative_prompt": text})
+    return None if refused is not None and refused[0] == "negative_prompt" else text
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()

@@ -69,9 +69,13 @@ def pipeline_name(model_dir: Path) -> str:
 
 
 def _pipeline_class(name: str):
+    """The class whose ``save_lora_weights`` writes ``name``'s file: the pipeline's own, else (a pipeline diffusers
+    gives no LoRA loader: HunyuanVideo 1.5's) HunyuanVideoPipeline's, the transformer-only ``transformer.`` layout
+    every such saver writes."""
     import diffusers
 
-    return getattr(diffusers, name)
+    cls = getattr(diffusers, name)
+    return cls if hasattr(cls, "save_lora_weights") else diffusers.HunyuanVideoPipeline
 
 
 def _load_transformer(model_dir: Path, expert: str):

@@ -37,6 +37,9 @@ CASES = {
     "flux": ("tiny-flux", 48, {"a": 2, "b": 1, "c": 2}),
     "qwen-image": ("tiny-qwen-image", 3, {"a": 3, "b": 3, "c": 3}),
     "sana": ("tiny-sana", 24, {"a": 3, "b": 3, "c": 3}),
+    "z-image": ("tiny-z-image", 16, {"a": 3, "b": 3, "c": 3}),  # its captions: a list, padded with a mask
+    "flux2-klein": ("tiny-flux2-klein", 32, {"a": 2, "b": 1, "c": 2}),  # every padding token attended
+    "hunyuan-video15": ("tiny-hunyuan-video15", None, {"a": 3, "b": 3, "c": 3}),  # the pipeline's fixed 1000
 }
 
 
@@ -114,7 +117,8 @@ def test_texts_of_different_lengths_each_equal_their_run_alone(case, stages, rec
     assert max(diffs) <= TOL
 
 
-@pytest.mark.parametrize("case", ["wan", "wan-i2v", "sd3", "flux", "qwen-image"])
+@pytest.mark.parametrize("case", ["wan", "wan-i2v", "sd3", "flux", "qwen-image", "z-image", "flux2-klein",
+                                  "hunyuan-video15"])
 def test_a_forward_that_fails_for_one_request_fails_only_that_request(case, stages, record_property):
     model = CASES[case][0]
     st = stages(model)

@@ -21,7 +21,7 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, CacheParams,
     RolloutParams,
 )
-from family_harness import ModuleModels, max_diff
+from family_harness import ModuleModels, max_diff, negative_for
 from rl import Trajectory
 from router.api.schemas import RolloutBody
 from router.core import errors
@@ -30,7 +30,8 @@ from router.core.request_params import to_params
 TOL = 1e-5
 N, K = 4, 2  # a group of 4 whose SDE window starts at step K
 _MODELS = ModuleModels()
-FAMILIES = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v"]
+FAMILIES = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-z-image", "tiny-flux2-klein",
+            "tiny-hunyuan-video15"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,13 +50,13 @@ IMAGE = _picture()
 
 
 def _image(eng):
-    return IMAGE if eng.family.condition.image_input(eng.info) is not None else None
+    return IMAGE if eng.family.condition.image_input(eng.info) == "required" else None  # (optional: own tests)
 
 
 def _params(eng, steps: int, **rollout):
     d = eng.info.defaults
     over = dict(seed=7, n=N, num_inference_steps=steps, num_frames=d["num_frames"] if eng.family.video else 1,
-                negative_prompt="blurry")
+                negative_prompt=negative_for(eng.info, "blurry") or "")  # (the router's "" where refused)
     r = RolloutParams(sde_step_indices=[K, K + 1], return_trajectory=True, **rollout)
     return eng.params(**over, rollout=r)
 

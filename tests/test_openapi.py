@@ -23,7 +23,8 @@ from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.core.request_params import size_multiple
 
-MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v"]
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-z-image", "tiny-flux2-klein",
+          "tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"]  # (the I2V one: a required image)
 LIMITS = Limits(max_height=96, max_width=160, max_num_frames=13, max_steps=7, max_n=3, max_prompt_chars=99,
                 request_timeout_s=42.0, max_lora_rank=12)
 
@@ -94,7 +95,9 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
     own = {f.name for f in info.family.request_fields} - common
     expected = {"wan": {"guidance_scale_2"}, "wan-i2v": {"guidance_scale_2"}, "sd3": set(),
                 "flux": {"true_cfg_scale"}, "qwen-image": {"true_cfg_scale"},
-                "sana": {"use_resolution_binning", "clean_caption"}}[info.family.family]
+                "sana": {"use_resolution_binning", "clean_caption"},
+                "z-image": {"cfg_normalization", "cfg_truncation"}, "flux2-klein": set(), "hunyuan-video15": set(),
+                "hunyuan-video15-i2v": set()}[info.family.family]
     assert own == expected
     for path in ("/generate", "/rollout/generate"):
         body = _body(doc, path)

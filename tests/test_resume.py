@@ -31,7 +31,8 @@ from router.core.request_params import initial_latents, to_params
 TOL = 1e-5
 STEPS, K = 4, 2
 SIGMAS = np.linspace(1.0, 1.0 / STEPS, STEPS).tolist()  # the caller's schedule (before the scheduler's shift)
-FAMILIES = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v"]
+FAMILIES = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-z-image", "tiny-flux2-klein",
+            "tiny-hunyuan-video15"]
 _MODELS = ModuleModels()
 
 
@@ -50,7 +51,9 @@ def _image(name: str):
 
 
 def _params(eng, sigmas, seed, sde_type, **over):
-    return eng.params(sigmas=list(sigmas), num_inference_steps=len(sigmas), seed=seed, num_frames=1, **over,
+    # A family whose own mu depends on the step count too (FLUX.2 [klein]): the whole schedule's, given to both.
+    mu = eng.family.latents.mu(eng.info, eng.params(sigmas=SIGMAS, num_inference_steps=STEPS, num_frames=1))
+    return eng.params(sigmas=list(sigmas), num_inference_steps=len(sigmas), seed=seed, num_frames=1, mu=mu, **over,
                       rollout=RolloutParams(sde_type=sde_type, noise_level=0.7, return_trajectory=True))
 
 

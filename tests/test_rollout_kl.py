@@ -33,10 +33,11 @@ from common.protocol.messages import (
     GenerationParams, RolloutParams,
 )
 from denoise_worker.pinned import pinned_copy
-from family_harness import CPU, DTYPE, InProcess, ModuleModels, max_diff
+from family_harness import CPU, DTYPE, InProcess, ModuleModels, max_diff, negative_for
 from test_wan_i2v import picture
 
-MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-wan-ti2v"]
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-wan-ti2v", "tiny-z-image",
+          "tiny-flux2-klein", "tiny-hunyuan-video15"]
 IMAGE = picture(40, 24, 1)
 SCALE = 0.8
 TOL = 1e-5
@@ -79,7 +80,8 @@ def made(model: str, tmp_path_factory) -> Made:
                                        target_modules=eng.family.transformer.lora_targets, seed=1)
         adapter = build_adapter("a", 1, read_lora(str(files.path), None), eng.policy.experts, 64)
         eng.policy.cover(adapter)
-        image = IMAGE if eng.family.condition.image_input(eng.info) is not None else None
+        optional = model == "tiny-wan-ti2v"  # (the other optional images: their families' own tests)
+        image = IMAGE if eng.family.condition.image_input(eng.info) == "required" or optional else None
         _MADE[model] = Made(eng, files, adapter, image)
     return _MADE[model]
 
@@ -87,8 +89,8 @@ def made(model: str, tmp_path_factory) -> Made:
 def params(m: Made, sde_type: str = "sde", steps: int = STEPS, seed: int = 3, n: int = 2, **rollout) -> GenerationParams:
     """A guided rollout with ``return_kl`` (and its trajectory) of the family's own fields."""
     eng = m.eng
-    over = dict(num_frames=eng.info.defaults.get("num_frames", 1), negative_prompt="blurry", seed=seed, n=n,
-                num_inference_steps=steps)
+    over = dict(num_frames=eng.info.defaults.get("num_frames", 1), seed=seed, n=n, num_inference_steps=steps,
+                negative_prompt=negative_for(eng.info, "blurry") or "")  # (the router's "" where refused)
     if eng.family.cfg_field == "true_cfg_scale":
         over["true_cfg_scale"] = 2.0
     r = RolloutParams(sde_type=sde_type, return_kl=True, return_trajectory=True, **rollout)

@@ -25,12 +25,13 @@ from common.diffusion.params import FieldError, to_params
 from common.families import read_model
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, \
     TRAJECTORY_TIMESTEPS
-from family_harness import ModuleModels, compare_tasks, max_diff
+from family_harness import ModuleModels, compare_tasks, max_diff, negative_for
 from rl import Trajectory
 from test_wan_i2v import picture
 
 TOL = 1e-5
-MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v"]
+MODELS = ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v", "tiny-z-image", "tiny-flux2-klein",
+          "tiny-hunyuan-video15"]
 STEPS = 6
 # Windows of 2 steps starting at 0 or 1: at least 3 steps come after, so a multistep solver reaches its order.
 WINDOW = dict(num_inference_steps=STEPS, sde_window_size=2, sde_window_range=[0, 3], sde_type="sde",
@@ -48,8 +49,8 @@ def _drop_models():
 def _setup(name: str, seed: int, **over):
     model_dir = ensure_builtin(name)
     eng, trainer = _MODELS.engine(model_dir), _MODELS.trainer(model_dir)
-    p = trainer.params("a red kite over the sea", " ", seed=seed, **{**WINDOW, **over})
-    takes_image = eng.family.condition.image_input(eng.info) is not None
+    p = trainer.params("a red kite over the sea", negative_for(eng.info, " "), seed=seed, **{**WINDOW, **over})
+    takes_image = eng.family.condition.image_input(eng.info) == "required"  # (optional ones: own tests)
     image = IMAGE if takes_image else None
     return eng, trainer, p, image, (trainer.image(p, IMAGE) if takes_image else None)
 

@@ -1,5 +1,6 @@
-"""VAE tiling in process: the policy (auto switches at its budget), every family's decoder and the image-to-video
-encoder half honouring it, and tiled equal to untiled within diffusers' own tolerance.
+"""VAE tiling in process: the policy (auto switches at its budget), every family's decoder and every image side
+that VAE-encodes a request's image (image-to-video's first frame, FLUX.2 [klein]'s references) honouring it, and
+tiled equal to untiled within diffusers' own tolerance.
 
 diffusers' pipeline tests (``test_vae_tiling``) decode a 128 x 128 output whole and in 96-pixel tiles 64 apart
 with their dummy VAEs and accept a largest difference of 0.2 (``expected_diff_max``) in the pipeline's [0, 1]
@@ -78,6 +79,11 @@ def _kl_tiles(vae):  # AutoencoderKL's tile is its config's sample_size (tiny-fl
     vae.tile_sample_min_size, vae.tile_latent_min_size = 48, 6
 
 
+def _drawn_latents(info, h, w, frames):  # the family's own noise layout, packed as its denoiser holds latents
+    part = info.family.latents
+    return part.pack(_seeded(part.noise_shape(info, h, w, frames)), info, h, w)
+
+
 FAMILY_CASES = {  # built-in model: its latents for a size, tiles smaller than the size, frames, size
     "tiny": (_wan_latents, _wan_tiles, 5, 64),
     "tiny-wan-ti2v": (_wan_latents, lambda vae: vae.enable_tiling(96, 96, 64, 64), 1, 128),  # a 16x VAE
@@ -87,6 +93,9 @@ FAMILY_CASES = {  # built-in model: its latents for a size, tiles smaller than t
     "tiny-sana": (lambda info, h, w, f: _seeded((1, info.latent_channels, h // info.vae_scale_spatial,
                                                  w // info.vae_scale_spatial)),
                   lambda vae: vae.enable_tiling(96, 96, 64, 64), 1, 128),  # a 32x VAE: 2 x 2 tiles of 3 latents
+    "tiny-z-image": (_drawn_latents, _kl_tiles, 1, 64),
+    "tiny-flux2-klein": (_drawn_latents, _kl_tiles, 1, 64),  # AutoencoderKLFlux2 tiles as AutoencoderKL
+    "tiny-hunyuan-video15": (_drawn_latents, lambda vae: vae.enable_tiling(64, 64, 4, 4), 1, 96),  # 16x: 2 x 2 tiles
 }
 
 
@@ -216,3 +225,32 @@ def test_image_to_video_encode_tiles_as_told():
     # The latents' own spread is about 1; the seams move them by a small part of it.
     scale = whole[4:].abs().max()
     assert (tiled[4:] - whole[4:]).abs().max() < DIFFUSERS_TILING_TOLERANCE * scale
+
+
+# Per model whose image side VAE-encodes a request's image (beside Wan's above): its tiles on that VAE, the size,
+# the VAE's tiled path.
+IMAGE_SIDE_CASES = {
+    "tiny-hunyuan-video15-i2v": (lambda vae: vae.enable_tiling(64, 64, 4, 4), 96, "tiled_encode"),  # frame 0's
+    "tiny-flux2-klein": (_kl_tiles, 64, "_tiled_encode"),  # a reference image's tokens
+}
+
+
+@pytest.mark.parametrize("model", sorted(IMAGE_SIDE_CASES))
+def test_each_image_side_encodes_tiled_above_the_budget_only(model):
+    from common.config.engine import Limits
+    from common.diffusion.params import to_params
+
+    tiles, size, tiled_path = IMAGE_SIDE_CASES[model]
+    info = read_model(ensure_builtin(model))
+    picture = _picture(size)
+    p = to_params({"prompt": "a fox", "height": size, "width": size, "num_frames": 1}, info, Limits(),
+                  image_sizes=[picture.size])
+    out = {}
+    for budget in (size * size, size * size - 1):
+        conditioner = info.family.condition.load(info, torch.float32, "cpu", VaeTiling("auto", budget))
+        tiles(conditioner.vae)
+        calls = _count_calls(conditioner.vae, tiled_path)
+        out[budget] = info.family.condition.wire_tensors(conditioner, [picture], None, p)
+        assert len(calls) == (budget < size * size)
+    assert out[size * size].keys() == out[size * size - 1].keys()
+    assert any(not torch.equal(a, b) for a, b in zip(out[size * size].values(), out[size * size - 1].values()))
