@@ -165,3 +165,17 @@ def test_too_many_references_are_refused():
     with pytest.raises(FieldError) as e:
         check_images({"image": ["a"] * 4}, info)
     assert e.value.field == "image"
+
+
+@pytest.mark.parametrize("sizes, field", [([(40, 96)], "image"), ([(96, 96), (600, 70)], "image[1]")])
+def test_references_the_pipeline_refuses_are_refused_naming_them(sizes, field):
+    """``Flux2ImageProcessor.check_image_input``'s rule (sides of 64 or more, aspect at most 8) at the router,
+    before a worker sees the image; the sizes it passes are served."""
+    from common.config.engine import Limits
+    from common.diffusion.params import to_params
+
+    info = models.trainer(ensure_builtin("tiny-flux2-klein")).info
+    with pytest.raises(FieldError) as e:
+        to_params({"prompt": "a fox"}, info, Limits(), image_sizes=sizes)
+    assert e.value.field == field
+    assert to_params({"prompt": "a fox"}, info, Limits(), image_sizes=[(64, 512), (96, 96)]).height == 512

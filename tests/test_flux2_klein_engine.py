@@ -67,8 +67,14 @@ def test_rollout_log_probs_equal_the_trainers_recompute(client):
 
 
 def test_refusals_name_their_field(eng):
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    gradient_picture(40, 96).save(buf, format="PNG")  # a side under the pipeline's 64 pixels
+    small = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     assert eng.http.get("/health").json()["pipeline"] == "Flux2KleinPipeline"
-    for body, field in (({"negative_prompt": "blurry"}, "negative_prompt"), ({"height": 40}, "height"),
+    for body, field in (({"image": small}, "image"),({"negative_prompt": "blurry"}, "negative_prompt"), ({"height": 40}, "height"),
                         ({"true_cfg_scale": 2.0}, "true_cfg_scale"), ({"num_frames": 5}, "num_frames"),
                         ({"image": ["data:image/png;base64,AAAA"] * 5}, "image")):
         r = eng.http.post("/generate", json={"prompt": "a kite", **body})

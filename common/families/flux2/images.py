@@ -24,6 +24,7 @@ from common.families.flux2.vae import encode, load_vae
 from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
 
 PIPELINE_AREA = 1024 * 1024  # the pipeline resizes a larger reference down to this area
+MIN_SIDE, MAX_ASPECT = 64, 8  # Flux2ImageProcessor.check_image_input's defaults, which the pipeline runs
 
 
 def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
@@ -35,7 +36,16 @@ def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
 
 
 def size_from_images(info, sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int]:
-    """The output (height, width) of a request that gives none: its first image's encoded size."""
+    """The output (height, width) of a request that gives none: its first image's encoded size. An image the
+    pipeline refuses (``check_image_input``) is a 400 naming it, before any worker sees it."""
+    from common.diffusion.params import FieldError
+
+    for i, (width, height) in enumerate(sizes):
+        name = "image" if len(sizes) == 1 else f"image[{i}]"
+        if min(width, height) < MIN_SIDE:
+            raise FieldError(name, f"{width}x{height}: both sides must be at least {MIN_SIDE} pixels")
+        if max(width / height, height / width) > MAX_ASPECT:
+            raise FieldError(name, f"{width}x{height}: the aspect ratio must be at most {MAX_ASPECT}")
     width, height = reference_size(*sizes[0], info.vae_scale_spatial * 2)
     return height, width
 
