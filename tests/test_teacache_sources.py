@@ -20,7 +20,9 @@ from conftest import ROOT
 PUBLISHED = {"tiny": "Wan2.1-T2V-1.3B", "tiny-wan-i2v": "Wan2.1-I2V-14B-480P"}
 FITTED = {"tiny-sd3": "small-sd3-smooth", "tiny-flux": "small-flux-smooth",
           "tiny-qwen-image": "small-qwen-image-smooth", "tiny-sd3-smooth": "small-sd3-smooth",
-          "tiny-ltx2": "small-ltx2-smooth"}
+          "tiny-ltx2": "small-ltx2-smooth", "tiny-flux2-klein": "small-flux2-klein-smooth",
+          "tiny-flux2-klein-smooth": "small-flux2-klein-smooth", "tiny-hunyuan-video15": "small-hunyuan-video15-smooth",
+          "tiny-hunyuan-video15-i2v": "small-hunyuan-video15-smooth"}
 
 
 @pytest.mark.parametrize("name", [*PUBLISHED, *FITTED])
@@ -71,10 +73,12 @@ def test_launch_with_teacache_by_default_on_it_ends_in_one_line(checkpoint):
         "launch.py: error: --cache: StableDiffusion3Pipeline has no published TeaCache polynomial"), r.stderr
 
 
-def test_sana_built_ins_carry_no_polynomial_and_refuse_teacache():
-    """SANA has no published polynomial and none was fitted on its built-ins: teacache is refused saying how to
-    fit one, first_block serves (tests/test_step_cache.py runs SANA with it)."""
-    info = read_model(ensure_builtin("tiny-sana"))
+@pytest.mark.parametrize("name", ["tiny-sana", "tiny-z-image", "tiny-z-image-smooth"])
+def test_built_ins_without_a_fitted_polynomial_refuse_teacache(name):
+    """SANA and Z-Image have no published polynomial and their built-ins carry none (SANA: none fitted; Z-Image:
+    its modulated input does not predict its output's change there, R^2 0.05): teacache is refused saying how
+    to fit one, first_block serves (tests/test_step_cache.py runs them with it)."""
+    info = read_model(ensure_builtin(name))
     assert info.family.transformer.teacache_coefficients is None and not (info.path / SETTINGS_FILE).exists()
     assert teacache_source(info) is None
     problem = cache_problem("teacache", info.family, [], info)

@@ -34,7 +34,9 @@ BUILTINS: dict = {**WAN_SPECS, **WAN_I2V_SPECS, **SD3_SPECS, **FLUX_SPECS, **QWE
 # one's (common/builtin/smooth_time.py), for step caching.
 SMOOTH_BASES = ("tiny", "small", "tiny-moe", "tiny-sd3", "small-sd3", "tiny-flux", "small-flux", "tiny-qwen-image",
                 "small-qwen-image", "tiny-wan-i2v", "small-wan-i2v", "tiny-sana", "small-sana", "tiny-qwen-image-edit",
-                "tiny-qwen-image-edit-plus", "tiny-flux-kontext", "tiny-ltx2", "tiny-ltx2-i2v", "small-ltx2")
+                "tiny-qwen-image-edit-plus", "tiny-flux-kontext", "tiny-ltx2", "tiny-ltx2-i2v", "small-ltx2",
+                "tiny-z-image", "small-z-image", "tiny-flux2-klein", "small-flux2-klein", "tiny-hunyuan-video15",
+                "tiny-hunyuan-video15-i2v", "small-hunyuan-video15")
 # Wan text-to-video's are smoother still: TeaCache4Wan2.1's published polynomial (fitted on the trained 1.3B)
 # gives its reported speed-ups at thresholds 0.05-0.08 only where the modulated input moves about 1% per step
 # (p(0.01) = 0.043, p(0.026) = 0.088); these move a median 1.3% (2.6% with the defaults). docs/operations.md.

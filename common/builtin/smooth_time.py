@@ -13,7 +13,9 @@ the slow ones, so a random model's embedding jumps by tens of percent per step; 
 sinusoids the timestep on that scale (Wan and SD3 directly; FLUX multiplies the pipeline's t / 1000 by 1000;
 Qwen-Image's ``Timesteps`` has ``scale=1000`` for the same t / 1000), so one setting serves them all.
 FLUX.1-dev's guidance embedder is a ``TimestepEmbedding`` too and is smoothed alike (its input is constant
-over a request's steps).
+over a request's steps). Z-Image's ``TimestepEmbedder`` makes its own sinusoids (cos then sin, no shift) from
+``t * t_scale`` on the same scale and maps them with ``mlp`` (``mlp.0`` is its first layer): :class:`_OwnSinusoids`
+stands for its ``Timesteps``.
 
 :class:`SmoothTimeSpec` is a built-in: a base spec built as usual, then its transformer weights so rescaled.
 :func:`embedding_changes` measures the result (``bench/time_embedding.py`` prints it per model).
@@ -39,14 +41,40 @@ DROP_RAD = 0.2
 EXPERTS = ("transformer", "transformer_2")
 
 
+class _OwnSinusoids:
+    """The ``Timesteps`` an embedder that makes its own sinusoids (Z-Image's) would have: its layout and call."""
+
+    flip_sin_to_cos, downscale_freq_shift, scale = True, 0.0, 1.0
+
+    def __init__(self, embedder: torch.nn.Module):
+        self.embedder, self.num_channels = embedder, embedder.frequency_embedding_size
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self.embedder.timestep_embedding(t, self.num_channels)
+
+
+def _own_sinusoids(module: torch.nn.Module) -> bool:
+    return (hasattr(module, "frequency_embedding_size") and hasattr(module, "timestep_embedding")
+            and isinstance(getattr(module, "mlp", None), torch.nn.Sequential))
+
+
+def first_layer(embedder: torch.nn.Module) -> str:
+    """The name, inside ``embedder``, of the Linear that reads the sinusoids."""
+    return "mlp.0" if _own_sinusoids(embedder) else "linear_1"
+
+
 def time_embedders(transformer: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     """Each ``TimestepEmbedding`` of ``transformer`` by module name, with the ``Timesteps`` beside it (a
-    module of its parent making as many features as ``linear_1`` takes) that makes its input."""
+    module of its parent making as many features as ``linear_1`` takes) that makes its input; and each
+    embedder that makes its own sinusoids, with :class:`_OwnSinusoids`."""
     from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
     modules = dict(transformer.named_modules())
     found = {}
     for name, module in modules.items():
+        if _own_sinusoids(module):
+            found[name] = (module, _OwnSinusoids(module))
+            continue
         if not isinstance(module, TimestepEmbedding):
             continue
         parent = modules[name.rpartition(".")[0]]
@@ -81,13 +109,13 @@ def phase_gain(phase: torch.Tensor, keep: float = KEEP_RAD, drop: float = DROP_R
 
 def column_gains(transformer: torch.nn.Module, step: float = STEP, keep: float = KEEP_RAD,
                  drop: float = DROP_RAD) -> dict[str, torch.Tensor]:
-    """The gain of each column of every time embedder's ``linear_1.weight``, by parameter name (float64)."""
-    return {f"{name}.linear_1.weight": phase_gain(feature_frequencies(source) * step, keep, drop)
-            for name, (_, source) in time_embedders(transformer).items()}
+    """The gain of each column of every time embedder's first layer's weight, by parameter name (float64)."""
+    return {f"{name}.{first_layer(embedder)}.weight": phase_gain(feature_frequencies(source) * step, keep, drop)
+            for name, (embedder, source) in time_embedders(transformer).items()}
 
 
 def _facts(gains: dict[str, torch.Tensor], step: float, keep: float, drop: float) -> dict:
-    per = {name.removesuffix(".linear_1.weight"): {
+    per = {name.removesuffix(".weight").removesuffix(".linear_1").removesuffix(".mlp.0"): {
         "features": g.numel(), "kept": int((g == 1).sum()), "tapered": int(((g > 0) & (g < 1)).sum()),
         "dropped": int((g == 0).sum())} for name, g in gains.items()}
     return {"step": step, "keep_rad": keep, "drop_rad": drop, "embedders": per}
@@ -178,8 +206,9 @@ def time_embeddings(transformer: torch.nn.Module, timesteps: torch.Tensor) -> di
                 continue
             # The families' transformers feed Timesteps t / scale (see the module docstring).
             features = source(timesteps.double() / source.scale)
-            w = embedder.linear_1.weight
-            temb = embedder(features.to(device=w.device, dtype=w.dtype)).float()
+            w = embedder.get_submodule(first_layer(embedder)).weight
+            mlp = embedder.mlp if isinstance(source, _OwnSinusoids) else embedder
+            temb = mlp(features.to(device=w.device, dtype=w.dtype)).float()
             out[name] = temb
             parent_name = name.rpartition(".")[0]
             parent = modules[parent_name]

@@ -10,6 +10,7 @@ has at least 27 layers (narrow ones: the encoder stays cheap).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.builtin.build import component_seed, seeded
 from common.builtin.spec import BuiltinSpec, check_weights_dtype
@@ -35,6 +36,10 @@ class TinyFlux2KleinSpec(BuiltinSpec):
     SERVING_DEFAULT_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
 
     name: str
+    # TeaCache's polynomial the built directory carries in step_cache.json (none is published for FLUX.2): a line
+    # fitted on small-flux2-klein-smooth by bench/fit_teacache.py --degree 1 (2 prompts, 20 steps: R^2 0.99).
+    teacache_coefficients: tuple[float, ...] = (5.31693963e-01, 5.99864963e-03)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-flux2-klein-smooth"
     # model_index.json's is_distilled: a step-distilled checkpoint runs without classifier-free guidance.
     is_distilled: bool = False
     # Text encoder (Qwen3ForCausalLM); the transformer's joint_attention_dim is 3x its hidden size.

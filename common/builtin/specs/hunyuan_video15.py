@@ -7,6 +7,7 @@ SigLIP vision model and its image processor)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.builtin.build import seeded
 from common.builtin.spec import BuiltinSpec, check_weights_dtype
@@ -35,6 +36,11 @@ class TinyHunyuanVideo15Spec(BuiltinSpec):
 
     name: str
     image_to_video: bool = False
+    # TeaCache's polynomial the built directory carries in step_cache.json (none is published for HunyuanVideo
+    # 1.5): a line fitted on small-hunyuan-video15-smooth by bench/fit_teacache.py --degree 1 (2 prompts, 20
+    # steps: R^2 0.97).
+    teacache_coefficients: tuple[float, ...] = (5.29701137e-01, 8.02939043e-03)
+    TEACACHE_FITTED_ON: ClassVar[str] = "small-hunyuan-video15-smooth"
     # Transformer (HunyuanVideo15Transformer3DModel): rope_axes_dim sums to attention_head_dim.
     num_layers: int = 1
     num_refiner_layers: int = 1

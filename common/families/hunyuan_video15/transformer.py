@@ -30,6 +30,12 @@ class HunyuanVideo15Transformer(TransformerPart):
         return model(hidden_states=hidden_states, timestep=timestep.to(hidden_states.dtype), return_dict=False,
                      **text)[0]
 
+    def block_residual(self, block, args, kwargs, output):
+        """The video stream's residual (diffusers' block registry has no entry for this block: it takes the
+        video then the text stream and returns them in that order)."""
+        before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return (output[0] - before).float()
+
     def modulated_input(self, model, timestep, text, guidance):
         """The timestep embedding that modulates every block (TeaCache's signal)."""
         return model.time_embed(timestep.to(next(model.parameters()).dtype))

@@ -25,7 +25,10 @@ def model_time(timestep: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, kw_only=True)
 class ZImageTransformer(TransformerPart):
     model_class: str = "ZImageTransformer2DModel"
-    block_list: str = "layers"
+    # first_block probes the first noise-refiner block: the latent tokens alone, of one length for every row
+    # of a grid (the main ``layers`` run [latents, text] padded to the longest row of the forward, so a row's
+    # residual there would change shape with the rows it is batched with).
+    block_list: str = "noise_refiner"
     # Texts are their prompt's own length: under --compile the text length is dynamic.
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
 
