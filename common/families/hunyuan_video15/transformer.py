@@ -39,9 +39,3 @@ class HunyuanVideo15Transformer(TransformerPart):
     def modulated_input(self, model, timestep, text, guidance):
         """The timestep embedding that modulates every block (TeaCache's signal)."""
         return model.time_embed(timestep.to(next(model.parameters()).dtype))
-
-    def block_residual(self, block, args, kwargs, output):
-        """The video stream's residual (first-block caching's signal): the block returns (video, text), and
-        diffusers' block registry does not list it."""
-        before = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        return (output[0] - before).float()
