@@ -25,7 +25,8 @@ from common.builtin import BUILTINS, SMOOTH_BASES, ensure_builtin  # noqa: E402
 from common.builtin.smooth_time import EXPERTS, SmoothTimeSpec, column_gains, time_embedders  # noqa: E402
 from common.builtin.cache import cache_key as _cache_key  # noqa: E402
 
-TINY = ("tiny", "tiny-moe", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v", "tiny-sana")
+TINY = ("tiny", "tiny-moe", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v", "tiny-sana", "tiny-z-image",
+        "tiny-flux2-klein", "tiny-hunyuan-video15")
 
 
 @pytest.fixture(scope="module")
