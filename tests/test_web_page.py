@@ -7,7 +7,8 @@ A video model (the built-in ``tiny``): the form starts from the model's defaults
 prompt of markup never runs), a bad size shows the engine's message; an engine with an API key asks for it;
 ``/docs`` renders its operations. An image model (``tiny-sd3``, heavy): the image, its progress, its list.
 An edit model (heavy): the uploads go to ``/v1/images/edits`` as data: URLs in ``image``. A model with sound
-(``tiny-ltx2``, heavy): its MP4 plays with its audio track, not muted.
+(``tiny-ltx2``, heavy): its MP4 plays with its audio track, not muted. A model sized by its image
+(``tiny-hunyuan-video15-i2v``, heavy): no size sent, the video the image's aspect.
 
 ``DISAGG_WEB_SCREENSHOT=path.png`` saves the page after a finished generation (docs/web-page.png is one).
 """
@@ -362,3 +363,35 @@ def test_an_edit_model_sends_its_uploads_as_image(web, shared_engine, tmp_path):
         assert ref.status_code == 200, ref.text
         assert downloaded(page) == ref.content  # the same PNG encoder over the same pixels
         page.evaluate("() => { document.getElementById('picture').hidden = true; }")
+
+
+@pytest.mark.heavy
+def test_a_model_sized_by_its_image_sends_no_size(web, engine_factory, tmp_path):
+    """HunyuanVideo 1.5 image to video (``sized_by_image``: the aspect bucket nearest the image, a size refused):
+    the size inputs say auto and the job is sent without one; a portrait image makes a portrait video, as
+    ``/generate`` makes it for that image."""
+    from PIL import Image
+
+    eng = engine_factory("tiny-hunyuan-video15-i2v")
+    model = eng.http.get("/v1/models").json()["data"][0]
+    assert model["video"] is True and model["sized_by_image"] is True and model["image_input"] == "required"
+    page = open_page(web, eng.url)
+    assert page.get_attribute("#width", "placeholder") == "auto" and page.input_value("#width") == ""
+    first = tmp_path / "portrait.png"
+    Image.new("RGB", (48, 96), (30, 90, 200)).save(first)
+    fill(page, "a fox looks up", num_inference_steps=2)
+    page.set_input_files("#image", str(first))
+    page.click("#submit")
+    page.wait_for_function(VIDEO_READY, timeout=WAIT_MS)
+    assert page.is_hidden("#error")
+    size = page.evaluate("() => { const v = document.getElementById('video');"
+                         " return [v.videoWidth, v.videoHeight]; }")
+    import base64
+
+    from common.protocol.http_tensors import body_to_tensor
+
+    png = base64.b64encode(first.read_bytes()).decode()
+    r = eng.http.post("/generate", json={"prompt": "a fox looks up", "num_inference_steps": 2, "image": png})
+    assert r.status_code == 200, r.text
+    frames = body_to_tensor(r.json()["samples"][0]["output"])  # [F, H, W, 3]
+    assert size[1] > size[0] and [frames.shape[2], frames.shape[1]] == size, (size, frames.shape)
