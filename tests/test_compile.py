@@ -177,7 +177,6 @@ FAMILIES = ["tiny-z-image", "tiny-flux2-klein", "tiny-hunyuan-video15"]
 RECOMPILES = {
     "tiny-hunyuan-video15": "a group of 3 rows compiles the frames after a graph break once more (their batch, "
                             "temb and x, is static there: 1 and 4 from the warm-up, then 2, then 3)",
-    "tiny-flux2-klein": "the guided and the batched forward each compile one graph after the warm-up (cause not yet found)",
     "tiny-z-image": "compiles after the warm-up (cause not yet found)",
 }
 
