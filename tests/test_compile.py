@@ -173,13 +173,8 @@ def test_a_positional_input_compiles_one_graph_for_any_larger_batch():
 # --- the families whose test modules have no compile test of their own ----------------------------------------
 
 FAMILIES = ["tiny-z-image", "tiny-flux2-klein", "tiny-hunyuan-video15"]
-# Measured: these still compile graphs after the warm-up (their outputs equal eager all the same).
-RECOMPILES = {
-    "tiny-hunyuan-video15": "a group of 3 rows compiles the frames after a graph break once more (their batch, "
-                            "temb and x, is static there: 1 and 4 from the warm-up, then 2, then 3)",
-    "tiny-flux2-klein": "the guided and the batched forward each compile one graph after the warm-up (cause not yet found)",
-    "tiny-z-image": "compiles after the warm-up (cause not yet found)",
-}
+# Measured: those that still compile graphs after the warm-up (their outputs equal eager all the same), and why.
+RECOMPILES: dict[str, str] = {}
 
 
 def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,6 +17,7 @@ compile are guarded on too: an adapter that hooks new modules makes the graphs i
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ def compile_experts(target: "Policy | dict[str, torch.nn.Module]", mode: str | N
 
     experts = target.experts if isinstance(target, Policy) else target
     dynamic = target.family.transformer.compile_dynamic if isinstance(target, Policy) else {}
+    blocks = target.family.transformer.compile_blocks if isinstance(target, Policy) else ()
     if not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported():
         raise CompileError(f"torch.compile is not supported by this torch ({torch.__version__}) or Python")
     config = torch._dynamo.config
@@ -58,19 +60,34 @@ def compile_experts(target: "Policy | dict[str, torch.nn.Module]", mode: str | N
         torch._logging.set_logs(recompiles=True)
     try:
         for model in experts.values():
-            model.register_forward_pre_hook(functools.partial(_prepare_inputs, dynamic=dynamic), with_kwargs=True)
-            model.compile(mode=mode, options=options, backend=backend, dynamic=False)
+            for region in _regions(model, blocks):
+                names = tuple(inspect.signature(region.forward).parameters)
+                region.register_forward_pre_hook(functools.partial(_prepare_inputs, dynamic=dynamic, names=names),
+                                                 with_kwargs=True)
+                region.compile(mode=mode, options=options, backend=backend, dynamic=False)
     except Exception as e:
         uncompile(experts)
         raise CompileError(f"torch.compile refused the experts: {type(e).__name__}: {e}") from e
 
 
+def _regions(model: torch.nn.Module, blocks: tuple[str, ...]) -> list[torch.nn.Module]:
+    """What is compiled: the model, or with ``blocks`` (class names) each of its modules of those classes (its
+    own forward, with Python per row or branches on tensor values, then runs eagerly between them)."""
+    if not blocks:
+        return [model]
+    found = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no module of the classes {list(blocks)}")
+    return found
+
+
 @torch.compiler.disable  # runs before the compiled forward, on the tensors it is given
-def _prepare_inputs(module, args, kwargs, dynamic: dict[str, tuple[int, ...]]):
+def _prepare_inputs(module, args, kwargs, dynamic: dict[str, tuple[int, ...]], names: tuple[str, ...] = ()):
     """The batch dimension dynamic, and the ``dynamic`` ones of a keyword (every other one static), and
     dense strides: dynamo guards on strides, so an expanded text or timestep (a view, stride 0) would be a
     graph of its own; ``contiguous()`` is not enough, it keeps a size-1 dimension's stride. Positional
-    tensors too (a call ``model(hidden_states, ...)``): else each batch size is a graph of its own."""
+    tensors too (a call ``model(hidden_states, ...)``: ``names``, the forward's parameters, name them for
+    ``dynamic``): else each batch size is a graph of its own."""
     def dense(k, v):
         if not isinstance(v, torch.Tensor) or not v.dim():
             return v
@@ -79,7 +96,8 @@ def _prepare_inputs(module, args, kwargs, dynamic: dict[str, tuple[int, ...]]):
         for dim in (0, *dynamic.get(k, ())):
             torch._dynamo.maybe_mark_dynamic(v, dim)
         return v
-    return tuple(dense(None, v) for v in args), {k: dense(k, v) for k, v in kwargs.items()}
+    return (tuple(dense(names[i] if i < len(names) else None, v) for i, v in enumerate(args)),
+            {k: dense(k, v) for k, v in kwargs.items()})
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -93,7 +111,8 @@ def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
 def uncompile(experts: dict[str, torch.nn.Module]) -> None:
     """Back to eager forwards (undoes ``nn.Module.compile``, which sets ``_compiled_call_impl``)."""
     for model in experts.values():
-        model._compiled_call_impl = None
+        for module in model.modules():  # the model, or its compiled blocks
+            module._compiled_call_impl = None
 
 
 def warm_up(policy: "Policy", latent_shape: tuple[int, ...] | None = None, batch: int = 2) -> dict[str, float]:

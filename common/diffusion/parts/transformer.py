@@ -33,6 +33,11 @@ class TransformerPart:
     # latent shape: ``compile_experts`` makes them dynamic, one graph for every value (a text of its own
     # length); every other dimension is static (fixed-length texts: a graph each).
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Class names of the model's blocks that ``compile_experts`` compiles one by one instead of the whole model
+    # (diffusers' "regional compilation"): for a forward whose own code loops over rows or branches on tensor
+    # values, which would break its graph and fix the batch size after the break. ``compile_dynamic`` then
+    # names the blocks' parameters.
+    compile_blocks: tuple[str, ...] = ()
     context_parallel: bool = False  # diffusers has a context-parallel plan for it (Ulysses / ring)
     # Why not, in the launcher's refusal (a family whose diffusers plan exists but does not fit says so).
     no_context_parallel: str = "has no context-parallel plan in diffusers"

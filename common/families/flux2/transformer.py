@@ -8,7 +8,7 @@ references the output is the noise tokens' (``noise_pred[:, :latents.size(1)]``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,11 @@ class Flux2Transformer(TransformerPart):
     splits_text: bool = True  # its plan splits encoder_hidden_states and txt_ids
     # The double-stream blocks' attention projections of both streams.
     lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
+    # The image tokens are the noise's and then any reference images' (none to three, each its own size): under
+    # --compile their count is dynamic, so a request without references runs the graphs the warm-up compiled
+    # with one (and a reference of another size compiles nothing).
+    compile_dynamic: dict[str, tuple[int, ...]] = field(
+        default_factory=lambda: {"hidden_states": (1,), "img_ids": (1,)})
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         rows, device = hidden_states.shape[0], hidden_states.device

@@ -21,6 +21,10 @@ VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens
 class HunyuanVideo15Transformer(TransformerPart):
     model_class: str = "HunyuanVideo15Transformer3DModel"
     lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
+    # Under --compile the blocks are compiled, not the model: its forward branches on the image embeds' values
+    # and reorders each row's text tokens by its mask in a Python loop over the batch (graph breaks after which
+    # the batch size is fixed, a graph per size). The blocks see the batch alone vary (the texts are fixed-length).
+    compile_blocks: tuple[str, ...] = ("HunyuanVideo15TransformerBlock",)
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance):
         text = dict(text)

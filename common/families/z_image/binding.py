@@ -39,8 +39,12 @@ def load_text_encoder(info, dtype: torch.dtype, device):
 
 
 def example_text(info, model, max_sequence_length: int, generator, device, dtype) -> TextCond:
+    # One token past the transformer's padding multiple (diffusers' SEQ_MULTI_OF): the --compile warm-up's text
+    # one shorter pads to another length, so its forward of both is the masked one.
+    from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
+
     width = model.config.cap_feat_dim
-    return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, 16), width, generator=generator,
+    return TextCond({HIDDEN: torch.randn(1, min(max_sequence_length, SEQ_MULTI_OF + 1), width, generator=generator,
                                          device=device, dtype=dtype)})
 
 

@@ -29,8 +29,14 @@ class ZImageTransformer(TransformerPart):
     # of a grid (the main ``layers`` run [latents, text] padded to the longest row of the forward, so a row's
     # residual there would change shape with the rows it is batched with).
     block_list: str = "noise_refiner"
-    # Texts are their prompt's own length: under --compile the text length is dynamic.
-    compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
+    # Under --compile the blocks are compiled, not the model: its forward takes a list per row and loops over
+    # them (the list's length, each text's length: a graph each). A block's tokens ([B, L, D], L the padded
+    # image, text or image + text sequence of the forward's longest row) are dynamic in their length too. The
+    # texts' keywords say that texts vary in length: the warm-up runs texts of two lengths in one forward (the
+    # masked blocks' graphs).
+    compile_blocks: tuple[str, ...] = ("ZImageTransformerBlock",)
+    compile_dynamic: dict[str, tuple[int, ...]] = field(
+        default_factory=lambda: {"x": (1,), "attn_mask": (1,), "freqs_cis": (1,), HIDDEN: (1,), MASK: (1,)})
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         embeds, mask = text[HIDDEN], text.get(MASK)
