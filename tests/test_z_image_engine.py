@@ -75,28 +75,9 @@ def test_refusals_name_their_field(eng):
 def test_openai_images_are_the_pixels_of_generate(eng):
     """``/v1/images/generations`` through the official client: each PNG is ``/generate``'s frames as
     round(255 x), byte for byte; the served model lists its family."""
-    import base64
-    import io
+    from openai_checks import assert_images_are_the_pixels_of_generate
 
-    import numpy as np
-    import openai
-    from PIL import Image
-
-    from common.protocol.http_tensors import body_to_tensor
-    from router.api.media import to_uint8
-
-    fields = {**{k: v for k, v in REQ.items() if k != "prompt"}, "guidance_scale": 4.0}
-    with openai.OpenAI(base_url=eng.url + "/v1", api_key="unused", max_retries=0) as c:
-        assert c.models.list().data[0].model_extra["family"] == eng.http.get("/health").json()["family"]
-        out = c.images.generate(prompt=REQ["prompt"], size="64x48", n=2, response_format="b64_json",
-                                extra_body=fields)
-    pngs = [np.array(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))) for d in out.data]
-    r = eng.http.post("/generate", json={**REQ, **fields, "width": 64, "height": 48, "n": 2})
-    assert r.status_code == 200, r.text
-    ref = [body_to_tensor(s["output"]) for s in r.json()["samples"]]
-    assert [p.shape for p in pngs] == [(48, 64, 3)] * 2 and not np.array_equal(pngs[0], pngs[1])
-    for png, frames in zip(pngs, ref):
-        assert np.array_equal(png, to_uint8(frames)[0])
+    assert_images_are_the_pixels_of_generate(eng, {**REQ, "guidance_scale": 4.0})
 
 
 def test_the_cli_png_is_the_pixels_of_generate(eng, tmp_path):
