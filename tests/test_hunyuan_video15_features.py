@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import msgspec
-import numpy as np
 import pytest
 import torch
 
@@ -30,6 +28,7 @@ from common.builtin import ensure_builtin
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, \
     TRAJECTORY_TIMESTEPS
 from edit_models import SCALE, EditModels, Made, no_grad
+from group_checks import branch_diffs, encode_group
 from family_harness import compare_tasks, max_diff
 from family_harness import gradient_picture as picture
 from rl import Trajectory
@@ -210,42 +209,13 @@ def test_every_component_sleeps_and_wakes_bit_identical(model):
 
 @pytest.mark.parametrize("model", ["tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"])
 def test_a_group_encodes_once_and_branches_as_its_samples_alone(model, record_property):
-    from common.protocol.messages import IMAGE, PROTOCOL_VERSION, EncodeRequest, Route
-    from test_edit_rollouts import _encoder_stage, _spy
-
     model_dir = ensure_builtin(model)
     eng = models.engine(model_dir)
     image = picture(50, 70) if eng.images is not None else None
     window = [1, 2]
     p = rollout_params(models.trainer(model_dir), "sde", 6.0, image, n=2, sde_step_indices=window,
                        share_prefix=True)
-
-    stage = _encoder_stage(eng)
-    text_calls, image_calls = [], []
-    _spy(stage.text_encoder, "wire_tensors", text_calls)
-    if image is not None:
-        _spy(stage.images, "wire_tensors", image_calls)
-    pixels = {} if image is None else {IMAGE.name: torch.from_numpy(np.asarray(image).copy())}
-    msg = EncodeRequest(v=PROTOCOL_VERSION, request_id="group", route=Route(encoder=0, denoise=0, decode=0), params=p)
-    (fwd,) = stage.process_batch([(msg, pixels)])
-    assert len(text_calls) == 1 and len(image_calls) == (image is not None)  # one encode for the n samples
-    if image is not None:
-        want = eng.image_wire(p, image)
-        assert all(torch.equal(fwd.tensors[k], want[k]) for k in want)
-
-    group = eng.run(p, image=image)
-    ex = group.extras()
-    traj = ex[TRAJECTORY_LATENTS.name]
-    k = window[0]
-    assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
-    assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
-    diffs = {}
-    for i in range(p.n):
-        alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
-            p.rollout, share_prefix=False, initial_noise_seed=p.seed)), image=image)
-        ax = alone.extras()
-        diffs[f"trajectory[{i}]"] = max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0])
-        diffs[f"latents[{i}]"] = max_diff(group.latents[i], alone.latents[0])
-        diffs[f"log_probs[{i}]"] = max_diff(ex[LOG_PROBS.name][i], ax[LOG_PROBS.name][0])
+    encode_group(eng, p, image)
+    diffs = branch_diffs(eng, p, window, image)
     record_property("diffs", diffs)
     assert len(diffs) == 2 * 3 and all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)

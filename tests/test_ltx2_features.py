@@ -18,7 +18,6 @@ component, groups.
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ from common.families.ltx2.latents import geometry_of
 from common.protocol.messages import LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, \
     TRAJECTORY_TIMESTEPS
 from edit_models import SCALE, EditModels, no_grad
+from group_checks import branch_diffs, encode_group
 from family_harness import compare_tasks, max_diff
 from rl import Trajectory
 from test_ltx2 import CASES as SERVING, pipeline_latents, request
@@ -185,40 +185,12 @@ def test_every_component_sleeps_and_wakes_bit_identical(model, tmp_path_factory)
 
 @pytest.mark.parametrize("model", ["tiny-ltx2", "tiny-ltx2-i2v"])
 def test_a_group_encodes_once_and_branches_as_its_samples_alone(model, tmp_path_factory, record_property):
-    from common.protocol.messages import IMAGE, PROTOCOL_VERSION, EncodeRequest, Route
-    from test_edit_rollouts import _encoder_stage, _spy
-
     eng = models.engine(models.get(model, tmp_path_factory).model_dir)
     image = picture() if eng.images is not None else None
     window = [1, 2]
     p = rollout(eng, "sde", True, n=2, sde_step_indices=window, share_prefix=True)
-
-    stage = _encoder_stage(eng)
-    text_calls, image_calls = [], []
-    _spy(stage.text_encoder, "wire_tensors", text_calls)
-    if image is not None:
-        _spy(stage.images, "wire_tensors", image_calls)
-    pixels = {} if image is None else {IMAGE.name: torch.from_numpy(np.asarray(image).copy())}
-    msg = EncodeRequest(v=PROTOCOL_VERSION, request_id="group", route=Route(encoder=0, denoise=0, decode=0), params=p)
-    (fwd,) = stage.process_batch([(msg, pixels)])
-    assert len(text_calls) == 1 and len(image_calls) == (image is not None)  # one encode for the n samples
-    want = eng.image_wire(p, image)
-    assert all(torch.equal(fwd.tensors[k], want[k]) for k in want)
-
-    group = eng.run(p, image=image)
-    ex = group.extras()
-    traj = ex[TRAJECTORY_LATENTS.name]
-    k = window[0]
-    assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
-    assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
-    diffs = {}
-    for i in range(p.n):
-        alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
-            p.rollout, share_prefix=False, initial_noise_seed=p.seed)), image=image)
-        ax = alone.extras()
-        diffs[f"trajectory[{i}]"] = max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0])
-        diffs[f"latents[{i}]"] = max_diff(group.latents[i], alone.latents[0])
-        diffs.update({f"{name}[{i}]": max_diff(ex[name][i], ax[name][0]) for name in ex if name.startswith("log_probs")})
+    encode_group(eng, p, image)
+    diffs = branch_diffs(eng, p, window, image)
     record_property("diffs", diffs)
     assert len(diffs) == 2 * 5 and all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)
 

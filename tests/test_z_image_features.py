@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ import lora_fixtures as lf
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, \
     TRAJECTORY_TIMESTEPS
 from edit_models import SCALE, EditModels, no_grad
+from group_checks import branch_diffs, encode_group
 from family_harness import compare_tasks, max_diff
 from rl import Trajectory
 from test_z_image import CASES as SERVING, request
@@ -157,34 +157,11 @@ def test_every_component_sleeps_and_wakes_bit_identical(tmp_path_factory):
 
 @pytest.mark.parametrize("guided", [True, False])
 def test_a_group_encodes_once_and_branches_as_its_samples_alone(guided, tmp_path_factory, record_property):
-    from common.protocol.messages import PROTOCOL_VERSION, EncodeRequest, Route
-    from test_edit_rollouts import _encoder_stage, _spy
-
     eng = models.engine(models.get(MODEL, tmp_path_factory).model_dir)
     window = [1, 2]
     p = rollout(eng, "sde", guided, n=2, sde_step_indices=window, share_prefix=True)
-
-    stage = _encoder_stage(eng)
-    text_calls = []
-    _spy(stage.text_encoder, "wire_tensors", text_calls)
-    msg = EncodeRequest(v=PROTOCOL_VERSION, request_id="group", route=Route(encoder=0, denoise=0, decode=0), params=p)
-    stage.process_batch([(msg, {})])
-    assert len(text_calls) == 1  # one encode for the n samples (prompt and negative in one call)
+    text_calls = encode_group(eng, p)
     assert len(text_calls[0][0]) == (2 if guided else 1), text_calls[0][0]
-
-    group = eng.run(p)
-    ex = group.extras()
-    traj = ex[TRAJECTORY_LATENTS.name]
-    k = window[0]
-    assert torch.equal(traj[1, : k + 1], traj[0, : k + 1])  # one prefix, then a branch per sample
-    assert max_diff(traj[1, k + 1], traj[0, k + 1]) > 1e-3
-    diffs = {}
-    for i in range(p.n):
-        alone = eng.run(msgspec.structs.replace(p, seed=p.seed + i, n=1, rollout=msgspec.structs.replace(
-            p.rollout, share_prefix=False, initial_noise_seed=p.seed)))
-        ax = alone.extras()
-        diffs[f"trajectory[{i}]"] = max_diff(traj[i], ax[TRAJECTORY_LATENTS.name][0])
-        diffs[f"latents[{i}]"] = max_diff(group.latents[i], alone.latents[0])
-        diffs[f"log_probs[{i}]"] = max_diff(ex[LOG_PROBS.name][i], ax[LOG_PROBS.name][0])
+    diffs = branch_diffs(eng, p, window)
     record_property("diffs", diffs)
     assert len(diffs) == 2 * 3 and all(d <= ROLLOUT_TOL for d in diffs.values()), diffs  # (a NaN fails)
