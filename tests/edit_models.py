@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -17,6 +18,9 @@ from common.protocol.messages import GenerationParams, RolloutParams
 from family_harness import InProcess, ModuleModels
 
 MODELS = ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus", "tiny-flux-kontext"]
+# MODELS for the slow cases (over 5 s each): Qwen-Image-Edit's run with the heavy tests, Edit-Plus (the same
+# classes, up to three images) covering the family by default.
+SLOW_MODELS = [pytest.param(m, marks=pytest.mark.heavy) if m == "tiny-qwen-image-edit" else m for m in MODELS]
 SCALE = 0.8  # the requests' lora_scale, set on the trainer's peft adapters too
 
 

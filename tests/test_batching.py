@@ -71,6 +71,7 @@ def test_max_batch_size_is_honoured(engine_factory):
     _assert_close(solo, mixed)
 
 
+@pytest.mark.heavy  # an engine of a second Wan model; two experts batch in process
 def test_two_experts_batch_per_expert(engine_factory):
     eng = engine_factory("tiny-moe")
     reqs = [(p, {**b, "num_inference_steps": 4 + i % 3}) for i, (p, b) in enumerate(_mix(8, seed0=90))]

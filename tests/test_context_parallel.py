@@ -120,7 +120,9 @@ def _rows(model, k: int):
     return Rows.of(WAN, c["hidden_states"], c["timestep"], texts, [None] * 4, c["cond_rows"])
 
 
-@pytest.mark.parametrize("world, cfg", [(2, 1), (2, 2), (4, 2)], ids=["ulysses2", "cfg2", "cfg2-ulysses2"])
+# four spawned ranks (~20 s) are heavy: the two-rank layouts cover both mechanisms
+@pytest.mark.parametrize("world, cfg", [(2, 1), (2, 2), pytest.param(4, 2, marks=pytest.mark.heavy)],
+                         ids=["ulysses2", "cfg2", "cfg2-ulysses2"])
 def test_the_leader_hands_each_forward_to_its_followers(world, cfg, tmp_path):
     """Only the leader has the inputs; the followers get them over the group and run their share: the
     sequence split by diffusers' Ulysses, the unconditional rows on the second CFG group, or both."""

@@ -273,6 +273,7 @@ def test_an_expired_jobs_file_is_gone(engine):
     assert not path.exists()
 
 
+@pytest.mark.heavy  # two engines side by side
 def test_a_second_engine_on_a_data_dir_in_use_is_refused(engine):
     data_dir = engine.workdir / "jobs"
     r = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--port", "0", "--data-dir", str(data_dir)],

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from common.protocol.messages import LATENTS, LOG_PROBS, TRAJECTORY_LATENTS
-from edit_models import MODELS, EditModels, images_for, rollout_params
+from edit_models import MODELS, SLOW_MODELS, EditModels, images_for, rollout_params
 from family_harness import InStage, max_diff
 
 TOL = 1e-5
@@ -45,7 +45,7 @@ class Layouts:
         del self.policy.batched_velocity
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", SLOW_MODELS)
 def test_edits_of_other_grids_run_apart_those_that_agree_share_and_each_equals_its_run_alone(
         model, tmp_path, tmp_path_factory, record_property):
     eng = models.get(model, tmp_path_factory).eng

@@ -113,7 +113,9 @@ def test_the_body_limit_grows_with_the_images_a_model_takes():
 
 
 # --- launched engines -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=list(MODELS))
+# One model's engine by default (Edit-Plus: lists of up to three images); Kontext's with the heavy tests.
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.heavy) if m == "tiny-flux-kontext" else m
+                                        for m in MODELS])
 def served(request, shared_engine):
     return request.param, shared_engine(request.param)
 

@@ -21,7 +21,7 @@ import torch
 from common.protocol.messages import (
     KL, LOG_PROB_STEPS, LOG_PROBS, REF_LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
 )
-from edit_models import MODELS, EditModels, images_for, no_grad, rollout_params
+from edit_models import SLOW_MODELS, EditModels, images_for, no_grad, rollout_params
 from family_harness import max_diff
 from rl import Trajectory
 
@@ -108,7 +108,7 @@ def _spy(obj, name: str, calls: list) -> None:
     setattr(obj, name, lambda *a: calls.append(a) or real(*a))  # the real one runs
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", SLOW_MODELS)
 def test_a_group_encodes_its_images_once_and_branches_as_its_samples_alone(model, tmp_path_factory,
                                                                            record_property):
     from common.protocol.messages import EDIT_IMAGES, PROTOCOL_VERSION, EncodeRequest, Route

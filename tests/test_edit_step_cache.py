@@ -18,7 +18,7 @@ import torch
 from common.diffusion.cache_signals import first_block_residuals
 from common.diffusion.step_cache import rel_l1
 from common.protocol.messages import CacheParams
-from edit_models import MODELS, images_for
+from edit_models import SLOW_MODELS, images_for
 from family_harness import ModuleModels
 from common.builtin import ensure_builtin
 
@@ -49,7 +49,7 @@ def cached(eng, p, method: str, image) -> dict:
     return task.pass_counts()
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", SLOW_MODELS)
 def test_each_method_skips_steps_of_an_edit(model, record_property):
     eng = engine(model)
     p = params(eng)

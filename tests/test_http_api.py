@@ -299,6 +299,7 @@ def test_docs_page_is_served(engine):
     assert r.status_code == 200 and "/openapi.json" in r.text
 
 
+@pytest.mark.heavy  # own engine; test_reliability.py's SIGTERM test checks no orphans
 def test_shutdown_leaves_no_orphans(engine_factory):
     eng = engine_factory("tiny")
     pids = eng.worker_pids()

@@ -45,6 +45,7 @@ def test_a_taken_port_fails_at_once_naming_the_port(tmp_path):
         f"launch.py: error: port {port} on 127.0.0.1 is already in use; pick another with --port N")
 
 
+@pytest.mark.heavy  # a bind failure: the taken port test is the default
 def test_an_address_of_another_host_fails_at_once(tmp_path):
     # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails with EADDRNOTAVAIL.
     r, elapsed = _launch("--host", "192.0.2.1", "--port", "8000", "--runtime-dir", str(tmp_path / "rt"))
@@ -56,8 +57,10 @@ def test_an_address_of_another_host_fails_at_once(tmp_path):
 
 @pytest.mark.parametrize("model, why", [
     ("tiny-wan", "{path} does not exist; did you mean "),  # a typo of a built-in name
-    ("/nonexistent/dir", "{path} does not exist (built-in models: "),
-    (".", "{path} has no model_index.json (not a diffusers model directory) (built-in models: "),
+    # a launcher start each (~8 s): the typo is the default case
+    pytest.param("/nonexistent/dir", "{path} does not exist (built-in models: ", marks=pytest.mark.heavy),
+    pytest.param(".", "{path} has no model_index.json (not a diffusers model directory) (built-in models: ",
+                 marks=pytest.mark.heavy),
 ])
 def test_an_unknown_model_lists_the_built_in_names_and_whether_the_path_exists(tmp_path, model, why):
     r, elapsed = _launch("--model", model, "--port", "0", "--runtime-dir", str(tmp_path / "rt"))

@@ -90,6 +90,7 @@ def test_json_and_msgpack_bodies_agree(tiny_dir, tiny_engine):
     assert torch.equal(a, b)
 
 
+@pytest.mark.heavy  # test_batching.py's least-loaded test covers two denoise workers
 def test_two_denoise_workers(tiny_dir, shared_engine):
     eng = shared_engine("tiny", "encoder=1,denoise=2,decode=1")
     health = eng.http.get("/health").json()
@@ -104,6 +105,7 @@ def test_two_denoise_workers(tiny_dir, shared_engine):
         assert _max_diff(o["samples"][0]["output"], diffusers_generate(tiny_dir, **r)) <= BATCHED_FRAMES_TOL
 
 
+@pytest.mark.heavy  # a second Wan model; tiny's parity is the default
 def test_other_configuration_matches_diffusers(alt_dir, shared_engine):
     """A model with other widths, heads, layers, flow_shift and a non-square size."""
     eng = shared_engine("tiny-alt")

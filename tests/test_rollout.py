@@ -410,6 +410,7 @@ def test_two_expert_rollout_recompute_and_separate_sync(moe, weights_dir):
 # --- a configuration other than the default ----------------------------------------------
 
 
+@pytest.mark.heavy  # a second Wan model's engine: tiny's rollouts are the default
 def test_other_configuration_rollout_recompute(shared_engine, alt_dir):
     eng = shared_engine("tiny-alt")
     policy = TrainerPolicy(alt_dir)

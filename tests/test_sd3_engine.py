@@ -187,6 +187,7 @@ def test_weight_sync_from_disk_a_gloo_group_and_shared_memory(client, sd3_dir, l
     assert torch.equal(client.generate(**REQ, output_type="latent")["samples"][0]["output"], base["output"])
 
 
+@pytest.mark.heavy  # a CFG-parallel engine: tests/test_multi_device.py runs one by default
 def test_cfg_parallel_equals_one_device(client, tmp_path_factory, lora_root):
     e = Engine(tmp_path_factory.mktemp("sd3-cfg"), "tiny-sd3", "encoder=1,denoise=1:cfg,decode=1", [])
     try:

@@ -192,7 +192,9 @@ def assert_sleep_cycles(info, components: dict[str, dict], outputs) -> None:
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-sana", "tiny-wan-i2v",
-                                   "tiny-wan-i2v-a14b", "tiny-qwen-image-edit"])
+                                   "tiny-wan-i2v-a14b",
+                                   # ~20 s; its classes are tiny-qwen-image's (the processor aside)
+                                   pytest.param("tiny-qwen-image-edit", marks=pytest.mark.heavy)])
 def test_every_family_is_bit_identical_after_a_release_and_a_resume_or_a_push(model):
     """Level 1; level 2 and a push of the trainer's load of the same checkpoint (the transformer, the encoder's
     and decoder's reloaded); level 2 reloaded from disk: each time the same checksums, every weight laid out

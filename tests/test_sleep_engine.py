@@ -226,6 +226,7 @@ def test_a_worker_that_restarts_while_asleep_stays_asleep(client, reference):
     _same_as(client, reference)
 
 
+@pytest.mark.heavy  # a second engine; test_sleep.py covers each family
 def test_two_experts_and_the_image_side_of_an_image_to_video_model(engine_factory):
     """Wan2.2 I2V-A14B-like: ``transformer`` is both experts (each must be pushed before a resume), the
     encoder's image side (the VAE's encoder half) sleeps with the text encoder."""

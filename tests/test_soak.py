@@ -3,11 +3,15 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from soak import run_soak  # noqa: E402
 
 
+# Slow (~21 s of 160 requests); concurrent mixed requests equal their solo runs by default: test_reliability.py
+@pytest.mark.heavy
 def test_short_soak(shared_engine):
     eng = shared_engine("tiny", "encoder=1,denoise=2,decode=1")
     res = run_soak(eng.url, n=160, concurrency=32, invalid_share=0.1, seed=1, warmup=40)

@@ -387,6 +387,7 @@ def test_a_caching_request_with_an_adapter_batched_with_one_without_equals_its_r
 
 # --- 6. --compile --------------------------------------------------------------------------------------------
 
+@pytest.mark.heavy  # compiling: tests/test_compile.py by default
 def test_compiled_policy_serves_caching_requests_without_recompiling(record_property):
     """Inductor as tests/test_compile.py, warmed up at the default request (which includes a guided caching
     request's two branches as two rows of different texts). Requests whose skips give forwards of 1, 2, 3, ...

@@ -193,6 +193,7 @@ def _gap(policy, sample, req=REQ):
     return (mine - sample["log_probs"]).abs().max().item()
 
 
+@pytest.mark.heavy  # engine-level adapter rollouts and pushes: tests/test_lora.py
 def test_pushed_adapter_recomputes_on_the_trainer(client, pushed):
     policy, answer = pushed
     base = client.rollout(**REQ)["samples"][0]
@@ -211,6 +212,7 @@ def test_pushed_adapter_recomputes_on_the_trainer(client, pushed):
     assert "trained" in names
 
 
+@pytest.mark.heavy  # engine-level adapter rollouts and pushes: tests/test_lora.py
 def test_lora_scale_needs_the_trainers_scale(client, pushed):
     policy, _ = pushed
     s = client.rollout(**REQ, lora_name="trained", lora_scale=0.5)["samples"][0]
@@ -222,6 +224,7 @@ def test_lora_scale_needs_the_trainers_scale(client, pushed):
         set_lora_scale(policy, 1.0)
 
 
+@pytest.mark.heavy  # engine-level adapter rollouts and pushes: tests/test_lora.py
 def test_repush_after_a_step_and_disk_load_agree(client, pushed, lora_root):
     policy, first = pushed
     with torch.no_grad():
@@ -242,6 +245,7 @@ def test_repush_after_a_step_and_disk_load_agree(client, pushed, lora_root):
     assert e.value.status == 400 and e.value.error["field"] == "lora_name"
 
 
+@pytest.mark.heavy  # a second Wan model's engine; test_lora.py's covers it
 def test_second_expert_adapter_from_memory_and_disk(engine_factory, lora_root):
     """A LoRA on transformer_2 only (the low-noise expert): pushed with module=transformer_2, or saved in
     diffusers' format and loaded with load_into_transformer_2; the trainer recomputes the steps of both experts."""

@@ -162,6 +162,7 @@ def test_bad_images_are_400s_and_disturb_nothing(client, engine):
     assert torch.equal(after, reference)
 
 
+@pytest.mark.heavy  # test_edit_requests.py's tiny refuses an image
 def test_an_image_on_a_text_to_video_model_is_a_400(shared_engine):
     e = shared_engine("tiny")
     r = httpx.post(f"{e.url}/generate", json={"prompt": "a fox", "image": image_field(IMAGE)})

@@ -172,7 +172,9 @@ def test_wan22_vae_config(model_dirs):
         16, False, None, 8)
 
 
-@pytest.mark.parametrize("name", sorted(ALL_SPECS))
+# small-wan-i2v (~9 s) is a second size of tiny-wan-i2v: heavy
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "small-wan-i2v" else n
+                                  for n in sorted(ALL_SPECS)])
 def test_image_to_video_with_diffusers_pipeline(name, model_dirs):
     spec = ALL_SPECS[name]
     # diffusers runs every layout's image-to-video with WanImageToVideoPipeline, TI2V's too.

@@ -148,6 +148,7 @@ def test_off_without_the_flag(shared_engine):
         assert e.value.status == 403 and time.monotonic() - t0 < 4
 
 
+@pytest.mark.heavy  # a second engine; the gloo push covers sync from memory
 def test_shared_memory_update_equals_a_fresh_engine_on_those_weights(client, engine_factory, tiny_dir, tmp_path):
     before = client.weights_checksum()
     new = _trainer_copy(tiny_dir, seed=1)
