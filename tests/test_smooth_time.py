@@ -22,7 +22,8 @@ from common.diffusion.model_info import SERVING_DEFAULTS_FILE  # noqa: E402
 from common.diffusion.policy import Policy  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.builtin import BUILTINS, SMOOTH_BASES, ensure_builtin  # noqa: E402
-from common.builtin.smooth_time import EXPERTS, SmoothTimeSpec, column_gains, time_embedders  # noqa: E402
+from common.builtin.smooth_time import (EXPERTS, SmoothTimeSpec, _OwnSinusoids, column_gains, first_layer,  # noqa: E402
+                                       time_embedders)
 from common.builtin.cache import cache_key as _cache_key  # noqa: E402
 
 TINY = ("tiny", "tiny-moe", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-wan-i2v", "tiny-sana", "tiny-z-image",
@@ -93,12 +94,14 @@ def test_a_forward_feeds_the_embedders_the_sinusoids_the_measure_assumes(base, b
         return hook
 
     for expert, model in policy.experts.items():
-        for name, (embedder, _) in time_embedders(model).items():
-            embedder.register_forward_pre_hook(keep_input((expert, name)))
+        for name, (embedder, _) in time_embedders(model).items():  # the sinusoids the first layer reads
+            embedder.get_submodule(first_layer(embedder)).register_forward_pre_hook(keep_input((expert, name)))
     warm_up(policy, batch=1)  # the transformer at t = 999, a second expert at t = 0
     timestep_inputs = {k: v for k, v in seen.items() if not k[1].rpartition(".")[2].startswith("guidance")}
     assert {k[0] for k in timestep_inputs} == set(policy.experts)
     for (expert, name), x in timestep_inputs.items():
         source = time_embedders(policy.experts[expert])[name][1]
         t = torch.tensor([999.0 if expert == "transformer" else 0.0], dtype=torch.float64)
+        if isinstance(source, _OwnSinusoids):  # Z-Image's time runs backwards (1000 - t): the same phase per step
+            t = 1000.0 - t
         torch.testing.assert_close(x.float(), source(t / source.scale).float().expand_as(x), rtol=0, atol=1e-4)
