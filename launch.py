@@ -83,6 +83,13 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
                    help=f"key for weight updates (visible in ps: prefer ${ADMIN_KEY_ENV})")
     p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
                    help="weight updates may read only below DIR (repeatable); without one, updates are refused")
+    p.add_argument("--image-root", action="append", default=[], metavar="DIR",
+                   help="requests may name image files below DIR (SGLang's image_path; repeatable); default: none")
+    p.add_argument("--peer-api", choices=("native", "sglang"), default="native",
+                   help="who answers root routes a peer protocol shares with bodies alike: the bare "
+                        "release / resume_memory_occupation (sglang: SGLang's meaning, the weights kept)")
+    p.add_argument("--sglang-tensors", choices=("bytes", "base64"), default="bytes",
+                   help="SGLang answers' tensor data: safetensors bytes (sglang 0.5.23) or their base64 (older)")
     p.add_argument("--weight-sync-from-memory", action="store_true",
                    help="accept weight updates from the trainer's memory (shared memory, torch.distributed)")
 
@@ -228,6 +235,9 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,
         cuda_ipc=args.transport == "ipc" and not args.no_cuda_ipc,
         weight_roots=weight_roots,
+        image_roots=resolve_weight_roots(args.image_root, "--image-root"),
+        peer_api=args.peer_api,
+        sglang_tensors=args.sglang_tensors,
         weight_sync_from_memory=args.weight_sync_from_memory,
         compile=args.compile,
         cache=args.cache,
@@ -260,6 +270,7 @@ def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, l
     # Before any child starts: the key variables leave the environment the workers inherit.
     try:
         api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
+        resolve_weight_roots(args.image_root, "--image-root")  # checked here too: a bad one is one line
         return api_key, admin_key, resolve_weight_roots(args.weight_root)
     except ValueError as e:
         sys.exit(f"launch.py: error: {e}")

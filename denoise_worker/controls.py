@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
+from common.diffusion.weights import CHECKSUMS, WeightsError, load_into, read_weights, state_dict_checksum
 from common.protocol.control import (
     Checksum,
     ChecksumReply,
@@ -65,7 +65,7 @@ class DenoiseControls:
         if not self.stage.memory.modules[msg.module].present:
             raise Sleeping(f"{msg.module}: its weights are released (level {self.stage.memory.level})")
         return self.stage.answer(msg, ChecksumReply, weight_version=self.stage.weight_version,
-                                 sha256=state_dict_checksum(module))
+                                 sha256=CHECKSUMS[msg.scheme](module))
 
     def _update(self, msg: UpdateWeights | FromMemory, load: Callable[[torch.nn.Module], None]) -> WeightsReply:
         stage = self.stage

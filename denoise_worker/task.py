@@ -24,6 +24,7 @@ from common.protocol.messages import (
     REF_LOG_PROBS,
     STREAM_LOG_PROBS,
     TRAJECTORY_LATENTS,
+    TRAJECTORY_STEPS,
     TRAJECTORY_SIGMAS,
     TRAJECTORY_TIMESTEPS,
     GenerationParams,
@@ -284,8 +285,13 @@ class DenoiseTask:
                 out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
-            out[TRAJECTORY_LATENTS.name] = torch.stack(
-                [branching.per_sample(x.float(), self.samples) for x in self.trajectory], dim=1)
+            kept = range(len(self.trajectory))
+            if r.trajectory_steps is not None:  # the entries asked for (of those a partial answer reached)
+                kept = [i for i in r.trajectory_steps if i < len(self.trajectory)]
+                out[TRAJECTORY_STEPS.name] = torch.tensor(kept, dtype=torch.int64)
+            out[TRAJECTORY_LATENTS.name] = (torch.stack(
+                [branching.per_sample(self.trajectory[i].float(), self.samples) for i in kept], dim=1) if kept
+                else self.latents.new_zeros((self.samples, 0, *self.latents.shape[1:])).float())
             out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps[:self.step].float()
             out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas[:self.step + 1].float()
         return out

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.config.engine import EngineConfig
-from common.protocol.codec import WireError
+from common.protocol.codec import DTYPES, WireError
 from common.protocol.errors import RequestError, TransferFailed
 from common.protocol.control import FromMemory, InitWeightsGroup, UpdateWeightsFromGroup
 from common.transport import weights_group
@@ -159,7 +159,7 @@ class WeightSync:
             raise RequestError("no weights group: call init_weights_group first")
         buffers = self._staging([b.nbytes for b in msg.weight_buckets], group.backend, msg.lora_name is not None)
         try:
-            for buf in buffers:  # every bucket, even if the update turns out wrong: the trainer sends them all
+            for buf in _received_as(buffers, msg):  # every bucket, even if the update turns out wrong
                 if buf.numel():
                     group.pg.broadcast([buf], weights_group.broadcast_options(0)).wait()
         except Exception as e:
@@ -167,3 +167,16 @@ class WeightSync:
             raise TransferFailed(f"the trainer's broadcast broke off; nothing applied, the group is gone "
                                  f"(init_weights_group again): {e}") from None
         return buffers
+
+
+def _received_as(buffers: list[torch.Tensor], msg: FromMemory) -> list[torch.Tensor]:
+    """The views the broadcasts fill: raw bytes, or with ``typed_broadcast`` each bucket's one tensor in its dtype
+    (a collective's ranks agree on the element type; the bytes land in the same staging either way)."""
+    if not msg.typed_broadcast:
+        return buffers
+    views = []
+    for buf, t in zip(buffers, msg.weight_tensors):
+        if t.bucket != len(views) or t.offset:
+            raise RequestError("typed_broadcast: each bucket holds one tensor at offset 0, in order")
+        views.append(buf.view(DTYPES[t.dtype]) if buf.numel() else buf)
+    return views

@@ -101,6 +101,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     limits: Limits = msgspec.field(default_factory=Limits)
     # Weight updates may only read below these directories; empty: weight updates are refused.
     weight_roots: list[str] = []
+    # Files a request may name by path (SGLang's image_path) lie below these directories; empty: none.
+    image_roots: list[str] = []
+    # Which protocol answers the root's routes that the native API and a peer's share with bodies alike
+    # (router/peers/): "native", or "sglang" (its bare release keeps the weights). The peers' prefixed routes
+    # and bodies in a peer's own shape are answered whatever this says.
+    peer_api: str = "native"
+    # SGLang's answers carry each tensor as safetensors bytes ("bytes", sglang 0.5.23) or their base64 ("base64").
+    sglang_tensors: str = "bytes"
     # Weight updates from the trainer's memory (shared memory, a torch.distributed group); off by default.
     weight_sync_from_memory: bool = False
     # Denoise workers: each expert through torch.compile (common/diffusion/compiled.py), warmed up before ready.

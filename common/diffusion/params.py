@@ -24,7 +24,7 @@ from common.protocol.messages import (
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix", "sde_streams")
+           "trajectory_steps", "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix", "sde_streams")
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
@@ -261,10 +261,31 @@ def _rollout_params(request: dict, steps: int, info: ModelInfo) -> RolloutParams
             if values is not None and any(b > a for a, b in zip(values, values[1:])):
                 raise FieldError(name, "a rollout's values must not increase from one step to the next")
     _resolve_window(request, r, steps)
+    _resolve_trajectory_steps(r, steps)
     _check_streams(r, info)
     _check_kl(r)
     _check_branching(r, request)
     return r
+
+
+def _resolve_trajectory_steps(r: RolloutParams, steps: int) -> None:
+    """``trajectory_steps``: entries of the trajectory (0..steps) to return, or ``"sde"``: those a trainer needs to
+    recompute the SDE steps' log-probs (each SDE step's x_i and x_{i+1}; None, all, without an SDE subset)."""
+    asked = r.trajectory_steps
+    if asked is None:
+        return
+    if not r.return_trajectory:
+        raise FieldError("trajectory_steps", "needs return_trajectory: true")
+    if asked == "sde":
+        idx = r.sde_step_indices
+        r.trajectory_steps = None if idx is None else sorted({j for i in idx for j in (i, i + 1)})
+        return
+    if not isinstance(asked, list) or len(set(asked)) != len(asked):  # []: the schedule alone
+        raise FieldError("trajectory_steps", 'must be "sde" or a list of distinct entries')
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= steps for i in asked):
+        raise FieldError("trajectory_steps", f"entries must be within 0..{steps} (the latents before each step, "
+                                             f"{steps}: after the last)")
+    r.trajectory_steps = sorted(asked)
 
 
 def _check_streams(r: RolloutParams, info: ModelInfo) -> None:

@@ -139,6 +139,9 @@ class Checksum(_Control, tag="checksum", kw_only=True):
     replies = (ChecksumReply,)
 
     module: ExpertName = "transformer"
+    # engine: the state dict's names, dtypes, shapes and bytes (common/diffusion/weights.py); sglang: SGLang
+    # diffusion's digest of the parameters (its /get_weights_checksum).
+    scheme: Literal["engine", "sglang"] = "engine"
 
 
 class _FromMemory(_Control, kw_only=True):
@@ -153,6 +156,9 @@ class _FromMemory(_Control, kw_only=True):
     lora_name: LoraName | None = None
     lora_rank: Rank | None = None
     lora_alpha: float | None = None
+    # A group's broadcast of one tensor per bucket in that tensor's own dtype (SGLang's trainers), where the
+    # engine's own trainer broadcasts raw bytes.
+    typed_broadcast: bool = False
 
     replies = (WeightsReply, LoraReply)
 

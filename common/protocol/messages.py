@@ -124,10 +124,12 @@ REF_LOG_PROBS = TensorField("ref_log_probs", FLOAT_DTYPES, 2, required=False)  #
 TRAJECTORY_LATENTS = TensorField("trajectory.latents", FLOAT_DTYPES, (6, 5, 4), required=False)  # [n, T+1, *latent]
 TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, required=False)  # [T], shared
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
+# With trajectory_steps: which entries of 0..T the trajectory's latents hold [K'] (shared).
+TRAJECTORY_STEPS = TensorField("trajectory.steps", INT_DTYPES, 1, required=False)
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
-ROLLOUT_OUTPUTS = (LOG_PROBS, *STREAM_LOG_PROBS.values(), LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS, KL,
-                   REF_LOG_PROBS)
+ROLLOUT_OUTPUTS = (LOG_PROBS, *STREAM_LOG_PROBS.values(), LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS,
+                   TRAJECTORY_STEPS, KL, REF_LOG_PROBS)
 # The tensors of a result with one row per sample (the rest are shared by the request's samples).
 PER_SAMPLE = (OUTPUT, AUDIO, LOG_PROBS, *STREAM_LOG_PROBS.values(), TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
 
@@ -206,6 +208,9 @@ class RolloutParams(_Strict):
     sde_window: list[int] | None = None  # [start, stop): the window picked from the seed (common/diffusion/windows.py)
     ode_solver: OdeSolver = "euler"  # after the last SDE step: the Euler step, or the serving scheduler
     return_trajectory: bool = False
+    # return_trajectory: the entries of 0..T (the latents before each step, T: after the last) to return,
+    # ascending; None: all of them.
+    trajectory_steps: list[int] | None = None
     return_log_probs: bool = True
     schedule: RolloutSchedule = "rollout"  # whose sigmas and timesteps the SDE steps follow
     return_kl: bool = False  # per SDE step: KL against kl_reference and the log-prob under it

@@ -27,9 +27,12 @@ class FileBody(Answer):
 
 
 class Trajectory(Answer):
-    latents: TensorBody = Field(description="[T+1, *latent]: the latents before each step and after the last")
+    latents: TensorBody = Field(description="[T+1, *latent]: the latents before each step and after the last "
+                                "(with trajectory_steps: those entries)")
     timesteps: TensorBody
     sigmas: TensorBody
+    steps: TensorBody | None = Field(default=None, description="with trajectory_steps: the entries of 0..T that "
+                                     "latents holds")
 
 
 class Sample(Answer):

@@ -35,13 +35,18 @@ from router.api.web import add_web_routes
 from router.core.engine import Engine
 from router.core.request_params import makes_sound
 from router.openai.routes import OpenAIRoutes, add_openai_routes
+from router.peers.sglang.routes import SGLangRoutes, add_sglang_routes
+from router.peers.sglang.translate import speaks_sglang
+from router.peers.vllm_omni.routes import VllmOmniRoutes, add_vllm_omni_routes, speaks_vllm_omni
 
 
 class Routes:
     """The native endpoints: each parses its request, calls the engine once and answers."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, sglang: SGLangRoutes, vllm_omni: VllmOmniRoutes):
         self.engine, self.limits = engine, engine.config.limits
+        # A body in a peer's shape on a route the native API shares is answered by that peer's routes.
+        self.sglang, self.vllm_omni = sglang, vllm_omni
 
     async def health(self) -> JSONResponse:
         health = self.engine.health()
@@ -51,7 +56,12 @@ class Routes:
         return await self._run_samples(await self._sample_body(request, GenerateBody), request)
 
     async def rollout_generate(self, request: Request) -> Response:
-        return await self._run_samples(await self._sample_body(request, RolloutBody), request)
+        data = await parse_body(request, self.engine.sample_body_limit(True))
+        if speaks_sglang(data):
+            return await self.sglang.rollout(data, request)
+        if speaks_vllm_omni(data):
+            return await self.vllm_omni.rollout(data, request)
+        return await self._run_samples(RolloutBody.model_validate(data), request)
 
     async def _sample_body(self, request: Request, schema):
         return schema.model_validate(await parse_body(request, self.engine.sample_body_limit(schema is RolloutBody)))
@@ -66,7 +76,10 @@ class Routes:
 
     async def update_weights_from_disk(self, request: Request) -> JSONResponse:
         self.engine.check_weights_enabled()  # refused before the body is read: nothing reaches a worker
-        body = await self._body(request, UpdateWeightsBody)
+        data = await parse_body(request, self.limits.max_body_bytes)
+        if "model_path" in data:  # SGLang's body
+            return await self.sglang.update_weights_from_disk_body(data)
+        body = UpdateWeightsBody.model_validate(data)
         return JSONResponse(await self.engine.update_weights_from_disk(body.module, body.path, body.checksum))
 
     async def pin_reference(self) -> JSONResponse:
@@ -103,7 +116,10 @@ class Routes:
 
     async def update_weights_from_distributed(self, request: Request) -> JSONResponse:
         self.engine.check_memory_sync_enabled()
-        body = await self._large_body(request, UpdateWeightsFromDistributedBody)
+        data = await parse_body(request, self.limits.max_lora_bytes)
+        if "names" in data:  # SGLang's body: names, dtypes, shapes
+            return await self.sglang.update_weights_from_distributed_body(data)
+        body = UpdateWeightsFromDistributedBody.model_validate(data)
         return JSONResponse(await self.engine.update_weights_from_distributed(body))
 
     async def destroy_weights_group(self) -> JSONResponse:
@@ -232,7 +248,8 @@ def _lifespan(engine: Engine, api: OpenAIRoutes):
 def create_app(engine: Engine, *, api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
     """The router app over ``engine``, which it starts and stops with itself. ``api_key`` / ``admin_key``: see
     :mod:`router.api.auth` (never part of the engine's config)."""
-    routes = Routes(engine)
+    sglang, vllm_omni = SGLangRoutes(engine), VllmOmniRoutes(engine)
+    routes = Routes(engine, sglang, vllm_omni)
     api = OpenAIRoutes(engine)
     # /docs from the package's own Swagger UI files (router/api/web.py), not a CDN; no ReDoc (a CDN's too).
     app = FastAPI(title="disagg-diffusion", lifespan=_lifespan(engine, api), docs_url=None, redoc_url=None)
@@ -241,6 +258,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, admin_key: str | N
     app.add_middleware(ReadBodyFirst)  # outermost: every early answer (413, 401, 404, ...) reads the body first
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, client_gone_mid_body)  # one log line, no traceback
+    add_sglang_routes(app, sglang, root_memory=engine.config.peer_api == "sglang")  # first: they win at the root
+    add_vllm_omni_routes(app, vllm_omni)
     add_routes(app, routes)
     add_openai_routes(app, api)
     add_web_routes(app)  # the page at / and /docs

@@ -20,7 +20,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
     AUDIO, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
-    TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS,
+    TRAJECTORY_SIGMAS, TRAJECTORY_STEPS, TRAJECTORY_TIMESTEPS,
 )
 from router.api import media
 from router.link.join import PER_SAMPLE_INFO, Outcome
@@ -157,6 +157,8 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
         body["log_prob_steps"] = tensor_to_body(t[LOG_PROB_STEPS.name], binary)
     if TRAJECTORY_LATENTS.name in t:
         body["trajectory"] = {key: tensor_to_body(t[f.name], binary) for key, f in TRAJECTORY_BODY.items()}
+        if TRAJECTORY_STEPS.name in t:  # trajectory_steps: the entries its latents hold
+            body["trajectory"]["steps"] = tensor_to_body(t[TRAJECTORY_STEPS.name], binary)
     return body
 
 

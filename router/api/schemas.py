@@ -119,6 +119,10 @@ class RolloutBody(GenerateBody):
     ode_solver: OdeSolver = Field(default="euler", description="the steps after the last SDE step: euler, or "
                                   "serving (the model's own scheduler on the remaining sigmas)")
     return_trajectory: bool = False
+    trajectory_steps: Literal["sde"] | list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="with return_trajectory: the entries of 0..T to return (the latents before each "
+        "step; T: after the last; []: the timesteps and sigmas alone), or \"sde\": each SDE step's x_i and x_{i+1} "
+        "(what a trainer's recompute reads); default: all")
     return_log_probs: bool = True
     schedule: RolloutSchedule = Field(default="rollout", description="whose sigmas and timesteps the SDE steps "
                                       "follow: rollout (flow-match Euler with the serving shift) or serving (the "

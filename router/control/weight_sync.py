@@ -52,13 +52,16 @@ class MemorySync:
                 "weight_version": self.weights.version, "group": self.group_timeout_s is not None}
 
     async def _apply(self, kind: type[FromMemory], body: UpdateWeightsFromTensorsBody,
-                     timeout_s: float | None = None) -> dict:
-        """The weights of ``body.module``, or the adapter ``body.lora`` names, from the trainer's memory."""
+                     timeout_s: float | None = None, typed: bool = False) -> dict:
+        """The weights of ``body.module``, or the adapter ``body.lora`` names, from the trainer's memory
+        (``typed``: one broadcast per tensor, in its own dtype)."""
+        layout = _layout(body)
+        if typed:
+            layout["typed_broadcast"] = True
         if body.lora is None:
-            return await self.weights.update_from_memory(kind, body.module, timeout_s=timeout_s, **_layout(body))
+            return await self.weights.update_from_memory(kind, body.module, timeout_s=timeout_s, **layout)
         return await self.loras.load_from_memory(kind, body.lora.lora_name, module=body.module, timeout_s=timeout_s,
-                                                 lora_rank=body.lora.rank, lora_alpha=body.lora.alpha,
-                                                 **_layout(body))
+                                                 lora_rank=body.lora.rank, lora_alpha=body.lora.alpha, **layout)
 
     async def from_tensors(self, body: UpdateWeightsFromTensorsBody) -> dict:
         return await self._apply(UpdateWeightsFromTensors, body)
@@ -79,11 +82,12 @@ class MemorySync:
         return {"world_size": world, "backend": body.backend,
                 "ranks": [{"index": r.index, "rank": r.rank} for r in replies]}
 
-    async def from_distributed(self, body: UpdateWeightsFromDistributedBody) -> dict:
+    async def from_distributed(self, body: UpdateWeightsFromDistributedBody, typed: bool = False) -> dict:
+        """``typed``: the trainer broadcasts each tensor in its own dtype (SGLang's trainers), one bucket each."""
         if self.group_timeout_s is None:
             raise EngineError(400, "invalid_request", "no weights group: POST /init_weights_group first", "router", "")
         try:
-            return await self._apply(UpdateWeightsFromGroup, body, self.group_timeout_s + GRACE_S)
+            return await self._apply(UpdateWeightsFromGroup, body, self.group_timeout_s + GRACE_S, typed)
         except EngineError as e:
             if e.status == 504 or e.type == "inconsistent_workers":
                 self.group_timeout_s = None  # a broken-off broadcast drops the group on the workers

@@ -67,8 +67,9 @@ class WeightControl:
         Returns the modules whose latest update came from the trainer's memory, which it cannot be given."""
         return await self.versioned.replay(worker, lambda module: self.version)
 
-    async def checksum(self, module: str) -> dict:
-        replies: list[ChecksumReply] = await self.versioned.send(Checksum, module=module)
+    async def checksum(self, module: str, scheme: str = "engine") -> dict:
+        """``scheme``: which digest (common/diffusion/weights.py CHECKSUMS)."""
+        replies: list[ChecksumReply] = await self.versioned.send(Checksum, module=module, scheme=scheme)
         sums = {r.sha256 for r in replies}
         versions = {r.weight_version for r in replies}
         consistent = len(sums) == 1 and len(versions) == 1

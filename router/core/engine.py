@@ -283,10 +283,12 @@ class Engine:
         self.check_memory_sync_enabled()
         return await self.memory.init_group(body)
 
-    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedBody) -> dict:
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedBody,
+                                              typed: bool = False) -> dict:
+        """``typed``: the trainer broadcasts each tensor in its own dtype, a bucket each (SGLang's trainers)."""
         self.check_memory_sync_enabled()
         self._module(body.module)
-        return await self.memory.from_distributed(body)
+        return await self.memory.from_distributed(body, typed)
 
     async def destroy_weights_group(self) -> dict:
         self.check_memory_sync_enabled()
