@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol.messages import (
+    CONDITIONING,
     KL,
     LOG_PROB_STEPS,
     LOG_PROBS,
@@ -31,6 +32,7 @@ from common.protocol.messages import (
     RolloutParams,
 )
 from common.diffusion import schedulers, streams
+from common.diffusion.conditioning import conditioning_tensors
 from common.diffusion.after_window import last_sde_step, serving_after
 from common.diffusion.parts.text import Conditioning
 from common.diffusion.lora import LoraAdapter
@@ -112,7 +114,7 @@ class DenoiseTask:
                                      mu=info.family.latents.mu(info, params))
         if sde is not None:
             schedulers.check_rollout_schedule(scheduler)
-        generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
+        generators = [torch.Generator("cpu").manual_seed(params.sample_seed(i)) for i in range(params.n)]
         shared = branching.shared_noise_seed(params)
         branch_at = branching.branch_step(params, len(scheduler.timesteps))
         if shared is None:
@@ -284,6 +286,10 @@ class DenoiseTask:
             for f, values in ((KL, self.kls), (REF_LOG_PROBS, self.ref_log_probs)):
                 out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)
             out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
+        if r.return_conditioning:  # what the transformer took besides latents and timestep (shared)
+            guidance = self.info.family.guidance.embedded(self.info, self.params.guidance_scale)
+            for name, t in conditioning_tensors(self.cond, self.uncond, self.image, guidance).items():
+                out[CONDITIONING.name + name] = t
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
             kept = range(len(self.trajectory))
             if r.trajectory_steps is not None:  # the entries asked for (of those a partial answer reached)

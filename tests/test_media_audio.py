@@ -97,7 +97,7 @@ def test_mp4_carries_the_waveform_in_sync(fps, channels):
     wave, clicks = _waveform(fps, channels)
     rate = media.video_fps(_params(fps), _info("tiny-ltx2"))  # LTX-2 takes the request's frame_rate
     assert rate == fps
-    answer = media_response("r1", 7, _outcome(_frames(), wave[None]), 1, "mp4", rate, 0.5, _request(), bare=True)
+    answer = media_response("r1", [7], _outcome(_frames(), wave[None]), 1, "mp4", rate, 0.5, _request(), bare=True)
     assert answer.media_type == "video/mp4"
     data = answer.body
 
@@ -149,7 +149,7 @@ def test_each_sample_file_carries_its_own_sound():
     """n = 2 as files in a JSON answer: sample i's MP4 holds sample i's waveform."""
     waves = np.stack([_waveform(24.0, 1, seed=s)[0] for s in (0, 1)])
     assert np.corrcoef(waves[0, 0], waves[1, 0])[0, 1] < 0.9  # the two differ
-    answer = media_response("r2", 7, _outcome(_frames(2), waves), 2, "mp4", 24.0, 0.5, _request(), bare=False)
+    answer = media_response("r2", [7, 8], _outcome(_frames(2), waves), 2, "mp4", 24.0, 0.5, _request(), bare=False)
     body = json.loads(answer.body)
     for i, sample in enumerate(body["samples"]):
         assert sample["output"]["media_type"] == "video/mp4" and "audio" not in sample  # the file holds it
@@ -160,7 +160,7 @@ def test_each_sample_file_carries_its_own_sound():
 def test_wav_round_trips_within_16_bit_quantisation():
     wave, _ = _waveform(24.0, 2)
     wave[0, :3] = (1.5, -2.0, 1.0)  # beyond full scale: clipped, as a player would
-    answer = media_response("r3", 7, _outcome(_frames(), wave[None]), 1, "wav", 24.0, 0.5, _request(), bare=True)
+    answer = media_response("r3", [7], _outcome(_frames(), wave[None]), 1, "wav", 24.0, 0.5, _request(), bare=True)
     assert answer.media_type == "audio/wav" and answer.headers["x-seed"] == "7"
     pcm, rate = decode_wav(answer.body)
     assert rate == RATE and pcm.shape == wave.shape
@@ -172,7 +172,7 @@ def test_json_and_msgpack_answers_carry_audio_and_sample_rate(accept):
     waves = np.stack([_waveform(24.0, 2, seed=s)[0] for s in (0, 1)])
     frames = _frames(2)
     request = _request(accept)
-    response = encode_response(samples_payload("r4", 7, _outcome(frames, waves), 2, 0.5, bool(accept)), request)
+    response = encode_response(samples_payload("r4", [7, 8], _outcome(frames, waves), 2, 0.5, bool(accept)), request)
     raw = msgpack.unpackb(response.body, raw=False) if accept else json.loads(response.body)
     answer = decode_tensors(raw)
     for i, sample in enumerate(answer["samples"]):
@@ -190,17 +190,17 @@ def test_a_model_without_sound_answers_as_before():
     silent = _outcome(frames, None)
     fps = media.video_fps(_params(None), _info("tiny"))  # a family without a frame_rate field: the model's rate
     assert fps == 16
-    mp4 = media_response("r5", 7, silent, 1, "mp4", fps, 0.5, _request(), bare=True).body
+    mp4 = media_response("r5", [7], silent, 1, "mp4", fps, 0.5, _request(), bare=True).body
     assert mp4 == media.mp4_bytes(frames[0], 16)  # the existing function's output, byte for byte
     with av.open(io.BytesIO(mp4)) as container:
         assert [s.type for s in container.streams] == ["video"]
     png_frames = frames[:, :1]
-    png = media_response("r5", 7, _outcome(png_frames, None), 1, "png", fps, 0.5, _request(), bare=True).body
+    png = media_response("r5", [7], _outcome(png_frames, None), 1, "png", fps, 0.5, _request(), bare=True).body
     assert png == media.png_bytes(png_frames[0])
 
-    plain = samples_payload("r5", 7, silent, 1, 0.5, False)
+    plain = samples_payload("r5", [7], silent, 1, 0.5, False)
     wave, _ = _waveform(24.0, 1)
-    sounding = samples_payload("r5", 7, _outcome(frames, wave[None]), 1, 0.5, False)
+    sounding = samples_payload("r5", [7], _outcome(frames, wave[None]), 1, 0.5, False)
     audio_keys = {"audio", "sample_rate"}
     assert not audio_keys & set(plain["samples"][0])
     assert {k: v for k, v in sounding["samples"][0].items() if k not in audio_keys} == plain["samples"][0]

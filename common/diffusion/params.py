@@ -24,13 +24,14 @@ from common.protocol.messages import (
 MAX_SEED = 2**63 - 1
 FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_trajectory", "return_log_probs",
-           "trajectory_steps", "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix", "sde_streams")
+           "trajectory_steps", "return_conditioning", "ode_solver", "schedule", "return_kl", "kl_reference", "initial_noise_seed", "share_prefix", "sde_streams")
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
-                    "seed", "n", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
-                    "timeout_s", "image", "last_image", "return_partial", "initial_latents", *ROLLOUT, *WINDOW})
+                    "seed", "n", "seeds", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
+                    "timeout_s", "image", "last_image", "return_partial", "initial_latents", "output_dtype",
+                    *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
 
 
@@ -152,6 +153,22 @@ def _check_video(v: dict, info: ModelInfo, limits, fields: dict) -> None:
         raise FieldError("num_frames", f"must be of the form {k}k+1, got {f}")
     if f > limits.max_num_frames:
         raise FieldError("num_frames", f"must be at most {limits.max_num_frames}, got {f}")
+
+
+def _seeds(request: dict) -> tuple[int, int, list[int] | None]:
+    """(seed, n, seeds): ``seeds``, one per sample, set n (an n given must agree) and seed (its first)."""
+    seeds, n = request.get("seeds"), request.get("n", 1)
+    if seeds is None:
+        return request.get("seed", 0), n, None
+    if not isinstance(seeds, list) or not seeds:
+        raise FieldError("seeds", "must be a list of seeds, one per sample")
+    if any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED for s in seeds):
+        raise FieldError("seeds", "each must be an integer in [0, 2^63 - 1]")
+    if n not in (1, len(seeds)):
+        raise FieldError("seeds", f"holds {len(seeds)} seeds for n = {n} samples: give one per sample")
+    if request.get("seed") not in (None, 0, seeds[0]):
+        raise FieldError("seed", "give seed or seeds, not both")
+    return seeds[0], len(seeds), seeds
 
 
 def _check_sampling(v: dict, request: dict, limits) -> None:
@@ -381,7 +398,10 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
             raise
         raise FieldError(e.field, f"{e.message} (the size this model takes from the image's aspect: give height "
                                   "and width)") from None
-    _check_sampling(v, request, limits)
+    seed, n, seeds = _seeds(request)
+    _check_sampling(v, {**request, "seed": seed, "n": n}, limits)
+    if seeds is not None and len(set(seeds)) != len(seeds):
+        raise FieldError("seeds", "must be distinct (a repeated seed repeats its sample)")
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)
     length = _max_sequence_length(request, info)
@@ -394,8 +414,9 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         num_frames=v["num_frames"],
         num_inference_steps=steps,
         guidance_scale=float(v["guidance_scale"]),
-        seed=request.get("seed", 0),
-        n=request.get("n", 1),
+        seed=seed,
+        n=n,
+        seeds=seeds,
         output_type=request.get("output_type") or "frames",
         fields=fields,
         sigmas=request.get("sigmas"),

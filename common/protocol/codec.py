@@ -263,9 +263,10 @@ def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | N
 def _check_contract(msg: Wire) -> None:
     """Every tensor is one its kind declares, of the declared dtype class and rank; required ones are there."""
     contract = type(msg).contract()
+    families = [f for f in contract.values() if f.prefix]
     kind = type(msg).__name__
     for spec in msg.tensors:
-        field = contract.get(spec.name)
+        field = contract.get(spec.name) or next((f for f in families if f.names(spec.name)), None)
         if field is None:
             raise WireError(f"a {kind} carries no tensor {spec.name!r} (it carries {sorted(contract) or 'none'})",
                             msg.request_id or None)

@@ -53,6 +53,10 @@ class TensorField:
     dtypes: frozenset[str]
     rank: int | tuple[int, ...]  # several: the families differ (videos [.., F', H', W'], images [.., H', W'])
     required: bool = True
+    prefix: bool = False  # a family of tensors: every name that starts with ``name`` (each optional)
+
+    def names(self, tensor: str) -> bool:
+        return tensor.startswith(self.name) and len(tensor) > len(self.name) if self.prefix else tensor == self.name
 
     def problem(self, dtype: str, shape: list[int]) -> str | None:
         if dtype not in self.dtypes:
@@ -126,10 +130,15 @@ TRAJECTORY_TIMESTEPS = TensorField("trajectory.timesteps", FLOAT_DTYPES, 1, requ
 TRAJECTORY_SIGMAS = TensorField("trajectory.sigmas", FLOAT_DTYPES, 1, required=False)  # [T+1], shared
 # With trajectory_steps: which entries of 0..T the trajectory's latents hold [K'] (shared).
 TRAJECTORY_STEPS = TensorField("trajectory.steps", INT_DTYPES, 1, required=False)
+# With return_conditioning: what the transformer was conditioned on, as its keywords name it (shared, [1, ...]):
+# "conditioning.cond.<keyword>", "conditioning.uncond.<keyword>", "conditioning.image.<name>",
+# "conditioning.guidance" (common/diffusion/conditioning.py).
+CONDITIONING = TensorField("conditioning.", FLOAT_DTYPES | INT_DTYPES | {"bool"}, (1, 2, 3, 4, 5, 6),
+                           required=False, prefix=True)
 LORA_BLOB = TensorField("lora.blob", FLOAT_DTYPES, 1, required=False)  # an adapter's tensors, flat, in order
 # What a rollout adds; it rides from the denoise worker through the decode worker unchanged.
 ROLLOUT_OUTPUTS = (LOG_PROBS, *STREAM_LOG_PROBS.values(), LOG_PROB_STEPS, TRAJECTORY_LATENTS, TRAJECTORY_TIMESTEPS, TRAJECTORY_SIGMAS,
-                   TRAJECTORY_STEPS, KL, REF_LOG_PROBS)
+                   TRAJECTORY_STEPS, KL, REF_LOG_PROBS, CONDITIONING)
 # The tensors of a result with one row per sample (the rest are shared by the request's samples).
 PER_SAMPLE = (OUTPUT, AUDIO, LOG_PROBS, *STREAM_LOG_PROBS.values(), TRAJECTORY_LATENTS, KL, REF_LOG_PROBS)
 
@@ -211,6 +220,8 @@ class RolloutParams(_Strict):
     # return_trajectory: the entries of 0..T (the latents before each step, T: after the last) to return,
     # ascending; None: all of them.
     trajectory_steps: list[int] | None = None
+    # The conditioning tensors the transformer took (text, image, embedded guidance), for a trainer's recompute.
+    return_conditioning: bool = False
     return_log_probs: bool = True
     schedule: RolloutSchedule = "rollout"  # whose sigmas and timesteps the SDE steps follow
     return_kl: bool = False  # per SDE step: KL against kl_reference and the log-prob under it
@@ -239,8 +250,9 @@ class GenerationParams(_Strict):
     num_frames: int  # 1 for image families
     num_inference_steps: int
     guidance_scale: float
-    seed: int  # sample i of the request draws from seed + i
+    seed: int  # sample i of the request draws from seed + i (unless seeds)
     n: Annotated[int, msgspec.Meta(ge=1)] = 1  # samples, one unit of work through every stage
+    seeds: list[int] | None = None  # sample i's own seed, one per sample (seed is then seeds[0])
     output_type: OutputType = "frames"
     # The family's own fields (its binding's request_fields, e.g. a second expert's guidance scale), filled
     # with their defaults by the router: read with common.diffusion.request_fields.field_value.
@@ -256,6 +268,10 @@ class GenerationParams(_Strict):
     # Absolute deadline (seconds since the epoch): past it, workers drop the request
     # instead of spending compute on an answer nobody waits for any more.
     deadline: float | None = None
+
+    def sample_seed(self, i: int) -> int:
+        """The seed of sample ``i``'s generator."""
+        return self.seeds[i] if self.seeds is not None else self.seed + i
 
 
 class _Header(_Strict, tag_field="kind", kw_only=True):

@@ -79,6 +79,8 @@ class Samples(Answer):
     weight_version: int | None
     attempts: int = Field(description="runs it took: more than 1 when a worker died holding it")
     partial: bool | None = Field(default=None, description="a rollout cancelled with return_partial: true")
+    conditioning: dict[str, Any] | None = Field(default=None, description="return_conditioning: cond and uncond "
+                                                "(the transformer's text keywords), image, guidance")
     steps_done: int | None = Field(default=None, description="with partial: the denoising steps it took")
 
 

@@ -134,14 +134,15 @@ class Routes:
                     body = body.model_copy(update={"output_type": kind})
         done = await self.engine.generate(body, rid, gone_of(request))
         params, outcome = done.params, done.outcome
+        seeds = [params.sample_seed(i) for i in range(params.n)]
         steps_done = outcome.info.get("steps_done")
         if body.output_type in MEDIA_TYPES and steps_done is None:  # a partial answer holds latents: JSON
             bare = params.n == 1 and params.rollout is None  # a rollout's log-probs need the JSON answer
             fps = video_fps(params, self.engine.info)  # the request's rate where its family takes one
-            return await asyncio.to_thread(media_response, rid, params.seed, outcome, params.n, body.output_type,
+            return await asyncio.to_thread(media_response, rid, seeds, outcome, params.n, body.output_type,
                                            fps, time.perf_counter() - done.started, request, bare)
-        payload = samples_payload(rid, params.seed, outcome, params.n, time.perf_counter() - done.started,
-                                  wants_msgpack(request))
+        payload = samples_payload(rid, seeds, outcome, params.n, time.perf_counter() - done.started,
+                                  wants_msgpack(request), uint8=body.output_dtype == "uint8")
         if steps_done is not None:  # a rollout aborted with return_partial: the steps it took
             payload.update(partial=True, steps_done=steps_done)
         return encode_response(payload, request)

@@ -12,14 +12,16 @@ import json
 
 import msgpack
 import msgspec
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from common.diffusion.conditioning import grouped
 from common.protocol.http_tensors import tensor_to_body
 from common.protocol.messages import (
-    AUDIO, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
+    AUDIO, CONDITIONING, KL, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, REF_LOG_PROBS, ROLES, STREAM_LOG_PROBS, TRAJECTORY_LATENTS,
     TRAJECTORY_SIGMAS, TRAJECTORY_STEPS, TRAJECTORY_TIMESTEPS,
 )
 from router.api import media
@@ -118,12 +120,19 @@ STEP_VERSIONS = ("step_weight_versions", "step_lora_versions")  # a rollout's pe
 TRAJECTORY_BODY = {"latents": TRAJECTORY_LATENTS, "timesteps": TRAJECTORY_TIMESTEPS, "sigmas": TRAJECTORY_SIGMAS}
 
 
-def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None) -> dict:
-    """One sample of a ``/generate`` or ``/rollout/generate`` answer (``output``: its file instead of its tensor)."""
+def as_uint8(frames: torch.Tensor) -> torch.Tensor:
+    """Frames in [0, 1] as bytes, as diffusers makes PIL images of them: round(x * 255)."""
+    return (frames.float() * 255).round().clamp(0, 255).to(torch.uint8)
+
+
+def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None, uint8: bool = False) -> dict:
+    """One sample of a ``/generate`` or ``/rollout/generate`` answer (``output``: its file instead of its tensor;
+    ``uint8``: frames as bytes)."""
     t = o.tensors
+    frames = t[OUTPUT.name]
     body = {
         "seed": seed,
-        "output": output if output is not None else tensor_to_body(t[OUTPUT.name], binary),
+        "output": output if output is not None else tensor_to_body(as_uint8(frames) if uint8 else frames, binary),
         "route": msgspec.structs.asdict(o.route),
         "weight_version": o.info.get("weight_version"),
     }
@@ -162,9 +171,9 @@ def sample_body(seed: int, o: Outcome, binary: bool, output: dict | None = None)
     return body
 
 
-def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_s: float, binary: bool,
-                    files: list[dict] | None = None) -> dict:
-    """The whole answer: every sample (seeds ``seed + i``), the request's stage timings, its weight version.
+def samples_payload(request_id: str, seeds: list[int], outcome: Outcome, n: int, total_s: float, binary: bool,
+                    files: list[dict] | None = None, uint8: bool = False) -> dict:
+    """The whole answer: every sample (``seeds``: each one's), the request's stage timings, its weight version.
 
     The n samples went through the stages as one unit, so they share their timings, route and weights.
     ``files``: each sample's output as a file (``{"media_type", "data"}``) instead of its tensor.
@@ -172,9 +181,10 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
     # Every stage's timings as the workers reported them (the encoder's image_encode_s on image-to-video
     # requests too), the three stages always, 0.0 for one the request skipped.
     timings = {"encode_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0, **outcome.timings, "total_s": total_s}
-    return {
+    payload = {
         "request_id": request_id,
-        "samples": [sample_body(seed + i, outcome.sample(i), binary, files[i] if files else None) for i in range(n)],
+        "samples": [sample_body(seeds[i], outcome.sample(i), binary, files[i] if files else None, uint8)
+                    for i in range(n)],
         "timings": timings,
         # Each stage's peak memory while it held the request, bytes; null for a stage it skipped (decode for
         # latents).
@@ -182,10 +192,15 @@ def samples_payload(request_id: str, seed: int, outcome: Outcome, n: int, total_
         "weight_version": outcome.info.get("weight_version"),
         "attempts": outcome.info.get("attempts", 1),  # runs it took: more than 1 when a worker died holding it
     }
+    env = {k.removeprefix(CONDITIONING.name): t for k, t in outcome.tensors.items() if CONDITIONING.names(k)}
+    if env:  # return_conditioning: the request's, shared by its samples
+        payload["conditioning"] = {k: ({n: tensor_to_body(x, binary) for n, x in v.items()} if isinstance(v, dict)
+                                       else tensor_to_body(v, binary)) for k, v in grouped(env).items()}
+    return payload
 
 
-def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: str, fps: float, total_s: float,
-                   request: Request, bare: bool) -> Response:
+def media_response(request_id: str, seeds: list[int], outcome: Outcome, n: int, kind: str, fps: float,
+                   total_s: float, request: Request, bare: bool) -> Response:
     """Frames as files (``kind``: png, mp4, or wav: the sound alone), an MP4 with the sound of a model that
     makes sound. ``bare`` (one sample, no rollout tensors): the file itself, its facts in headers; else the
     usual answer with each sample's ``output`` a ``{"media_type", "data"}`` (base64 in JSON). CPU-bound (video
@@ -194,10 +209,10 @@ def media_response(request_id: str, seed: int, outcome: Outcome, n: int, kind: s
     files = [media.encode(s.tensors[OUTPUT.name], kind, fps, media.sound_of(s)) for s in samples]
     if bare:
         return Response(files[0], media_type=media.MEDIA_TYPES[kind], headers={
-            "X-Request-Id": request_id, "X-Seed": str(seed),
+            "X-Request-Id": request_id, "X-Seed": str(seeds[0]),
             "X-Weight-Version": str(outcome.info.get("weight_version")), "X-Total-Seconds": f"{total_s:.3f}",
             "X-Attempts": str(outcome.info.get("attempts", 1))})
     binary = wants_msgpack(request)
     data = [{"media_type": media.MEDIA_TYPES[kind], "data": f if binary else base64.b64encode(f).decode("ascii")}
             for f in files]
-    return encode_response(samples_payload(request_id, seed, outcome, n, total_s, binary, data), request)
+    return encode_response(samples_payload(request_id, seeds, outcome, n, total_s, binary, data), request)

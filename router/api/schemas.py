@@ -56,6 +56,8 @@ class GenerateBody(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     n: int = Field(default=1, ge=1, description="samples, with seeds seed, seed+1, ...")
+    seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
+        default=None, min_length=1, description="each sample's own seed (n: their number; seed: the first)")
     sigmas: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = Field(
         default=None, min_length=1, description="custom schedule in [0, 1]; replace num_inference_steps")
     timesteps: list[Annotated[float, Field(ge=0.0)]] | None = Field(
@@ -67,6 +69,9 @@ class GenerateBody(BaseModel):
                                         "mp4 (H.264, with an audio track from a model with sound) or png (one "
                                         "frame) file, or the sound alone as a wav (models with sound); Accept: "
                                         "video/mp4, image/png or audio/wav too")
+    output_dtype: Literal["float32", "uint8"] = Field(default="float32", description="frames as float32 in [0, 1], "
+                                                      "or uint8 in [0, 255] (round(x * 255), as diffusers' PIL "
+                                                      "output): a quarter of the bytes")
     timeout_s: float | None = Field(default=None, gt=0, description="at most the engine's --request-timeout")
     lora_name: str | None = Field(default=None, pattern=LORA_NAME_PATTERN,
                                   description="a loaded LoRA adapter (GET /v1/lora_adapters); default: none")
@@ -123,6 +128,9 @@ class RolloutBody(GenerateBody):
         default=None, description="with return_trajectory: the entries of 0..T to return (the latents before each "
         "step; T: after the last; []: the timesteps and sigmas alone), or \"sde\": each SDE step's x_i and x_{i+1} "
         "(what a trainer's recompute reads); default: all")
+    return_conditioning: bool = Field(default=False, description="the conditioning the transformer took, as its "
+                                      "keywords name it (text, image, embedded guidance): what a trainer's "
+                                      "recompute feeds it, so it may skip its text encoder")
     return_log_probs: bool = True
     schedule: RolloutSchedule = Field(default="rollout", description="whose sigmas and timesteps the SDE steps "
                                       "follow: rollout (flow-match Euler with the serving shift) or serving (the "

@@ -51,7 +51,7 @@ class DecodeSettings:
         timestep = field_value(params, DECODE_TIMESTEP.name)
         timestep = float(DEFAULTS["decode_timestep"] if timestep is None else timestep)
         noise_scale = field_value(params, DECODE_NOISE_SCALE.name)
-        return cls(params.seed + index, timestep, timestep if noise_scale is None else float(noise_scale))
+        return cls(params.sample_seed(index), timestep, timestep if noise_scale is None else float(noise_scale))
 
 
 def vocoder_class(path: Path):

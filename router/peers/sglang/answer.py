@@ -16,8 +16,9 @@ import msgspec
 import torch
 from safetensors.torch import save
 
+from common.diffusion.conditioning import grouped
 from common.protocol.messages import (
-    LOG_PROB_STEPS, LOG_PROBS, OUTPUT, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_STEPS, TRAJECTORY_TIMESTEPS,
+    CONDITIONING, LOG_PROB_STEPS, LOG_PROBS, OUTPUT, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_STEPS, TRAJECTORY_TIMESTEPS,
 )
 from router.link.join import Outcome
 from router.peers.sglang.translate import Plan
@@ -80,6 +81,13 @@ def samples(request_id: str, prompt: str, plan: Plan, outcome: Outcome, n: int, 
             # The entry after the last step has timestep 0, as SGLang records it.
             trajectory = (torch.stack([timesteps[i] if i < plan.steps else timesteps.new_zeros(()) for i in kept])
                           if kept else timesteps.new_zeros(0), t[TRAJECTORY_SIGMAS.name].float())
+    env = None
+    conditioning = grouped({k.removeprefix(CONDITIONING.name): v for k, v in t.items() if CONDITIONING.names(k)})
+    if plan.rollout and conditioning:  # SGLang's RolloutDenoisingEnv: the DiT's keyword arguments per branch
+        pack = lambda d: None if not d else {k: enc(v) for k, v in d.items()}  # noqa: E731
+        env = {"image_kwargs": pack(conditioning.get("image")), "pos_cond_kwargs": pack(conditioning.get("cond")),
+               "neg_cond_kwargs": pack(conditioning.get("uncond")),
+               "guidance": enc(conditioning["guidance"]) if "guidance" in conditioning else None}
     peaks = [v for v in outcome.peak_memory.values() if v]
     peak_mb = max(peaks) / 2**20 if plan.peak_memory and peaks else None
     out = []
@@ -87,7 +95,7 @@ def samples(request_id: str, prompt: str, plan: Plan, outcome: Outcome, n: int, 
         frames = t[OUTPUT.name][i]  # [F, H, W, 3] -> SGLang's [3, F, H, W]
         sample = {"request_id": request_id, "prompt": prompt, "seed": plan.seed,
                   "generated_output": enc(frames.permute(3, 0, 1, 2).float()),
-                  "rollout_log_probs": None, "rollout_debug_tensors": None, "denoising_env": None,
+                  "rollout_log_probs": None, "rollout_debug_tensors": None, "denoising_env": env,
                   "dit_trajectory": None, "inference_time_s": total_s if total_s > 0 else None,
                   "peak_memory_mb": peak_mb}
         if log_probs is not None:

@@ -72,7 +72,8 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
         body["frame_rate"] = float(req.fps)  # elsewhere fps only sets a saved video's rate, which has none here
     if req.rollout:
         body.update(sde_type=req.rollout_sde_type, noise_level=req.rollout_noise_level, return_trajectory=True,
-                    schedule="serving" if serving_grid(info) else "rollout")
+                    schedule="serving" if serving_grid(info) else "rollout",
+                    return_conditioning=req.rollout_return_denoising_env)
         if req.rollout_sde_type == "ode":  # every step the Euler step: no SDE step, log-probs all 0
             body.update(sde_type="sde", sde_step_indices=[])
         elif req.rollout_sde_step_indices is not None:
