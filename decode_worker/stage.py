@@ -1,24 +1,51 @@
 """Decode stage: the family's VAE decode, latents to frames [n, F, H, W, 3] (F = 1: an image), tiled as
 ``--vae-tiling`` says, and for a model with sound the waveform (``AUDIO``, its rate in
-``info["audio_sample_rate"]``)."""
+``info["audio_sample_rate"]``).
+
+A streaming request of several samples (``stream``) is decoded one sample per round of the worker's loop, each
+sent to the router as a ``SampleDone`` as soon as it is decoded (other requests go on between two), then
+answered whole like any other.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from common.diffusion.parts.decoder import Decoded
 from common.diffusion.vae_tiling import VaeTiling
 from common.families import read_model
-from common.protocol.messages import AUDIO, LATENTS, OUTPUT, PROTOCOL_VERSION, DecodeRequest, Result
+from common.protocol.errors import Cancelled
+from common.protocol.messages import (
+    AUDIO, LATENTS, OUTPUT, PER_SAMPLE, PROTOCOL_VERSION, DecodeRequest, Result, SampleDone,
+)
 from common.runtime.stage import Forward, QueuedBatchStage
+
+
+@dataclass
+class _Streaming:
+    """A streaming request being decoded sample by sample."""
+
+    msg: DecodeRequest
+    tensors: dict
+    parts: list[Decoded] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return self.tensors[LATENTS.name].shape[0]
 
 
 class DecodeStage(QueuedBatchStage):
     role = "decode"
 
+    streams: list[_Streaming]
+    _notices: list[Forward]
+
     def load(self) -> None:
+        self.streams, self._notices = [], []
         info = self.info = read_model(self.config.model)
         tiling = VaeTiling.of(self.config.vae_tiling, self.config.vae_tiling_pixels)
         self.decoder = info.family.decoder.load(info, self.dtype, self.device, tiling)
@@ -41,6 +68,74 @@ class DecodeStage(QueuedBatchStage):
             parts.append(self.decoder.decode_rows(part, rows[start : start + len(part)], *size[2]))
             start += len(part)
         return Decoded.cat(parts)
+
+    # --- streaming requests: one sample per round ---------------------------------------------------------
+    def accept(self, msg: DecodeRequest, tensors: dict) -> None:
+        if msg.params.stream and tensors[LATENTS.name].shape[0] > 1:
+            self.streams.append(_Streaming(msg, tensors))
+        else:
+            super().accept(msg, tensors)
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.streams)
+
+    def work(self) -> list:
+        done = super().work() if self.queue else []
+        if self.streams:
+            done += self._stream_one()
+        return done
+
+    def notices(self) -> list[Forward]:
+        out, self._notices = self._notices, []
+        return out
+
+    def _stream_one(self) -> list:
+        """The next sample of the oldest streaming request: its SampleDone now, the request's Result after its
+        last sample."""
+        s = self.streams[0]
+        k, p = len(s.parts), s.msg.params
+        size = (p.height, p.width, self.info.family.latents.size(self.info, p.height, p.width, p.fields))
+        t0 = time.perf_counter()
+        try:
+            decoded = self._decode_sample(s, k, size)
+        except Exception as e:
+            self.streams.pop(0)
+            return [(s.msg, e)]
+        s.elapsed += time.perf_counter() - t0
+        s.parts.append(decoded)
+        self._notices.append(self._sample_done(s, k, decoded))
+        if len(s.parts) < s.samples:
+            return []
+        self.streams.pop(0)
+        return [(s.msg, self._result(s.msg, s.tensors, Decoded.cat(s.parts), s.elapsed))]
+
+    def _decode_sample(self, s: _Streaming, k: int, size: tuple) -> Decoded:
+        latents = s.tensors[LATENTS.name][k:k + 1]
+        if not hasattr(self.decoder, "decode_rows"):
+            return Decoded(self.decode(latents, *size))
+        return self.decoder.decode_rows(latents, [(s.msg.params, k)], *size[2])
+
+    def _sample_done(self, s: _Streaming, k: int, decoded: Decoded) -> Forward:
+        rows = {f.name for f in PER_SAMPLE}
+        tensors = {name: t[k:k + 1] if name in rows else t for name, t in s.tensors.items() if name != LATENTS.name}
+        info = s.msg.info
+        if decoded.audio is not None:
+            info, tensors[AUDIO.name] = {**info, "audio_sample_rate": decoded.sample_rate}, decoded.audio
+        done = SampleDone(v=PROTOCOL_VERSION, request_id=s.msg.request_id, stage=self.role, index=k,
+                          timings={**s.msg.timings, "decode_s": s.elapsed}, info=info)
+        return Forward("router", done, {OUTPUT.name: decoded.frames, **tensors})
+
+    def drop_work(self) -> int:
+        dropped = len(self.streams)
+        self.streams.clear()
+        return dropped + super().drop_work()
+
+    def cancel(self, request_id: str, partial: bool):
+        for s in self.streams:
+            if s.msg.request_id == request_id:
+                self.streams.remove(s)
+                return s.msg, Cancelled(f"request cancelled while decoding in the {self.role} worker")
+        return super().cancel(request_id, partial)
 
     def process_batch(self, items: list[tuple[DecodeRequest, dict]]) -> list[Forward | BaseException]:
         """The samples of every queued request whose latents have the same shape and size are decoded together

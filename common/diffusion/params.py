@@ -30,7 +30,7 @@ WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
                     "seed", "n", "seeds", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
-                    "timeout_s", "image", "last_image", "return_partial", "initial_latents", "output_dtype",
+                    "timeout_s", "image", "last_image", "return_partial", "initial_latents", "output_dtype", "stream",
                     *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
 
@@ -417,6 +417,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         seed=seed,
         n=n,
         seeds=seeds,
+        stream=bool(request.get("stream")),
         output_type=request.get("output_type") or "frames",
         fields=fields,
         sigmas=request.get("sigmas"),

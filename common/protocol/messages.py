@@ -268,6 +268,9 @@ class GenerationParams(_Strict):
     # Absolute deadline (seconds since the epoch): past it, workers drop the request
     # instead of spending compute on an answer nobody waits for any more.
     deadline: float | None = None
+    # Samples answered as each is decoded (the decode worker decodes them one by one and sends each as a
+    # SampleDone ahead of the request's Result).
+    stream: bool = False
 
     def sample_seed(self, i: int) -> int:
         """The seed of sample ``i``'s generator."""
@@ -330,6 +333,19 @@ class Result(_Header, tag="result", kw_only=True):
     stage: str
     timings: dict[str, float] = {}
     peak_memory: dict[str, int] = {}
+    info: dict[str, Info] = {}
+
+
+class SampleDone(_Header, tag="sample_done", kw_only=True):
+    """Decode worker -> router, for a streaming request (``GenerationParams.stream``): sample ``index`` decoded,
+    its rows of the per-sample tensors ([1, ...]) and the shared ones. The request's Result follows with every
+    sample as usual, so an answer never depends on these."""
+
+    carries = (OUTPUT, AUDIO, *ROLLOUT_OUTPUTS)
+
+    stage: str
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    timings: dict[str, float] = {}
     info: dict[str, Info] = {}
 
 
@@ -397,6 +413,6 @@ class PeerMoved(_Header, tag="peer_moved", kw_only=True):
 # The data and bookkeeping kinds; the control kinds are in common/protocol/control.py (the codec takes both).
 Message = Union[
     EncodeRequest, DenoiseRequest, DecodeRequest, Result, ErrorReply, Heartbeat, Cancel, Progress, StepProgress,
-    PeerMoved,
+    PeerMoved, SampleDone,
 ]
 REQUEST_KINDS = {"encoder": EncodeRequest, "denoise": DenoiseRequest, "decode": DecodeRequest}

@@ -296,15 +296,16 @@ class WorkerRuntime:
 
     def advance(self) -> None:
         if self.stage.has_work():
-            for msg, outcome in self._measured_work():
-                self.finish(msg, outcome)
-            if not self.stage.has_work():
-                self._peaks.clear()  # nothing held (requests a release dropped included)
-            for notice in self.stage.notices():
+            done = self._measured_work()
+            for notice in self.stage.notices():  # first: a request's last streamed sample before its answer
                 try:
                     self.send(notice)
                 except Exception:  # a notice is informative: losing one fails nothing
                     log.debug("could not send a notice", exc_info=True)
+            for msg, outcome in done:
+                self.finish(msg, outcome)
+            if not self.stage.has_work():
+                self._peaks.clear()  # nothing held (requests a release dropped included)
 
     def _measured_work(self) -> list:
         """One turn of the stage's work; every request held during it gets the turn's peak memory if higher

@@ -31,6 +31,7 @@ from router.api.schemas import (
     UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody,
 )
 from router.api.sleep_api import SleepRoutes, add_sleep_routes
+from router.api.stream import stream_samples
 from router.api.web import add_web_routes
 from router.core.engine import Engine
 from router.core.request_params import makes_sound
@@ -126,6 +127,8 @@ class Routes:
         return JSONResponse(await self.engine.destroy_weights_group())
 
     async def _run_samples(self, body: GenerateBody, request: Request) -> Response:
+        if body.stream:  # each sample as it is decoded (router/api/stream.py)
+            return await stream_samples(self.engine, body, request)
         rid = request_id_of(request)
         accept = request.headers.get("accept", "")
         if "output_type" not in body.model_fields_set:  # an Accept for a file chooses it; the field wins

@@ -69,6 +69,9 @@ class GenerateBody(BaseModel):
                                         "mp4 (H.264, with an audio track from a model with sound) or png (one "
                                         "frame) file, or the sound alone as a wav (models with sound); Accept: "
                                         "video/mp4, image/png or audio/wav too")
+    stream: bool = Field(default=False, description="answer each sample as soon as it is decoded, one per line "
+                         "(JSON lines; msgpack maps back to back with Accept: application/msgpack), then a last "
+                         "line with the request's timings (docs/api.md#streaming)")
     output_dtype: Literal["float32", "uint8"] = Field(default="float32", description="frames as float32 in [0, 1], "
                                                       "or uint8 in [0, 255] (round(x * 255), as diffusers' PIL "
                                                       "output): a quarter of the bytes")

@@ -47,6 +47,7 @@ from router.openai.jobs import JobTable, Prepare, wait_for_room
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
 Gone = Callable[[], Awaitable[None]]  # returns once the caller went away (its request is then cancelled)
+OnSample = Callable[[int, Outcome], None]  # a streaming request's sample i, as soon as it is decoded
 
 
 def served_model_id(path: Path) -> str:
@@ -186,24 +187,37 @@ class Engine:
             out[wire] = torch.from_numpy(pixels)
         return out
 
-    async def generate(self, body: GenerateBody, request_id: str, gone: Gone | None = None) -> Generated:
+    async def generate(self, body: GenerateBody, request_id: str, gone: Gone | None = None,
+                       on_sample: OnSample | None = None) -> Generated:
         """A generation (a rollout: a :class:`RolloutBody`), its ``n`` samples one unit: checked, admitted (429
-        when the engine is full), run, answered; cancelled (499) by :meth:`cancel` or when ``gone()`` returns."""
+        when the engine is full), run, answered; cancelled (499) by :meth:`cancel` or when ``gone()`` returns.
+        ``on_sample``: a streaming request's samples, each as it is decoded."""
+        params, images = await self.prepare(body)
+        return await self.generate_prepared(body, params, images, request_id, gone, on_sample)
+
+    async def prepare(self, body: GenerateBody) -> tuple[GenerationParams, dict]:
+        """A generation's checked parameters and what the encoder gets (its images); a bad field raises
+        :class:`FieldError`, before anything is admitted."""
         pixels = await self.images_of(body)  # first: an edit model's default size follows its images
         params = self.params_for(body, pixels)
-        images = {**pixels, **initial_latents(body, self.info, params)}  # what the encoder gets
+        return params, {**pixels, **initial_latents(body, self.info, params)}
+
+    async def generate_prepared(self, body: GenerateBody, params: GenerationParams, images: dict, request_id: str,
+                                gone: Gone | None = None, on_sample: OnSample | None = None) -> Generated:
+        """:meth:`generate` after :meth:`prepare`."""
         started = time.perf_counter()
         outcome = await self.run(params, request_id, body.timeout_s, images, gone,
-                                 partial=getattr(body, "return_partial", False))
+                                 partial=getattr(body, "return_partial", False), on_sample=on_sample)
         return Generated(params, outcome, started)
 
     async def run(self, params: GenerationParams, request_id: str, timeout_s: float | None,
-                  images: dict | None = None, gone: Gone | None = None, partial: bool = False) -> Outcome:
+                  images: dict | None = None, gone: Gone | None = None, partial: bool = False,
+                  on_sample: OnSample | None = None) -> Outcome:
         """Run checked ``params`` under the caller's ``request_id`` (409 when it is in flight already)."""
         with self.in_flight.claim(request_id):
             self.dispatcher.admit(params.n)
-            return await self.cancels.run(request_id, self.submit(params, request_id, timeout_s, images), gone,
-                                          partial=partial)
+            return await self.cancels.run(request_id, self.submit(params, request_id, timeout_s, images, on_sample),
+                                          gone, partial=partial)
 
     async def run_job(self, params: GenerationParams, timeout_s: float, images: dict | None,
                       started: Callable[[str], None]) -> Outcome:
@@ -215,11 +229,11 @@ class Engine:
         return await self.cancels.run(request_id, self.submit(params, request_id, timeout_s, images))
 
     async def submit(self, params: GenerationParams, request_id: str, timeout_s: float | None,
-                     images: dict | None = None) -> Outcome:
+                     images: dict | None = None, on_sample: OnSample | None = None) -> Outcome:
         """Run one admitted request (``images``: its pixels, image-to-video); its answer (and its metrics)."""
         t0 = time.perf_counter()
         outcome = await self.dispatcher.submit(params, request_id, timeout_s, versions=lambda: self._versions(params),
-                                               images=images)
+                                               images=images, on_sample=on_sample)
         self.metrics.generated(outcome.timings, outcome.info, params.n,
                                outcome.info.get("steps_done", params.num_inference_steps), time.perf_counter() - t0)
         return outcome

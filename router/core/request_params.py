@@ -68,6 +68,8 @@ def to_params(body: GenerateBody, info: ModelInfo, limits, cache: CacheParams | 
         params = conversion.to_params(request, info, limits, cache, sizes)
     except conversion.FieldError as e:
         raise FieldError(e.field, e.message) from None
+    if body.stream and body.output_type in MEDIA_OUTPUTS:
+        raise FieldError("stream", f"streams tensors (output_type frames or latent), not {body.output_type} files")
     if body.output_dtype == "uint8" and params.output_type == "latent":
         raise FieldError("output_dtype", "uint8 holds frames: latents are float (output_type latent)")
     if body.output_type == "wav" and not makes_sound(info):

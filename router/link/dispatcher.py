@@ -29,7 +29,7 @@ from common.protocol.codec import WireError, decode, encode
 from common.protocol.control import CONTROL_REPLIES, ControlRequest
 from common.protocol.messages import (
     PROTOCOL_VERSION, ROLES, Cancel, EncodeRequest, ErrorReply, GenerationParams, Heartbeat, PeerMoved, Progress,
-    Result, Route, StepProgress,
+    Result, Route, SampleDone, StepProgress,
 )
 from common.transport.security import ROUTER, Security, bind_pull, connect_push, process_name
 from common.transport.shm import ShmContext
@@ -138,10 +138,12 @@ class Dispatcher:
 
     async def submit(self, params: GenerationParams, request_id: str | None = None,
                      timeout_s: float | None = None, versions: Versions | None = None,
-                     images: dict[str, torch.Tensor] | None = None) -> Outcome:
+                     images: dict[str, torch.Tensor] | None = None,
+                     on_sample: Callable[[int, Outcome], None] | None = None) -> Outcome:
         """One request, its ``params.n`` samples as one unit through the stages; its answer. A worker that dies
         holding it makes it run again (router/link/attempts.py): ``outcome.info["attempts"]`` says how many runs.
-        ``images``: an image-to-video request's pixels (``image``, ``last_image``), sent to the encoder."""
+        ``images``: an image-to-video request's pixels (``image``, ``last_image``), sent to the encoder;
+        ``on_sample``: a streaming request's samples as each is decoded (any run's: a re-run repeats them)."""
         rid = request_id or uuid.uuid4().hex
         timeout_s = timeout_s or self.config.limits.request_timeout_s
         params = msgspec.structs.replace(params, deadline=time.time() + timeout_s)
@@ -156,7 +158,8 @@ class Dispatcher:
         base = self._wire_base(rid)
         try:
             outcome, attempts = await with_attempts(
-                lambda attempt: self._attempt(params, base, attempt, timeout_s, images or {}, unchanged, rid),
+                lambda attempt: self._attempt(params, base, attempt, timeout_s, images or {}, unchanged, rid,
+                                              on_sample),
                 rid, self.config.limits.max_attempts, versions, rollout=params.rollout is not None,
                 cancelled=lambda: self.cancelled(rid))
         except EngineError as e:
@@ -175,7 +178,8 @@ class Dispatcher:
         return base
 
     async def _attempt(self, params: GenerationParams, request_id: str, attempt: int, timeout_s: float,
-                       images: dict[str, torch.Tensor], unchanged: Callable[[], None], client_id: str) -> Outcome:
+                       images: dict[str, torch.Tensor], unchanged: Callable[[], None], client_id: str,
+                       on_sample: Callable[[int, Outcome], None] | None = None) -> Outcome:
         rid = attempt_id(request_id, attempt)
         chosen = await self._reserve(params)
         try:
@@ -186,7 +190,7 @@ class Dispatcher:
         route = Route(**{"decode": 0, **{role: w.spec.index for role, w in chosen.items()}})
         future = asyncio.get_running_loop().create_future()
         pending = self.pending.add(rid, Pending(future, route, uses_decode=params.output_type != "latent",
-                                                samples=params.n, client_id=client_id))
+                                                samples=params.n, client_id=client_id, on_sample=on_sample))
         try:
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
             frames = encode(msg, images, shm=self.shm.sender(process_name("encoder", route.encoder)))
@@ -299,6 +303,8 @@ class Dispatcher:
             self.pending.progress(msg)
         elif isinstance(msg, StepProgress):
             self.pending.step_progress(msg)
+        elif isinstance(msg, SampleDone):
+            self.pending.sample_done(msg, tensors)
         elif isinstance(msg, (Result, ErrorReply, *CONTROL_REPLIES)):
             self.pending.resolve(msg, tensors)
         else:

@@ -1,6 +1,6 @@
 """The table of requests waiting for their answer, and the join of answers onto them.
 
-The receive loop hands every Result, ErrorReply, ControlReply, Progress and StepProgress here;
+The receive loop hands every Result, ErrorReply, ControlReply, Progress, StepProgress and SampleDone here;
 a lost worker fails exactly the requests still in (or queued for) it. No sockets here.
 """
 
@@ -10,12 +10,15 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from common.protocol.control import CONTROL_REPLIES, ControlReply
-from common.protocol.messages import PER_SAMPLE, ROLES, ErrorReply, Progress, Result, Route, StepProgress
+from common.protocol.messages import (
+    PER_SAMPLE, ROLES, ErrorReply, Progress, Result, Route, SampleDone, StepProgress,
+)
 from router.core.errors import EngineError
 
 log = logging.getLogger("disagg.router")
@@ -38,6 +41,8 @@ class Pending:
     steps: int | None = None
     created: float = field(default_factory=time.monotonic)
     logged_at: float = 0.0
+    # A streaming request: called with (index, the sample's Outcome) as each sample is decoded (SampleDone).
+    on_sample: Callable[[int, "Outcome"], None] | None = None
 
     def waits_on(self, role: str, index: int) -> bool:
         """Whether this request is still in (or queued for) worker ``role``-``index``."""
@@ -136,6 +141,15 @@ class PendingTable:
             p.logged_at = now
             log.info("request %s: denoise step %d/%d, %.0f s since it arrived", msg.request_id, msg.step,
                      msg.steps, now - p.created)
+
+    def sample_done(self, msg: SampleDone, tensors: dict[str, torch.Tensor]) -> None:
+        """A streaming request's sample, decoded: handed to its stream (none any more: dropped)."""
+        p = self._by_id.get(msg.request_id)
+        if p is None or p.on_sample is None or msg.index >= p.samples:
+            return
+        info = {k: v[msg.index] if k in PER_SAMPLE_INFO and isinstance(v, list) and len(v) == p.samples else v
+                for k, v in msg.info.items()}
+        p.on_sample(msg.index, Outcome(tensors, msg.timings, info, p.route).sample(0))
 
     def resolve(self, msg: Result | ErrorReply | ControlReply, tensors: dict[str, torch.Tensor]) -> bool:
         """Settle the request ``msg`` answers; False (and dropped) if it is unknown or already settled."""
