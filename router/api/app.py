@@ -38,7 +38,9 @@ from router.core.request_params import makes_sound
 from router.openai.routes import OpenAIRoutes, add_openai_routes
 from router.peers.sglang.routes import SGLangRoutes, add_sglang_routes
 from router.peers.sglang.translate import speaks_sglang
-from router.peers.vllm_omni.routes import VllmOmniRoutes, add_vllm_omni_routes, speaks_vllm_omni
+from router.peers.vllm_omni.routes import (
+    VllmOmniRoutes, add_vllm_omni_routes, speaks_vllm_omni, speaks_vllm_omni_lora,
+)
 
 
 class Routes:
@@ -78,7 +80,7 @@ class Routes:
     async def update_weights_from_disk(self, request: Request) -> JSONResponse:
         self.engine.check_weights_enabled()  # refused before the body is read: nothing reaches a worker
         data = await parse_body(request, self.limits.max_body_bytes)
-        if "model_path" in data:  # SGLang's body
+        if "model_path" in data or (self.engine.config.peer_api == "sglang" and "path" not in data):  # SGLang's
             return await self.sglang.update_weights_from_disk_body(data)
         body = UpdateWeightsBody.model_validate(data)
         return JSONResponse(await self.engine.update_weights_from_disk(body.module, body.path, body.checksum))
@@ -93,11 +95,16 @@ class Routes:
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
         # An adapter from memory comes as msgpack with its tensors, so it has its own size limit.
         data = await parse_body(request, self.limits.max_lora_bytes)
+        if speaks_vllm_omni_lora(data):
+            return await self.vllm_omni.load_lora(data)
         schema = LoadLoraTensorsBody if "blob" in data else LoadLoraBody
         return JSONResponse(await self.engine.load_lora(schema.model_validate(data)))
 
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
-        return JSONResponse(await self.engine.unload_lora((await self._body(request, UnloadLoraBody)).lora_name))
+        data = await parse_body(request, self.limits.max_body_bytes)
+        if speaks_vllm_omni_lora(data):
+            return await self.vllm_omni.unload_lora(data)
+        return JSONResponse(await self.engine.unload_lora(UnloadLoraBody.model_validate(data).lora_name))
 
     async def lora_adapters(self) -> JSONResponse:
         return JSONResponse(self.engine.lora_adapters())
