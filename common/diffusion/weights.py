@@ -120,7 +120,20 @@ def parameters_checksum(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-CHECKSUMS = {"engine": state_dict_checksum, "sglang": parameters_checksum}  # a checksum request's scheme
+def omni_parameters_checksum(module: torch.nn.Module) -> str:
+    """SHA-256 hex digest as vLLM-Omni's ``/get_weights_checksum`` computes it: the module's parameters (not its
+    buffers) in name order, each its name, ``str(dtype)`` (``torch.bfloat16``), ``str(tuple(shape))`` and raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.named_parameters(), key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(_raw_bytes(tensor))
+    return digest.hexdigest()
+
+
+CHECKSUMS = {"engine": state_dict_checksum, "sglang": parameters_checksum,  # a checksum request's scheme
+             "vllm_omni": omni_parameters_checksum}
 
 
 # --------------------------------------------------------------------------

@@ -140,8 +140,8 @@ class Checksum(_Control, tag="checksum", kw_only=True):
 
     module: ExpertName = "transformer"
     # engine: the state dict's names, dtypes, shapes and bytes (common/diffusion/weights.py); sglang: SGLang
-    # diffusion's digest of the parameters (its /get_weights_checksum).
-    scheme: Literal["engine", "sglang"] = "engine"
+    # diffusion's digest of the parameters (its /get_weights_checksum); vllm_omni: vLLM-Omni's (with dtypes, shapes).
+    scheme: Literal["engine", "sglang", "vllm_omni"] = "engine"
 
 
 class _FromMemory(_Control, kw_only=True):

@@ -13,6 +13,7 @@ from router.api.openapi import errors, ok, request_body
 from router.api.schemas import ReleaseMemoryBody, ResumeMemoryBody
 from router.core.engine import Engine
 from router.core.errors import FieldError
+from router.peers.vllm_omni import routes as vllm_omni
 
 LEVELS = {"1": 1, "2": 2}
 MODES = ("wait", "abort")
@@ -44,6 +45,8 @@ class SleepRoutes:
                 raise FieldError(name, f"unknown query parameter; {request.url.path} takes {', '.join(allowed)}")
 
     async def sleep(self, request: Request) -> JSONResponse:
+        if "stage_ids" in request.query_params:  # vLLM-Omni's (router/peers/vllm_omni/)
+            return await vllm_omni.sleep(self.engine, request)
         await self._query(request, ("level", "mode"))
         q = request.query_params
         level = LEVELS.get(q.get("level", "1"))
@@ -55,6 +58,8 @@ class SleepRoutes:
         return JSONResponse(await self.engine.release_memory(None, level, mode))
 
     async def wake_up(self, request: Request) -> JSONResponse:
+        if "stage_ids" in request.query_params:  # vLLM-Omni's (router/peers/vllm_omni/)
+            return await vllm_omni.wake_up(self.engine, request)
         await self._query(request, ("tags",))
         tags = request.query_params.getlist("tags")
         return JSONResponse(await self.engine.resume_memory(tags or None))

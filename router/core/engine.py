@@ -37,6 +37,7 @@ from router.control.sleep import SleepControl, components_of
 from router.control.weight_sync import MemorySync
 from router.core.errors import EngineError, FieldError
 from router.core.metrics import EngineState, Metrics
+from router.core.pause import PauseGate
 from router.core.progress import InFlight
 from router.core.request_params import image_items, initial_latents, max_images, sized_by_image, to_params
 from router.link.cancel import JOB_DELETED, Cancellations
@@ -82,6 +83,7 @@ class Engine:
         experts = EXPERT_NAMES if self.info.has_transformer_2 else EXPERT_NAMES[:1]
         self.sleep = SleepControl(dispatcher, self.weights, experts)
         self.metrics = Metrics()
+        self.pause = PauseGate()  # vLLM's /pause: new generations wait while it is paused
         self.in_flight = InFlight(dispatcher.pending, config.limits.max_attempts)
         self.cancels = Cancellations(dispatcher.cancel_partial, lambda why: self.metrics.cancelled.labels(why).inc())
         limits = config.limits
@@ -214,6 +216,7 @@ class Engine:
                   images: dict | None = None, gone: Gone | None = None, partial: bool = False,
                   on_sample: OnSample | None = None) -> Outcome:
         """Run checked ``params`` under the caller's ``request_id`` (409 when it is in flight already)."""
+        await self.pause.wait_open()
         with self.in_flight.claim(request_id):
             self.dispatcher.admit(params.n)
             return await self.cancels.run(request_id, self.submit(params, request_id, timeout_s, images, on_sample),
@@ -223,6 +226,7 @@ class Engine:
                       started: Callable[[str], None]) -> Outcome:
         """A video job's run: it waits for room (429 only delays it) up to ``timeout_s``, then runs under a
         fresh id it reports to ``started``."""
+        await self.pause.wait_open()
         await wait_for_room(lambda: self.dispatcher.admit(params.n), time.monotonic() + timeout_s)
         request_id = uuid.uuid4().hex
         started(request_id)

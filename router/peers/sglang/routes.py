@@ -33,6 +33,7 @@ from router.peers.sglang.schemas import (
     UpdateWeightsFromDistributed,
 )
 from router.peers.sglang.translate import native_body, sglang_field
+from router.peers.vllm_omni.routes import speaks_vllm_omni_checksum, weights_checksum as vllm_omni_checksum
 
 PREFIX = "/sglang"
 NOT_FOUND = "not_found"  # SGLang's checksum of a module its pipeline lacks
@@ -157,8 +158,12 @@ class SGLangRoutes:
     async def get_weights_checksum(self, request: Request) -> JSONResponse:
         """SGLang's digest per module (router/control/weights.py, scheme sglang): the experts by default;
         ``not_found`` for a module the denoise workers do not hold."""
+        raw = await read_limited(request, self.limits.max_body_bytes)
+        data = decode_body(raw, request) if raw else {}
+        if speaks_vllm_omni_checksum(data):  # vLLM-Omni's body (router/peers/vllm_omni/)
+            return await vllm_omni_checksum(self.engine, data)
         try:
-            body = await self._body(request, GetWeightsChecksum)
+            body = GetWeightsChecksum.model_validate(data)
         except ValidationError as e:
             return _invalid(e)
         names = body.module_names if body.module_names is not None else self._experts()
