@@ -54,6 +54,7 @@ from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
 from router.openai.job_store import JobStore, open_or_exit as open_job_store
+from router.peers.flags import add_peer_flags, peer_settings
 
 ROOT = Path(__file__).resolve().parent
 log = logging.getLogger("disagg.launch")
@@ -83,13 +84,6 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
                    help=f"key for weight updates (visible in ps: prefer ${ADMIN_KEY_ENV})")
     p.add_argument("--weight-root", action="append", default=[], metavar="DIR",
                    help="weight updates may read only below DIR (repeatable); without one, updates are refused")
-    p.add_argument("--image-root", action="append", default=[], metavar="DIR",
-                   help="requests may name image files below DIR (SGLang's image_path; repeatable); default: none")
-    p.add_argument("--peer-api", choices=("native", "sglang"), default="native",
-                   help="who answers root routes a peer protocol shares with bodies alike: the bare "
-                        "release / resume_memory_occupation (sglang: SGLang's meaning, the weights kept)")
-    p.add_argument("--sglang-tensors", choices=("bytes", "base64"), default="bytes",
-                   help="SGLang answers' tensor data: safetensors bytes (sglang 0.5.23) or their base64 (older)")
     p.add_argument("--weight-sync-from-memory", action="store_true",
                    help="accept weight updates from the trainer's memory (shared memory, torch.distributed)")
 
@@ -153,19 +147,16 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serve a diffusion model (Wan, SD3) as a disaggregated "
                                             "encoder/denoise/decode pipeline.")
-    for add_flags in (_serving_flags, _security_flags, _limit_flags, _worker_flags, add_memory_flags):
+    for add_flags in (_serving_flags, _security_flags, add_peer_flags, _limit_flags, _worker_flags, add_memory_flags):
         add_flags(p)
     args = p.parse_args(argv)
     if args.ray is not None:
         args.transport = "tcp"  # the workers' nodes are other machines
-    if args.shm_threshold is not None and args.shm_threshold < 0:
-        p.error("--shm-threshold must be >= 0")
-    if args.max_attempts < 1:
-        p.error("--max-attempts must be >= 1")
-    if args.worker_wait < 0:
-        p.error("--worker-wait must be >= 0")
-    if args.shm_spare_bytes < 0:
-        p.error("--shm-spare-bytes must be >= 0")
+    for bad, why in ((args.shm_threshold is not None and args.shm_threshold < 0, "--shm-threshold must be >= 0"),
+                     (args.max_attempts < 1, "--max-attempts must be >= 1"), (args.worker_wait < 0, "--worker-wait "
+                     "must be >= 0"), (args.shm_spare_bytes < 0, "--shm-spare-bytes must be >= 0")):
+        if bad:
+            p.error(why)
     check_memory_flags(p, args)
     return args
 
@@ -235,9 +226,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         shm_spare_bytes=args.shm_spare_bytes if shm_threshold else 0,
         cuda_ipc=args.transport == "ipc" and not args.no_cuda_ipc,
         weight_roots=weight_roots,
-        image_roots=resolve_weight_roots(args.image_root, "--image-root"),
-        peer_api=args.peer_api,
-        sglang_tensors=args.sglang_tensors,
+        **peer_settings(args),
         weight_sync_from_memory=args.weight_sync_from_memory,
         compile=args.compile,
         cache=args.cache,
@@ -270,7 +259,6 @@ def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, l
     # Before any child starts: the key variables leave the environment the workers inherit.
     try:
         api_key, admin_key = keys_from_environment(args.api_key, args.admin_key)
-        resolve_weight_roots(args.image_root, "--image-root")  # checked here too: a bad one is one line
         return api_key, admin_key, resolve_weight_roots(args.weight_root)
     except ValueError as e:
         sys.exit(f"launch.py: error: {e}")

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.diffusion.weights import CHECKSUMS, WeightsError, load_into, read_weights, state_dict_checksum
+from common.diffusion.checksums import CHECKSUMS
+from common.diffusion.weights import WeightsError, load_into, read_weights, state_dict_checksum
 from common.protocol.control import (
     Checksum,
     ChecksumReply,

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.transport import weights_group
-from rl.peers import SGLangWeightSender
+from router.peers.sglang.sender import SGLangWeightSender
 from test_peer_sglang import read
 from test_weight_sync_memory import free_port
 
@@ -151,7 +151,7 @@ def test_a_weights_group_with_one_broadcast_per_tensor(setup, tiny_dir):
 
 
 def test_the_weight_sender_in_place_of_pickled_tensors(setup, tiny_dir):
-    """``rl.peers.SGLangWeightSender``: the same named tensors through shared memory, SGLang's answer."""
+    """``router.peers.sglang.sender.SGLangWeightSender``: the same named tensors through shared memory, SGLang's answer."""
     url = setup[0].url
     new = {k: v * 0.5 for k, v in load_file(next((tiny_dir / "transformer").glob("*.safetensors"))).items()}
     with SGLangWeightSender(url + "/sglang") as sender:

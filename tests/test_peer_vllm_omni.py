@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from common.builtin import BUILTINS, ensure_builtin
 from common.config.engine import Limits
-from common.diffusion.weights import omni_parameters_checksum
+from common.diffusion.checksums import omni_parameters_checksum
 from common.families import BINDINGS, read_model
 from router.api.images import decode_image
 from router.api.schemas import RolloutBody

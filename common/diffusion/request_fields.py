@@ -36,6 +36,7 @@ class RequestField:
     maximum: float | None = None
     model_check: Callable[["ModelInfo"], str | None] | None = None
     resolve: Callable[[object, dict], object] | None = None
+    aliases: tuple[str, ...] = ()  # what other engines' APIs call it (router/peers/: e.g. "fps" for a frame rate)
 
     def problem(self, value) -> str | None:
         """Why ``value`` is not of this field's type and bounds (None: it is)."""
@@ -61,6 +62,12 @@ class RequestField:
             kind["maximum"] = self.maximum
         return {"anyOf": [kind, {"type": "null"}], "default": None, "title": self.name.replace("_", " ").title(),
                 "description": self.doc}
+
+
+def declared(fields, name: str) -> "RequestField | None":
+    """The field of ``fields`` (a binding's request fields) named ``name``, or that another engine's API calls so
+    (its ``aliases``); None where the family has none."""
+    return next((f for f in fields if f.name == name or name in f.aliases), None)
 
 
 def field_value(params, name: str):

@@ -109,33 +109,6 @@ def state_dict_checksum(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> st
     return digest.hexdigest()
 
 
-def parameters_checksum(module: torch.nn.Module) -> str:
-    """SHA-256 hex digest as SGLang diffusion's ``/get_weights_checksum`` computes it, so that a trainer's own
-    check against its tensors passes: the module's parameters (not its buffers) in name order, each its name's
-    UTF-8 bytes then its raw bytes (no dtype, shape or length in between)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.named_parameters(), key=lambda item: item[0]):
-        digest.update(name.encode())
-        digest.update(_raw_bytes(tensor))
-    return digest.hexdigest()
-
-
-def omni_parameters_checksum(module: torch.nn.Module) -> str:
-    """SHA-256 hex digest as vLLM-Omni's ``/get_weights_checksum`` computes it: the module's parameters (not its
-    buffers) in name order, each its name, ``str(dtype)`` (``torch.bfloat16``), ``str(tuple(shape))`` and raw bytes."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.named_parameters(), key=lambda item: item[0]):
-        digest.update(name.encode())
-        digest.update(str(tensor.dtype).encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(_raw_bytes(tensor))
-    return digest.hexdigest()
-
-
-CHECKSUMS = {"engine": state_dict_checksum, "sglang": parameters_checksum,  # a checksum request's scheme
-             "vllm_omni": omni_parameters_checksum}
-
-
 # --------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------
@@ -416,8 +389,7 @@ def save_weights(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
 
 
 def resolve_weight_roots(dirs: list[str], flag: str = "--weight-root") -> list[str]:
-    """``--weight-root`` (or ``flag``'s) values as absolute real paths of existing directories (symlinks
-    resolved)."""
+    """``flag``'s values (``--weight-root``) as absolute real paths of existing directories (symlinks resolved)."""
     roots: list[str] = []
     for d in dirs:
         real = os.path.realpath(os.path.expanduser(d))

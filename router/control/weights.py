@@ -68,7 +68,7 @@ class WeightControl:
         return await self.versioned.replay(worker, lambda module: self.version)
 
     async def checksum(self, module: str, scheme: str = "engine") -> dict:
-        """``scheme``: which digest (common/diffusion/weights.py CHECKSUMS)."""
+        """``scheme``: which digest (common/diffusion/checksums.py)."""
         replies: list[ChecksumReply] = await self.versioned.send(Checksum, module=module, scheme=scheme)
         sums = {r.sha256 for r in replies}
         versions = {r.weight_version for r in replies}

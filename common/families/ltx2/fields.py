@@ -11,7 +11,8 @@ from __future__ import annotations
 from common.diffusion.request_fields import FROM_MODEL, RequestField, field_value
 
 FRAME_RATE = RequestField("frame_rate", float, "frames per second of the video (and of the MP4); the audio's "
-                          "length follows the video's duration", default=FROM_MODEL, minimum=1.0, maximum=120.0)
+                          "length follows the video's duration", default=FROM_MODEL, minimum=1.0, maximum=120.0,
+                          aliases=("fps",))
 MOTION_SPEED = RequestField("motion_speed", float, "motion relative to real time: the positions are conditioned "
                             "on frame_rate / motion_speed", default=FROM_MODEL, minimum=0.05, maximum=20.0)
 STG_SCALE = RequestField("stg_scale", float, "spatio-temporal guidance (a pass with self-attention skipped in "

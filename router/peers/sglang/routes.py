@@ -27,7 +27,8 @@ from router.api.request_ids import request_id_of
 from router.api.schemas import InitWeightsGroupBody, RolloutBody, UpdateWeightsFromDistributedBody
 from router.core.engine import Engine
 from router.core.errors import EngineError, FieldError
-from router.peers.sglang import answer
+from router.api.openapi import errors, ok, request_body
+from router.peers.sglang import answer, answers
 from router.peers.sglang.schemas import (
     DestroyWeightsUpdateGroup, GetWeightsChecksum, InitWeightsUpdateGroup, RolloutRequest, UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
@@ -78,7 +79,7 @@ class SGLangRoutes:
         except ValidationError as e:
             return _invalid(e)
         try:
-            native, plan = native_body(req, engine.info, engine.config.image_roots, self.limits.max_image_bytes)
+            native, plan = native_body(req, engine.info, engine.config.image_roots, self.limits.max_image_bytes, data)
         except FieldError as e:
             return _error(e)
         try:
@@ -88,7 +89,7 @@ class SGLangRoutes:
         try:
             done = await engine.generate(body, rid, gone_of(request))
         except FieldError as e:
-            return _error(e, sglang_field(e.field))
+            return _error(e, sglang_field(e.field, engine.info))
         except EngineError as e:
             return _error(e)
         payload = answer.samples(rid, req.prompt, plan, done.outcome, done.params.n,
@@ -102,8 +103,9 @@ class SGLangRoutes:
         health = self.engine.health()
         if health["ok"]:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": "not every worker is ready", "workers":
-                             health["workers"]}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "error": {
+            "type": "not_ready", "message": "not every worker is ready", "request_id": None, "stage": "router"}},
+            status_code=503)
 
     # --- weights ----------------------------------------------------------------------------------------
     def _experts(self) -> list[str]:
@@ -181,7 +183,7 @@ class SGLangRoutes:
         unread, with the route that carries the same tensors safely."""
         await request.body()
         return _error(FieldError("serialized_named_tensors", "pickled payloads are refused (no pickle reaches "
-                                 "this engine): send the tensors with rl.peers.SGLangWeightSender (shared memory "
+                                 "this engine): send the tensors with router.peers.sglang.sender.SGLangWeightSender (shared memory "
                                  "or CUDA IPC through /update_weights_from_tensors, docs/api.md#sglang-diffusion)"))
 
     # --- the weights group --------------------------------------------------------------------------------
@@ -293,24 +295,37 @@ class SGLangRoutes:
 def add_sglang_routes(app: FastAPI, routes: SGLangRoutes, root_memory: bool) -> None:
     """Every route under ``/sglang``; at the root those the native API leaves free (``root_memory``: the
     release / resume pair too, ``--peer-api sglang``)."""
-    post = {"/rollout/generate": routes.rollout_generate,
-            "/update_weights_from_disk": routes.update_weights_from_disk,
-            "/get_weights_checksum": routes.get_weights_checksum,
-            "/update_weights_from_tensor": routes.update_weights_from_tensor,
-            "/init_weights_update_group": routes.init_weights_update_group,
-            "/update_weights_from_distributed": routes.update_weights_from_distributed,
-            "/destroy_weights_update_group": routes.destroy_weights_update_group,
-            "/release_memory_occupation": routes.release_memory_occupation,
-            "/resume_memory_occupation": routes.resume_memory_occupation}
-    tags = ["SGLang diffusion"]
-    for path, handler in post.items():
-        app.add_api_route(PREFIX + path, handler, methods=["POST"], tags=tags, summary=f"SGLang's {path}")
-    for path in ("/health", "/health_generate"):
-        app.add_api_route(PREFIX + path, routes.health, methods=["GET"], tags=tags, summary=f"SGLang's {path}")
+    bodies = {"/update_weights_from_disk": UpdateWeightsFromDisk, "/get_weights_checksum": GetWeightsChecksum,
+              "/init_weights_update_group": InitWeightsUpdateGroup,
+              "/update_weights_from_distributed": UpdateWeightsFromDistributed,
+              "/destroy_weights_update_group": DestroyWeightsUpdateGroup}
+    post = {"/rollout/generate": (routes.rollout_generate, ok(None, "a msgpack list, a map per sample "
+                                                             "(RolloutSample)", media=[MSGPACK])),
+            "/update_weights_from_disk": (routes.update_weights_from_disk, ok(answers.Done)),
+            "/get_weights_checksum": (routes.get_weights_checksum, ok(answers.Checksums)),
+            "/update_weights_from_tensor": (routes.update_weights_from_tensor, ok(answers.Done, "never: pickled "
+                                                                                 "payloads are refused (400)")),
+            "/init_weights_update_group": (routes.init_weights_update_group, ok(answers.Done)),
+            "/update_weights_from_distributed": (routes.update_weights_from_distributed, ok(answers.Done)),
+            "/destroy_weights_update_group": (routes.destroy_weights_update_group, ok(answers.Done)),
+            "/release_memory_occupation": (routes.release_memory_occupation, ok(answers.Memory)),
+            "/resume_memory_occupation": (routes.resume_memory_occupation, ok(answers.Memory))}
+    tags, failures = ["SGLang diffusion"], errors(400, 401, 403, 409, 413, 429, 499, 500, 503, 504)
+
+    def add(path: str, prefix: str) -> None:
+        handler, answer = post[path]
+        extra = request_body(RolloutRequest if path == "/rollout/generate" else bodies[path]) \
+            if path in bodies or path == "/rollout/generate" else None
+        app.add_api_route(prefix + path, handler, methods=["POST"], tags=tags, summary=f"SGLang's {path}",
+                          openapi_extra=extra, responses={**answer, **failures})
+
+    for path in post:
+        add(path, PREFIX)
     free = ["/get_weights_checksum", "/update_weights_from_tensor", "/init_weights_update_group",
             "/destroy_weights_update_group"]
-    if root_memory:
-        free += ["/release_memory_occupation", "/resume_memory_occupation"]
-    for path in free:
-        app.add_api_route(path, post[path], methods=["POST"], tags=tags, summary=f"SGLang's {path}")
-    app.add_api_route("/health_generate", routes.health, methods=["GET"], tags=tags, summary="SGLang's /health_generate")
+    for path in free + (["/release_memory_occupation", "/resume_memory_occupation"] if root_memory else []):
+        add(path, "")
+    health = {**ok(answers.Health, "every worker is ready"), **errors(400, 401, 500, 503)}
+    for path in (PREFIX + "/health", PREFIX + "/health_generate", "/health_generate"):
+        app.add_api_route(path, routes.health, methods=["GET"], tags=tags, summary="SGLang's health",
+                          responses=health)

@@ -1,7 +1,9 @@
 """SGLang diffusion's request bodies, field for field as sglang 0.5.23 declares them (``io_struct.py``).
 
 As there, a field a body names that the model does not declare is ignored (pydantic's default); unlike there,
-types are strict (no ``"32"`` for an int) so that a mistake is a 400 naming the field, never a coercion.
+types are strict (no ``"32"`` for an int) so that a mistake is a 400 naming the field, never a coercion. Its
+fields that belong to some families only (true CFG's scale) are not declared here: the translation passes a
+body's field on wherever the served family declares it (common/diffusion/request_fields.py ``declared``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class RolloutRequest(_Body):
     num_inference_steps: Optional[int] = None
     num_outputs_per_prompt: Optional[int] = Field(default=None, ge=1)
     guidance_scale: Optional[float] = None
-    true_cfg_scale: Optional[float] = None
     num_frames: Optional[int] = None
-    fps: Optional[int] = Field(default=None, ge=1, description="models with a frame_rate field (LTX-2): its value")
+    fps: Optional[int] = Field(default=None, ge=1, description="a model whose family takes a frame rate (LTX-2): its "
+                               "value; elsewhere the rate of a saved video, which this route makes none of")
     rollout: bool = True
     rollout_sde_type: Literal["sde", "cps", "ode"] = "sde"
     rollout_noise_level: float = Field(default=0.7, ge=0.0, le=10.0)

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 
 from common.diffusion.model_info import ModelInfo
+from common.diffusion.request_fields import declared
 from router.api.schemas import RolloutBody
 from router.core.errors import FieldError
 from router.peers.sglang.schemas import RolloutRequest
@@ -24,7 +25,7 @@ SGLANG_ONLY = frozenset({"generator_device", "num_outputs_per_prompt", "image_pa
 # The native field each SGLang field becomes: a native check's error names the field the caller sent.
 NATIVE_NAMES = {"n": "num_outputs_per_prompt", "sde_type": "rollout_sde_type", "noise_level": "rollout_noise_level",
                 "sde_step_indices": "rollout_sde_step_indices", "trajectory_steps": "rollout_return_step_indices",
-                "image": "image_path", "frame_rate": "fps"}
+                "image": "image_path"}
 NATIVE_FIELDS = frozenset(RolloutBody.model_fields)
 
 
@@ -50,8 +51,9 @@ class Plan:
 
 
 def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
-                max_image_bytes: int = 32 << 20) -> tuple[dict, Plan]:
-    """The native body (a dict for :class:`RolloutBody`) of ``req`` and its :class:`Plan`."""
+                max_image_bytes: int = 32 << 20, raw: dict | None = None) -> tuple[dict, Plan]:
+    """The native body (a dict for :class:`RolloutBody`) of ``req`` and its :class:`Plan`; ``raw``: the body as
+    sent, whose fields the served family declares (by name or alias) pass on, checked as the family checks them."""
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)  # answered: it reproduces the samples
     if req.rollout and req.rollout_sde_type != "ode" and not req.rollout_log_prob_no_const \
             and req.rollout_noise_level <= 0:
@@ -66,10 +68,10 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
             body[name] = getattr(req, name)
     if req.num_outputs_per_prompt is not None:
         body["n"] = req.num_outputs_per_prompt
-    if req.true_cfg_scale is not None:
-        body["true_cfg_scale"] = req.true_cfg_scale  # the families that declare it take it; others: a 400
-    if req.fps is not None and any(f.name == "frame_rate" for f in info.family.request_fields):
-        body["frame_rate"] = float(req.fps)  # elsewhere fps only sets a saved video's rate, which has none here
+    for key, value in {**(raw or {}), "fps": req.fps}.items():  # the family's own fields SGLang's body carries
+        field = declared(info.family.request_fields, key)
+        if field is not None and value is not None and key not in NATIVE_FIELDS:
+            body[field.name] = float(value) if field.type is float and isinstance(value, int) else value
     if req.rollout:
         body.update(sde_type=req.rollout_sde_type, noise_level=req.rollout_noise_level, return_trajectory=True,
                     schedule="serving" if serving_grid(info) else "rollout",
@@ -88,7 +90,7 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
                   for i, path in enumerate(req.image_path)]
         body["image"] = images[0] if len(images) == 1 else images
     for key, value in (req.extra_sampling_params or {}).items():  # as SGLang: they override, rollout stays
-        if key not in NATIVE_FIELDS and not any(f.name == key for f in info.family.request_fields):
+        if key not in NATIVE_FIELDS and declared(info.family.request_fields, key) is None:
             raise FieldError(f"extra_sampling_params.{key}", "not a field of this engine's /rollout/generate for "
                                                               "this model (docs/api.md)")
         if key != "rollout":
@@ -128,9 +130,12 @@ def read_image(path: str, field: str, roots: list[str], max_bytes: int) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def sglang_field(field: str) -> str:
-    """The SGLang name of a native field a check refused (its first part: ``sde_step_indices.0``)."""
+def sglang_field(field: str, info: ModelInfo | None = None) -> str:
+    """The SGLang name of a native field a check refused (its first part: ``sde_step_indices.0``; a family's
+    field by the alias SGLang knows it by)."""
     head, _, rest = field.partition(".")
-    name = NATIVE_NAMES.get(head, head)
+    own = declared(info.family.request_fields, head) if info is not None else None
+    name = NATIVE_NAMES.get(head) or next((a for a in (own.aliases if own else ()) if a in RolloutRequest.model_fields),
+                                          head)
     return f"{name}.{rest}" if rest else name
 

@@ -1,4 +1,4 @@
-"""Trainer-side pieces for clients written against another engine's API.
+"""The trainer's side of SGLang's tensor updates, for rollout clients written against SGLang diffusion.
 
 SGLang diffusion's ``/update_weights_from_tensor`` carries the tensors pickled (torch's multiprocessing
 reductions of CUDA IPC handles), which this engine never unpickles. :class:`SGLangWeightSender` sends the same
@@ -10,6 +10,8 @@ and answers as SGLang does. In a miles or UniRL rollout client, the one line tha
 becomes::
 
     SGLangWeightSender(url).update_weights_from_tensor(named_tensors, target_modules=["transformer"])
+
+(``from router.peers.sglang.sender import SGLangWeightSender``; the engine's Python client beside it.)
 """
 
 from __future__ import annotations
