@@ -317,7 +317,8 @@ def add_sglang_routes(app: FastAPI, routes: SGLangRoutes, root_memory: bool) -> 
         extra = request_body(RolloutRequest if path == "/rollout/generate" else bodies[path]) \
             if path in bodies or path == "/rollout/generate" else None
         app.add_api_route(prefix + path, handler, methods=["POST"], tags=tags, summary=f"SGLang's {path}",
-                          openapi_extra=extra, responses={**answer, **failures})
+                          openapi_extra=extra, responses={**answer, **failures},
+                          **({"response_class": Response} if path == "/rollout/generate" else {}))
 
     for path in post:
         add(path, PREFIX)
