@@ -97,7 +97,9 @@ class VllmOmniRoutes:
         try:
             done = await engine.generate(body, plan.request_id, gone_of(request))
         except EngineError as e:
-            if e.field is not None:
+            if e.type == "request_id_in_use":
+                e.field = "request_id"
+            elif e.field is not None:
                 peer = plan.peer_field(e.field)
                 e.message = e.message.replace(f"{e.field}: ", f"{peer}: ", 1)
                 e.field = peer

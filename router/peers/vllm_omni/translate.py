@@ -17,9 +17,9 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from common.diffusion.model_info import ModelInfo
+from common.diffusion.request_fields import declared
 from common.families import BINDINGS
 from router.api.request_ids import REQUEST_ID
 from router.core.errors import FieldError
@@ -97,19 +97,10 @@ def check_stages(field_name: str, values: list[int] | None) -> None:
 
 
 def rate_field(info: ModelInfo) -> str | None:
-    """The served family's field its videos' frame rate is read from (its binding's ``request_fps``), if any:
-    the peer's ``fps`` sets it when its own field of that name is not given (``resolved_frame_rate``)."""
-    read = info.family.request_fps
-    if read is None:
-        return None
-    for f in info.family.request_fields:
-        if f.type in (int, float):
-            try:
-                if read(SimpleNamespace(fields={f.name: 12345.0})) == 12345.0:
-                    return f.name
-            except (AttributeError, KeyError, TypeError, ValueError):
-                continue
-    return None
+    """The served family's field the peer's ``fps`` sets when the body does not give that field itself (the
+    peer's ``resolved_frame_rate``): the one that declares ``fps`` as its alias, if any."""
+    field = declared(info.family.request_fields, "fps")
+    return None if field is None else field.name
 
 
 def _is_default(value, default) -> bool:
@@ -153,7 +144,8 @@ def native_body(req: OmniRolloutRequest, info: ModelInfo) -> tuple[dict, Plan]:
                                     "OmniDiffusionSamplingParams (the rollout's settings go in extra_args)")
     rate = rate_field(info)
     if rate is not None and rate not in body and sp.get("fps") is not None:
-        body[rate], names[rate] = sp["fps"], f"{SP}.fps"
+        fps = sp["fps"]
+        body[rate], names[rate] = float(fps) if type(fps) is int else fps, f"{SP}.fps"
     extra = sp.get("extra_args")
     if extra is None:
         extra = {}
