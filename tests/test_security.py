@@ -124,6 +124,9 @@ def test_admin_key_guards_weight_updates(engines, weight_root, tiny_dir, tmp_pat
     r = eng.http.post("/update_weights_from_disk", json=body, headers=_auth(API_KEY))
     assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden", r.text
     assert "admin key" in r.json()["error"]["message"]
+    for path in ("/sglang/update_weights_from_disk", "/sglang/release_memory_occupation", "/init_weights_update_group",
+                 "/update_weights_from_tensor", "/vllm-omni/pause", "/start_weight_update"):  # the peers' controls too
+        assert eng.http.post(path, json={}, headers=_auth(API_KEY)).status_code == 403, path
     for headers in ({}, _auth("nope-" + ADMIN_KEY)):
         r = eng.http.post("/update_weights_from_disk", json=body, headers=headers)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text

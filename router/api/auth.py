@@ -29,11 +29,16 @@ log = logging.getLogger("disagg.router.api.auth")
 API_KEY_ENV = "DISAGG_API_KEY"
 ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 # Paths that change the engine (any method).
+# SGLang diffusion's control routes (router/peers/sglang/routes.py), at the root and under its prefix; vLLM-Omni's
+# check the admin scope themselves (router/peers/vllm_omni/routes.py).
+SGLANG_ADMIN = ("/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/destroy_weights_update_group", "/release_memory_occupation",
+                "/resume_memory_occupation")
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                          "/weight_sync", "/update_weights_from_tensors", "/init_weights_group",
                          "/update_weights_from_distributed", "/destroy_weights_group",
                          "/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up",
-                         "/pin_reference"})
+                         "/pin_reference", *SGLANG_ADMIN, *("/sglang" + p for p in SGLANG_ADMIN)})
 # (method, path) pairs anyone may call: health, and the web page and API docs (static, no data: what they show
 # comes from endpoints that need the key, /openapi.json included).
 OPEN_ENDPOINTS = frozenset({("GET", "/health"), ("GET", "/"), ("GET", "/docs")})
