@@ -53,6 +53,10 @@ def sglang_log_probs(native: torch.Tensor, steps: list[int], sigmas: list[float]
     constant is ``-sd^2 mean(eps^2)`` and its ``cps`` with them the full density: each follows from the other
     through the step's ``sd`` (computed here in float64)."""
     out = torch.zeros(native.shape[0], total, dtype=torch.float64)
+    if plan.sde_type not in ("sde", "cps"):  # another trainer's step (extra_sampling_params): its own convention
+        for k, i in enumerate(steps):
+            out[:, i] = native[:, k].double()
+        return out.float()
     for k, i in enumerate(steps):
         lp, sd = native[:, k].double(), step_scale(plan.sde_type, plan.noise_level, sigmas, i)
         if plan.sde_type == "sde" and plan.no_const:

@@ -97,8 +97,10 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
             body[key] = value
     steps = len(body["sigmas"]) if body.get("sigmas") else len(body["timesteps"]) if body.get("timesteps") \
         else body.get("num_inference_steps") or info.defaults["num_inference_steps"]
-    plan = Plan(seed=seed, steps=steps, rollout=req.rollout, sde_type=req.rollout_sde_type,
-                noise_level=req.rollout_noise_level, no_const=req.rollout_log_prob_no_const,
+    # The step that runs (extra_sampling_params may name another): its log-probs' convention follows it.
+    sde_type = "ode" if req.rollout_sde_type == "ode" else body.get("sde_type", req.rollout_sde_type)
+    plan = Plan(seed=body.get("seed", seed), steps=steps, rollout=req.rollout, sde_type=sde_type,
+                noise_level=body.get("noise_level", req.rollout_noise_level), no_const=req.rollout_log_prob_no_const,
                 dit_trajectory=req.rollout and req.rollout_return_dit_trajectory,
                 return_steps=req.rollout_return_step_indices, peak_memory=not req.suppress_logs)
     return body, plan
