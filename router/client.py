@@ -11,6 +11,7 @@ import io
 import json
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -95,6 +96,26 @@ class EngineClient:
         if isinstance(latents, torch.Tensor):
             fields = {**fields, "initial_latents": tensor_to_body(latents.detach().cpu().contiguous(), binary=False)}
         return self._post("/rollout/generate", {"prompt": prompt, **_images(fields)}, request_id)
+
+    def stream(self, prompt: str, rollout: bool = True, request_id: str | None = None,
+               **fields: Any) -> Iterator[dict[str, Any]]:
+        """``stream: true`` on /rollout/generate (``rollout=False``: /generate): each sample as it is decoded,
+        ``{"index": i, ...}`` with torch tensors, then the request's ``{"done": true, ...}`` (docs/api.md,
+        streaming). A failure after the first sample is the last item's ``error``."""
+        headers = {"accept": MSGPACK, "content-type": "application/json"}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        body = json.dumps({"prompt": prompt, **_images(fields), "stream": True})
+        with self._http.stream("POST", "/rollout/generate" if rollout else "/generate", content=body,
+                               headers=headers) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._decode(r)
+            unpacker = msgpack.Unpacker(raw=False)
+            for chunk in r.iter_bytes():
+                unpacker.feed(chunk)
+                for item in unpacker:
+                    yield decode_tensors(item)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
         """POST /abort_request: cancel the request sent with ``request_id=rid`` (or every one: ``abort_all``,

@@ -49,6 +49,15 @@ def test_each_sample_once_equal_to_the_whole_answer(url):
         assert s["output"].dtype == torch.uint8 and torch.equal(s["output"], (mine * 255).round().to(torch.uint8))
 
 
+def test_the_python_client_streams(url):
+    from router.client import EngineClient
+
+    with EngineClient(url) as client:
+        items = list(client.stream("a heron", n=2, num_inference_steps=2, output_type="frames", output_dtype="uint8"))
+    assert sorted(i["index"] for i in items[:-1]) == [0, 1] and items[-1]["done"] is True
+    assert items[0]["output"].dtype == torch.uint8 and items[0]["log_probs"].shape == (2,)
+
+
 def test_msgpack_items_back_to_back(url):
     unpacker, items = msgpack.Unpacker(raw=False), []
     with httpx.stream("POST", url + "/generate", json={"prompt": "a heron", "n": 2, "num_inference_steps": 2,
