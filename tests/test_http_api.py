@@ -232,7 +232,7 @@ BODY_MODELS = {
     "/generate": {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
                   "guidance_scale_2", "seed", "n", "sigmas", "timesteps", "mu", "output_type", "timeout_s",
                   "lora_name", "lora_scale", "max_sequence_length", "image", "last_image", "cache", "seeds", "stream",
-                  "output_dtype"},  # tiny: Wan's
+                  "output_dtype", "sigmas_as_given"},  # tiny: Wan's
     "/update_weights_from_disk": {"path", "module", "checksum"},
     "/update_weights_from_tensors": {"module", "checksum", "tensors", "buckets", "lora"},
     "/update_weights_from_distributed": {"module", "checksum", "tensors", "buckets", "lora"},

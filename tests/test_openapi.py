@@ -91,7 +91,8 @@ def test_a_served_models_bodies_list_exactly_its_familys_own_fields(served):
     info, doc = served
     common = {"prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
               "seed", "n", "sigmas", "timesteps", "mu", "max_sequence_length", "output_type", "timeout_s",
-              "lora_name", "lora_scale", "cache", "image", "last_image", "seeds", "stream", "output_dtype"}
+              "lora_name", "lora_scale", "cache", "image", "last_image", "seeds", "stream", "output_dtype",
+              "sigmas_as_given"}
     own = {f.name for f in info.family.request_fields} - common
     expected = {"wan": {"guidance_scale_2"}, "wan-i2v": {"guidance_scale_2"}, "sd3": set(),
                 "flux": {"true_cfg_scale"}, "qwen-image": {"true_cfg_scale"},

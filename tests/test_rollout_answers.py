@@ -19,6 +19,9 @@ import torch
 from PIL import Image
 
 from common.builtin import ensure_builtin
+from common.diffusion import schedulers
+from common.families import read_model
+from router.peers.sglang.translate import serving_grid
 from common.config.engine import Limits
 from common.diffusion.conditioning import grouped
 from common.diffusion.parts.text import text_kwargs
@@ -40,6 +43,33 @@ models = ModuleModels()
 @pytest.fixture(scope="module", autouse=True)
 def _models():
     yield from models.module_scope()
+
+
+@pytest.mark.parametrize("pipeline,model", sorted(tiny_per_pipeline().items()))
+def test_caller_sigmas_are_taken_as_given_on_every_family(pipeline, model):
+    """``sigmas_as_given``: the rollout schedule holds the caller's sigmas themselves (no shift, static or
+    dynamic), its timesteps ``sigmas * num_train_timesteps``; without it the family's shift applies as before."""
+    info = read_model(ensure_builtin(model))
+    serving = schedulers.load_serving_template(info)
+    template = schedulers.rollout_template_for(serving)
+    given = [0.95, 0.6, 0.25]
+    image = "x" if info.family.condition.image_input(info) == "required" else None
+    for as_given in (True, False):
+        body = RolloutBody(prompt="a fox", sigmas=given, sigmas_as_given=as_given, image=image)
+        p = to_params(body, info, Limits(), None, {"image": torch.zeros(64, 96, 3, dtype=torch.uint8)} if image else {})
+        s = schedulers.build(template, p, image_seq_len=info.family.latents.seq_len(info, p),
+                             default_sigmas=info.family.guidance.default_sigmas, mu=info.family.latents.mu(info, p))
+        exact = torch.equal(s.sigmas[:-1], torch.tensor(given, dtype=s.sigmas.dtype))
+        assert exact == as_given or (not as_given and info.flow_shift == 1.0 and not info.dynamic_shifting)
+        if as_given:
+            assert torch.equal(s.timesteps, (torch.tensor(given) * info.num_train_timesteps).to(s.timesteps.dtype))
+    serving_scheduler = type(serving).__name__
+    p = to_params(RolloutBody(prompt="a fox", sigmas=given, sigmas_as_given=True, schedule="serving", image=image),
+                  info, Limits(), None, {"image": torch.zeros(64, 96, 3, dtype=torch.uint8)} if image else {}) \
+        if serving_grid(info) else None
+    if p is not None and not serving_scheduler.startswith("FlowMatch"):
+        with pytest.raises(Exception, match="sigmas"):  # its own grid: refused, never silently shifted
+            schedulers.build(serving, p, image_seq_len=info.family.latents.seq_len(info, p))
 
 
 def _image(info):

@@ -23,7 +23,8 @@ FILLED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scal
 # The fields every family takes (image, last_image, timeout_s, return_partial: the router's), and those that
 # are GenerationParams' own but taken only by the families that declare them.
 COMMON = frozenset({"prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
-                    "seed", "n", "seeds", "sigmas", "timesteps", "mu", "output_type", "lora_name", "lora_scale", "cache",
+                    "seed", "n", "seeds", "sigmas", "sigmas_as_given", "timesteps", "mu", "output_type",
+                    "lora_name", "lora_scale", "cache",
                     "timeout_s", "image", "last_image", "return_partial", "initial_latents", "output_dtype", "stream",
                     *ROLLOUT, *WINDOW})
 OWN_SLOTS = ("num_frames", "max_sequence_length")
@@ -180,6 +181,12 @@ def _schedule_steps(request: dict, steps: int, limits, n_train: int) -> int:
     return steps
 
 
+def _as_given(request: dict) -> bool:
+    if request.get("sigmas_as_given") and request.get("sigmas") is None:
+        raise FieldError("sigmas_as_given", "needs sigmas")
+    return bool(request.get("sigmas_as_given"))
+
+
 def _check_timeout_and_mu(request: dict, limits) -> None:
     timeout_s, mu = request.get("timeout_s"), request.get("mu")
     if timeout_s is not None and timeout_s > limits.request_timeout_s:
@@ -291,6 +298,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         output_type=request.get("output_type") or "frames",
         fields=fields,
         sigmas=request.get("sigmas"),
+        sigmas_as_given=_as_given(request),
         timesteps=request.get("timesteps"),
         mu=request.get("mu"),
         rollout=rollout_params(request, steps, info) if rollout else None,

@@ -118,8 +118,23 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
             scheduler.timesteps = torch.as_tensor(t, dtype=torch.float64).to(ts.dtype).to(ts.device)
     else:
         scheduler.set_timesteps(params.num_inference_steps, **kwargs)
+    if params.sigmas_as_given and params.sigmas is not None:
+        _as_given(scheduler, params.sigmas)
     scheduler.set_begin_index(0)
     return scheduler
+
+
+def _as_given(scheduler, sigmas: list[float]) -> None:
+    """The caller's sigmas themselves (already shifted, as a trainer's schedule holds them), not shifted again:
+    a flow-match Euler scheduler steps on whatever grid it holds, its timesteps ``sigmas * num_train_timesteps``
+    and its terminal sigma its own."""
+    if not type(scheduler).__name__.startswith("FlowMatch"):
+        raise RequestError(f"sigmas_as_given: {type(scheduler).__name__} derives its own grid from sigmas; use a "
+                           "flow-match Euler schedule (a rollout's default schedule)")
+    held = scheduler.sigmas
+    given = torch.tensor(list(sigmas), dtype=held.dtype, device=held.device)
+    scheduler.sigmas = torch.cat([given, held[-1:]])
+    scheduler.timesteps = (given * scheduler.config.num_train_timesteps).to(scheduler.timesteps.dtype)
 
 
 class ConventionError(RuntimeError):

@@ -231,6 +231,7 @@ class GenerationParams(_Strict):
     # with their defaults by the router: read with common.diffusion.request_fields.field_value.
     fields: dict[str, FieldValue] = {}
     sigmas: list[float] | None = None
+    sigmas_as_given: bool = False  # the sigmas are the grid itself, never shifted again (flow-match Euler)
     timesteps: list[float] | None = None
     mu: float | None = None
     rollout: RolloutParams | None = None

@@ -60,6 +60,9 @@ class GenerateBody(BaseModel):
         default=None, min_length=1, description="each sample's own seed (n: their number; seed: the first)")
     sigmas: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = Field(
         default=None, min_length=1, description="custom schedule in [0, 1]; replace num_inference_steps")
+    sigmas_as_given: bool = Field(default=False, description="sigmas are the schedule itself, already shifted (as "
+                                  "a trainer's or SGLang's schedule holds them): never shifted again; a flow-match "
+                                  "Euler schedule (a rollout's) takes them")
     timesteps: list[Annotated[float, Field(ge=0.0)]] | None = Field(
         default=None, min_length=1, description="timesteps in [0, num_train_timesteps]; replace num_inference_steps")
     mu: float | None = Field(default=None, ge=-100.0, le=100.0)
