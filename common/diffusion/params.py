@@ -181,10 +181,20 @@ def _schedule_steps(request: dict, steps: int, limits, n_train: int) -> int:
     return steps
 
 
-def _as_given(request: dict) -> bool:
-    if request.get("sigmas_as_given") and request.get("sigmas") is None:
+def _as_given(request: dict, info: ModelInfo) -> bool:
+    """``sigmas_as_given``: with sigmas, on a flow-match Euler schedule (the rollout's, or a serving scheduler of
+    that class); a scheduler that derives its own grid from sigmas would not hold them as given."""
+    if not request.get("sigmas_as_given"):
+        return False
+    if request.get("sigmas") is None:
         raise FieldError("sigmas_as_given", "needs sigmas")
-    return bool(request.get("sigmas_as_given"))
+    on_rollout = request.get("rollout", True) is not False and request.get("schedule", "rollout") == "rollout" \
+        and any(request.get(k) is not None for k in ROLLOUT + WINDOW)
+    serving = str(info.scheduler_config.get("_class_name", ""))
+    if not on_rollout and not serving.startswith("FlowMatch"):
+        raise FieldError("sigmas_as_given", f"{serving} derives its own grid from sigmas; use a flow-match Euler "
+                                            "schedule (a rollout's default schedule)")
+    return True
 
 
 def _check_timeout_and_mu(request: dict, limits) -> None:
@@ -298,7 +308,7 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
         output_type=request.get("output_type") or "frames",
         fields=fields,
         sigmas=request.get("sigmas"),
-        sigmas_as_given=_as_given(request),
+        sigmas_as_given=_as_given(request, info),
         timesteps=request.get("timesteps"),
         mu=request.get("mu"),
         rollout=rollout_params(request, steps, info) if rollout else None,
