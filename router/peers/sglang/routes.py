@@ -137,8 +137,9 @@ class SGLangRoutes:
 
     async def update_weights_from_disk_body(self, data: dict) -> JSONResponse:
         """Each expert from ``model_path/<expert>`` (a diffusers folder), all of them checked first."""
-        if not data.get("model_path"):  # SGLang's own check and answer
-            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        if not data.get("model_path"):  # SGLang's own check and message
+            return _error(EngineError(400, "invalid_request", "model_path is required", "router", "",
+                                      field="model_path"))
         try:
             body = UpdateWeightsFromDisk.model_validate(data)
         except ValidationError as e:

@@ -239,7 +239,7 @@ async def sleep(engine: Engine, request: Request) -> Response:
     except BaseException:
         engine.pause.resume()
         raise
-    return Response(status_code=200)
+    return Response(status_code=200, media_type="text/plain")
 
 
 async def wake_up(engine: Engine, request: Request) -> Response:
@@ -255,7 +255,7 @@ async def wake_up(engine: Engine, request: Request) -> Response:
         await engine.resume_memory(ours or None, reload)
     if not engine.sleep_state()["is_sleeping"]:
         engine.pause.resume()
-    return Response(status_code=200)
+    return Response(status_code=200, media_type="text/plain")
 
 
 def sleep_status(engine: Engine) -> dict:

@@ -198,7 +198,7 @@ class VllmOmniRoutes:
         control.stage_ids(request)
         control.bool_param(request, "reset_external", False)
         control.bool_param(request, "reset_running_requests", False)
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")
 
     async def server_info(self) -> JSONResponse:
         engine = self.engine
