@@ -57,12 +57,16 @@ class DecodeStage(QueuedBatchStage):
         return self.decoder.decode(self.info.family.latents.unpack(latents, self.info, *made), height, width)
 
     def decode_group(self, items: list, idx: list[int], size: tuple) -> Decoded:
-        """The samples of requests ``idx`` (one group), ``max_batch`` rows per call."""
+        """The samples of requests ``idx`` (one group)."""
         latents = torch.cat([items[i][1][LATENTS.name] for i in idx])
+        rows = [(items[i][0].params, k) for i in idx for k in range(items[i][1][LATENTS.name].shape[0])]
+        return self.decode_rows(latents, rows, size)
+
+    def decode_rows(self, latents: torch.Tensor, rows: list, size: tuple) -> Decoded:
+        """``latents``' rows, each (its request's params, its index there), ``max_batch`` rows per call; a decoder
+        that reads its requests (``decode_rows``: LTX-2's seeds its noise by them) gets them."""
         if not hasattr(self.decoder, "decode_rows"):
             return Decoded(torch.cat([self.decode(part, *size) for part in latents.split(self.max_batch)]))
-        # A decoder that reads its requests: each row with its request and its index there (its seed).
-        rows = [(items[i][0].params, k) for i in idx for k in range(items[i][1][LATENTS.name].shape[0])]
         parts, start = [], 0
         for part in latents.split(self.max_batch):
             parts.append(self.decoder.decode_rows(part, rows[start : start + len(part)], *size[2]))
@@ -97,7 +101,7 @@ class DecodeStage(QueuedBatchStage):
         size = (p.height, p.width, self.info.family.latents.size(self.info, p.height, p.width, p.fields))
         t0 = time.perf_counter()
         try:
-            decoded = self._decode_sample(s, k, size)
+            decoded = self.decode_rows(s.tensors[LATENTS.name][k:k + 1], [(p, k)], size)
         except Exception as e:
             self.streams.pop(0)
             return [(s.msg, e)]
@@ -109,21 +113,13 @@ class DecodeStage(QueuedBatchStage):
         self.streams.pop(0)
         return [(s.msg, self._result(s.msg, s.tensors, Decoded.cat(s.parts), s.elapsed))]
 
-    def _decode_sample(self, s: _Streaming, k: int, size: tuple) -> Decoded:
-        latents = s.tensors[LATENTS.name][k:k + 1]
-        if not hasattr(self.decoder, "decode_rows"):
-            return Decoded(self.decode(latents, *size))
-        return self.decoder.decode_rows(latents, [(s.msg.params, k)], *size[2])
-
     def _sample_done(self, s: _Streaming, k: int, decoded: Decoded) -> Forward:
         rows = {f.name for f in PER_SAMPLE}
-        tensors = {name: t[k:k + 1] if name in rows else t for name, t in s.tensors.items() if name != LATENTS.name}
-        info = s.msg.info
-        if decoded.audio is not None:
-            info, tensors[AUDIO.name] = {**info, "audio_sample_rate": decoded.sample_rate}, decoded.audio
+        tensors = {name: t[k:k + 1] if name in rows else t for name, t in s.tensors.items()}
+        info, out = _answer(s.msg.info, tensors, decoded)
         done = SampleDone(v=PROTOCOL_VERSION, request_id=s.msg.request_id, stage=self.role, index=k,
                           timings={**s.msg.timings, "decode_s": s.elapsed}, info=info)
-        return Forward("router", done, {OUTPUT.name: decoded.frames, **tensors})
+        return Forward("router", done, out)
 
     def drop_work(self) -> int:
         dropped = len(self.streams)
@@ -165,11 +161,16 @@ class DecodeStage(QueuedBatchStage):
         return out
 
     def _result(self, msg: DecodeRequest, tensors: dict, decoded: Decoded, elapsed: float) -> Forward:
-        timings = {**msg.timings, "decode_s": elapsed}
-        info, sound = msg.info, {}
-        if decoded.audio is not None:
-            info, sound = {**info, "audio_sample_rate": decoded.sample_rate}, {AUDIO.name: decoded.audio}
-        out = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role, timings=timings, info=info)
-        # Rollout tensors (log-probs, trajectory) pass through unchanged.
-        extras = {k: v for k, v in tensors.items() if k != LATENTS.name}
-        return Forward("router", out, {OUTPUT.name: decoded.frames, **sound, **extras})
+        info, out = _answer(msg.info, tensors, decoded)
+        result = Result(v=PROTOCOL_VERSION, request_id=msg.request_id, stage=self.role,
+                        timings={**msg.timings, "decode_s": elapsed}, info=info)
+        return Forward("router", result, out)
+
+
+def _answer(info: dict, tensors: dict, decoded: Decoded) -> tuple[dict, dict]:
+    """What a request's (or a streamed sample's) answer carries: the frames, a model's sound and its rate, and
+    the rollout tensors (log-probs, trajectory), which pass through unchanged."""
+    out = {OUTPUT.name: decoded.frames, **{k: v for k, v in tensors.items() if k != LATENTS.name}}
+    if decoded.audio is not None:
+        info, out[AUDIO.name] = {**info, "audio_sample_rate": decoded.sample_rate}, decoded.audio
+    return info, out

@@ -21,7 +21,7 @@ from PIL import Image
 from common.builtin import ensure_builtin
 from common.diffusion import schedulers
 from common.families import read_model
-from router.peers.sglang.translate import serving_grid
+from common.diffusion.rollout_params import serving_has_flow_sigmas
 from common.config.engine import Limits
 from common.diffusion.conditioning import grouped
 from common.diffusion.parts.text import text_kwargs
@@ -64,7 +64,7 @@ def test_caller_sigmas_are_taken_as_given_on_every_family(pipeline, model):
         assert exact == as_given or (not as_given and info.flow_shift == 1.0 and not info.dynamic_shifting)
         if as_given:
             assert torch.equal(s.timesteps, (torch.tensor(given) * info.num_train_timesteps).to(s.timesteps.dtype))
-    if serving_grid(info) and not type(serving).__name__.startswith("FlowMatch"):  # its own grid: refused
+    if serving_has_flow_sigmas(info) and not type(serving).__name__.startswith("FlowMatch"):  # its own grid: refused
         with pytest.raises(FieldError) as refused:
             to_params(RolloutBody(prompt="a fox", sigmas=given, sigmas_as_given=True, schedule="serving", image=image),
                       info, Limits(), None, {"image": torch.zeros(64, 96, 3, dtype=torch.uint8)} if image else {})

@@ -153,6 +153,8 @@ def _seeds(request: dict) -> tuple[int, int, list[int] | None]:
         raise FieldError("seeds", "each must be an integer in [0, 2^63 - 1]")
     if n not in (1, len(seeds)):
         raise FieldError("seeds", f"holds {len(seeds)} seeds for n = {n} samples: give one per sample")
+    if len(set(seeds)) != len(seeds):
+        raise FieldError("seeds", "must be distinct (a repeated seed repeats its sample)")
     if request.get("seed") not in (None, 0, seeds[0]):
         raise FieldError("seed", "give seed or seeds, not both")
     return seeds[0], len(seeds), seeds
@@ -287,8 +289,6 @@ def to_params(request: dict, info: ModelInfo, limits, cache: CacheParams | None 
                                   "and width)") from None
     seed, n, seeds = _seeds(request)
     _check_sampling(v, {**request, "seed": seed, "n": n}, limits)
-    if seeds is not None and len(set(seeds)) != len(seeds):
-        raise FieldError("seeds", "must be distinct (a repeated seed repeats its sample)")
     steps = _schedule_steps(request, v["num_inference_steps"], limits, info.num_train_timesteps)
     _check_timeout_and_mu(request, limits)
     length = _max_sequence_length(request, info)

@@ -19,14 +19,19 @@ ROLLOUT = ("rollout", "sde_type", "noise_level", "sde_step_indices", "return_tra
 WINDOW = ("sde_window_size", "sde_window_range")  # resolved into RolloutParams.sde_window and sde_step_indices
 
 
+def serving_has_flow_sigmas(info: ModelInfo) -> bool:
+    """Whether the model's serving scheduler has flow-matching sigmas (in [0, 1], what the SDE steps read): a
+    flow-match scheduler, or one with ``use_flow_sigmas``; ``schedule: "serving"`` needs them."""
+    config = info.scheduler_config
+    return str(config.get("_class_name", "")).startswith("FlowMatch") or bool(config.get("use_flow_sigmas"))
+
+
 def _check_rollout_schedule(r: RolloutParams, info: ModelInfo) -> None:
-    """``schedule``: a known name; ``"serving"`` needs a serving scheduler with flow-matching sigmas (in [0, 1],
-    what the SDE steps read): a flow-match scheduler, or one with ``use_flow_sigmas``."""
+    """``schedule``: a known name; ``"serving"`` on a serving scheduler with flow-matching sigmas."""
     if r.schedule not in ROLLOUT_SCHEDULES:
         raise FieldError("schedule", f"must be one of {ROLLOUT_SCHEDULES}, got {r.schedule!r}")
     config = info.scheduler_config
-    flow = str(config.get("_class_name", "")).startswith("FlowMatch") or bool(config.get("use_flow_sigmas"))
-    if r.schedule == "serving" and not flow:
+    if r.schedule == "serving" and not serving_has_flow_sigmas(info):
         raise FieldError("schedule", f"this model's serving scheduler ({config.get('_class_name')}) has no "
                                      "flow-matching sigmas for SDE steps: use the rollout schedule")
 

@@ -13,7 +13,7 @@ from router.api.openapi import errors, ok, request_body
 from router.api.schemas import ReleaseMemoryBody, ResumeMemoryBody
 from router.core.engine import Engine
 from router.core.errors import FieldError
-from router.peers.vllm_omni import routes as vllm_omni
+from router.peers.vllm_omni import control as vllm_omni
 
 LEVELS = {"1": 1, "2": 2}
 MODES = ("wait", "abort")

@@ -68,10 +68,11 @@ class Outcome:
     route: Route | None
     peak_memory: dict[str, int] = field(default_factory=dict)  # each stage's, by role (Result.peak_memory)
 
-    def sample(self, i: int) -> "Outcome":
-        """Sample ``i`` alone: its row of every per-sample tensor, the shared tensors as they are."""
+    def sample(self, i: int, row: int | None = None) -> "Outcome":
+        """Sample ``i`` alone: its row of every per-sample tensor (``row``, when they hold only some samples'
+        rows: a streamed sample's 0), its entry of per-sample facts, the shared ones as they are."""
         rows = {f.name for f in PER_SAMPLE}
-        tensors = {k: v[i] if k in rows else v for k, v in self.tensors.items()}
+        tensors = {k: v[i if row is None else row] if k in rows else v for k, v in self.tensors.items()}
         info = {k: v[i] if k in PER_SAMPLE_INFO and isinstance(v, list) else v for k, v in self.info.items()}
         return Outcome(tensors, self.timings, info, self.route, self.peak_memory)
 
@@ -147,9 +148,7 @@ class PendingTable:
         p = self._by_id.get(msg.request_id)
         if p is None or p.on_sample is None or msg.index >= p.samples:
             return
-        info = {k: v[msg.index] if k in PER_SAMPLE_INFO and isinstance(v, list) and len(v) == p.samples else v
-                for k, v in msg.info.items()}
-        p.on_sample(msg.index, Outcome(tensors, msg.timings, info, p.route).sample(0))
+        p.on_sample(msg.index, Outcome(tensors, msg.timings, msg.info, p.route).sample(msg.index, row=0))
 
     def resolve(self, msg: Result | ErrorReply | ControlReply, tensors: dict[str, torch.Tensor]) -> bool:
         """Settle the request ``msg`` answers; False (and dropped) if it is unknown or already settled."""

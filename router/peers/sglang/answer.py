@@ -53,16 +53,12 @@ def sglang_log_probs(native: torch.Tensor, steps: list[int], sigmas: list[float]
     constant is ``-sd^2 mean(eps^2)`` and its ``cps`` with them the full density: each follows from the other
     through the step's ``sd`` (computed here in float64)."""
     out = torch.zeros(native.shape[0], total, dtype=torch.float64)
-    if plan.sde_type not in ("sde", "cps"):  # another trainer's step (extra_sampling_params): its own convention
-        for k, i in enumerate(steps):
-            out[:, i] = native[:, k].double()
-        return out.float()
-    for k, i in enumerate(steps):
-        lp, sd = native[:, k].double(), step_scale(plan.sde_type, plan.noise_level, sigmas, i)
-        if plan.sde_type == "sde" and plan.no_const:
-            lp = 2 * sd * sd * (lp + math.log(sd) + LOG_SQRT_2PI)
-        elif plan.sde_type == "cps" and not plan.no_const:
-            lp = lp / (2 * sd * sd) - math.log(sd) - LOG_SQRT_2PI
+    for k, i in enumerate(steps):  # another trainer's step (extra_sampling_params) keeps its own convention
+        lp = native[:, k].double()
+        if (plan.sde_type, plan.no_const) in (("sde", True), ("cps", False)):
+            sd = step_scale(plan.sde_type, plan.noise_level, sigmas, i)
+            lp = (2 * sd * sd * (lp + math.log(sd) + LOG_SQRT_2PI) if plan.sde_type == "sde"
+                  else lp / (2 * sd * sd) - math.log(sd) - LOG_SQRT_2PI)
         out[:, i] = lp
     return out.float()
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from common.protocol.codec import DTYPES
+from common.protocol.messages import EXPERT_NAMES
 from router.api.bodies import MSGPACK, decode_body, parse_body, read_limited
 from router.api.cancel_api import gone_of
 from router.api.http_errors import _first_error
@@ -34,7 +35,8 @@ from router.peers.sglang.schemas import (
     UpdateWeightsFromDistributed,
 )
 from router.peers.sglang.translate import native_body, sglang_field
-from router.peers.vllm_omni.routes import speaks_vllm_omni_checksum, weights_checksum as vllm_omni_checksum
+from router.peers.vllm_omni.control import weights_checksum as vllm_omni_checksum
+from router.peers.vllm_omni.routes import speaks_vllm_omni_checksum
 
 PREFIX = "/sglang"
 NOT_FOUND = "not_found"  # SGLang's checksum of a module its pipeline lacks
@@ -109,7 +111,7 @@ class SGLangRoutes:
 
     # --- weights ----------------------------------------------------------------------------------------
     def _experts(self) -> list[str]:
-        return ["transformer", "transformer_2"] if self.engine.info.has_transformer_2 else ["transformer"]
+        return list(EXPERT_NAMES if self.engine.info.has_transformer_2 else EXPERT_NAMES[:1])
 
     def _components(self) -> set[str]:
         """The pipeline's components (model_index.json), as SGLang lists its modules."""

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_SEED = 2**63 - 1
+from router.api.schemas import MAX_SEED
 
 
 class _Body(BaseModel):

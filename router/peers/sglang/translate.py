@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import declared
+from common.diffusion.rollout_params import serving_has_flow_sigmas
 from router.api.schemas import RolloutBody
 from router.core.errors import FieldError
 from router.peers.sglang.schemas import RolloutRequest
@@ -74,7 +75,7 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
             body[field.name] = float(value) if field.type is float and isinstance(value, int) else value
     if req.rollout:
         body.update(sde_type=req.rollout_sde_type, noise_level=req.rollout_noise_level, return_trajectory=True,
-                    schedule="serving" if serving_grid(info) else "rollout",
+                    schedule="serving" if serving_has_flow_sigmas(info) else "rollout",
                     return_conditioning=req.rollout_return_denoising_env)
         if req.rollout_sde_type == "ode":  # every step the Euler step: no SDE step, log-probs all 0
             body.update(sde_type="sde", sde_step_indices=[])
@@ -104,12 +105,6 @@ def native_body(req: RolloutRequest, info: ModelInfo, image_roots: list[str],
                 dit_trajectory=req.rollout and req.rollout_return_dit_trajectory,
                 return_steps=req.rollout_return_step_indices, peak_memory=not req.suppress_logs)
     return body, plan
-
-
-def serving_grid(info: ModelInfo) -> bool:
-    """Whether the model's serving scheduler has flow-matching sigmas, which SGLang's rollout steps on."""
-    config = info.scheduler_config
-    return str(config.get("_class_name", "")).startswith("FlowMatch") or bool(config.get("use_flow_sigmas"))
 
 
 def read_image(path: str, field: str, roots: list[str], max_bytes: int) -> str:

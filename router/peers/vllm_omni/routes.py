@@ -48,18 +48,6 @@ def speaks_vllm_omni_checksum(body: dict) -> bool:
     return "stage_ids" in body or "component" in body
 
 
-async def weights_checksum(engine: Engine, data: dict) -> JSONResponse:
-    return await control.weights_checksum(engine, data)
-
-
-async def sleep(engine: Engine, request: Request) -> Response:
-    return await control.sleep(engine, request)
-
-
-async def wake_up(engine: Engine, request: Request) -> Response:
-    return await control.wake_up(engine, request)
-
-
 def _admin(request: Request) -> None:
     """Routes that change the engine need the admin key where there is one (router/api/auth.py guards the
     native paths; these decide here, as ``/abort_request``'s ``abort_all``)."""
@@ -170,7 +158,7 @@ class VllmOmniRoutes:
         return self.transfer.finish()
 
     async def get_weights_checksum(self, request: Request) -> JSONResponse:
-        return await weights_checksum(self.engine, await self._data(request))
+        return await control.weights_checksum(self.engine, await self._data(request))
 
     # --- topology, caches, server info ------------------------------------------------------------------
     def topology(self, include_dp: bool = True) -> dict:
@@ -212,12 +200,12 @@ class VllmOmniRoutes:
     async def sleep(self, request: Request) -> Response:
         _admin(request)
         await self._data(request)
-        return await sleep(self.engine, request)
+        return await control.sleep(self.engine, request)
 
     async def wake_up(self, request: Request) -> Response:
         _admin(request)
         await self._data(request)
-        return await wake_up(self.engine, request)
+        return await control.wake_up(self.engine, request)
 
     async def is_sleeping(self) -> JSONResponse:
         return JSONResponse(control.sleep_status(self.engine))
