@@ -4,6 +4,8 @@ frames and the waveform, on the built-ins and on another configuration, with eac
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from common.builtin import BUILTINS, ensure_builtin
 from common.builtin.build import build as build_builtin
 from common.builtin.specs.ltx2 import SPECS
+from common.families import read_model
 from common.families.ltx2.latents import geometry_of
 from family_harness import ModuleModels, max_diff
 from family_harness import gradient_picture as picture
@@ -24,6 +27,13 @@ LTX2_X = dataclasses.replace(SPECS["tiny-ltx2"], name="ltx2-test-x", num_layers=
 
 LTX2_X_I2V = dataclasses.replace(LTX2_X, name="ltx2-test-x-i2v", image_to_video=True)
 OTHER = {LTX2_X.name: LTX2_X, LTX2_X_I2V.name: LTX2_X_I2V}
+# The streams' token widths apart (LTX2Pipeline runs such a model; the engine pads the narrower stream): audio
+# tokens 32 wide (8 latent channels x 16 mel bins / 4) beside the video's 16, and 8 wide (2 channels).
+WIDE_AUDIO = dataclasses.replace(SPECS["tiny-ltx2"], name="ltx2-test-wide-audio", audio_latent_channels=8, seed=5)
+WIDE_AUDIO_I2V = dataclasses.replace(WIDE_AUDIO, name="ltx2-test-wide-audio-i2v", image_to_video=True)
+NARROW_AUDIO = dataclasses.replace(SPECS["tiny-ltx2"], name="ltx2-test-narrow-audio", audio_latent_channels=2,
+                                   seed=6)
+WIDTHS_APART = {s.name: s for s in (WIDE_AUDIO, WIDE_AUDIO_I2V, NARROW_AUDIO)}
 
 _MODELS = ModuleModels()
 _DIRS: dict[str, object] = {}
@@ -48,6 +58,15 @@ CASES = {
     "x-i2v-tall": dict(model="ltx2-test-x-i2v", guidance_scale=3.0, height=96, width=64, stg_scale=1.0,
                        modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=0.0, audio_stg_scale=0.0,
                        audio_modality_scale=0.0, audio_guidance_rescale=0.0, image_crf=0, image=(70, 40)),
+    # the streams' widths apart: every pass, and rescale (a std over each stream's own elements, no padding)
+    "audio-wider": dict(model="ltx2-test-wide-audio", guidance_scale=3.0, stg_scale=1.0, modality_scale=2.0,
+                        guidance_rescale=0.7, audio_guidance_scale=5.0, audio_stg_scale=0.5,
+                        audio_modality_scale=3.0, audio_guidance_rescale=0.4),
+    "audio-narrower": dict(model="ltx2-test-narrow-audio", guidance_scale=4.0, stg_scale=1.0, modality_scale=2.0,
+                           guidance_rescale=0.5, height=96, width=64, num_frames=17, frame_rate=16.0),
+    # the image's frame-0 tokens padded to the audio's width
+    "audio-wider-i2v": dict(model="ltx2-test-wide-audio-i2v", guidance_scale=3.0, stg_scale=1.0, modality_scale=2.0,
+                            guidance_rescale=0.5, image=(50, 70)),
 }
 
 
@@ -61,6 +80,7 @@ def dirs(tmp_path_factory):
     def get(which: str):
         if which not in _DIRS:
             _DIRS[which] = (ensure_builtin(which) if which in BUILTINS
+                            else ensure_builtin(WIDTHS_APART[which]) if which in WIDTHS_APART
                             else build_builtin(OTHER[which], tmp_path_factory.mktemp(which)))
         return _DIRS[which]
     return get
@@ -129,3 +149,18 @@ def test_each_guidance_changes_both_streams(dirs):
     for name in ("stg", "modality", "rescale"):
         for k in (0, 1):
             assert max_diff(runs[name][k], runs["cfg"][k]) > 1e-3, (name, k)
+
+
+def test_the_launcher_reads_models_whose_streams_widths_differ(dirs, tmp_path):
+    """The launcher's read of a directory (``launch.model_info``) takes both; a transformer whose audio width is
+    not the audio tokens' the pipeline packs (its forward would fail) is refused naming ``audio_in_channels``."""
+    from launch import model_info
+
+    for name in ("ltx2-test-wide-audio", "ltx2-test-narrow-audio"):
+        info = model_info(dirs(name))
+        assert info.family.pipeline == "LTX2Pipeline" and info.latent_channels == 16
+    bad = shutil.copytree(dirs("ltx2-test-narrow-audio"), tmp_path / "bad")
+    config = bad / "audio_vae" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "latent_channels": 4}))
+    with pytest.raises(ValueError, match="audio_in_channels 8 is not .* 16 "):
+        read_model(bad)

@@ -1,5 +1,7 @@
 """LTX-2 rollouts over both streams: the trainer recomputes the joint and each stream's log-probs; an SDE on one
-stream leaves the other on its ODE; requests batched with others at other steps equal their runs alone."""
+stream leaves the other on its ODE; requests batched with others at other steps equal their runs alone; all of it
+also on models whose streams' token widths differ (the narrower stream zero-padded, its padding in no statistic
+and left at 0)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from common.protocol.messages import (LOG_PROB_STEPS, LOG_PROBS, STREAM_LOG_PROB
                                       TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, RolloutParams)
 from family_harness import ModuleModels, compare_tasks, max_diff
 from rl import Trajectory
+from test_ltx2 import NARROW_AUDIO, WIDE_AUDIO, WIDE_AUDIO_I2V
 
 TOL = 1e-5
 STEPS = 3
@@ -51,6 +54,10 @@ CASES = {
     "cps-video-only": ("tiny-ltx2", "cps", False, ["video"]),
     "flow_grpo_wan-audio-only-guided": ("tiny-ltx2", "flow_grpo_wan", True, ["audio"]),
     "i2v-dance_grpo-both": ("tiny-ltx2-i2v", "dance_grpo", True, None),
+    # the streams' widths apart
+    "audio-wider-sde-guided-both": (WIDE_AUDIO, "sde", True, None),
+    "audio-narrower-cps-video-only": (NARROW_AUDIO, "cps", False, ["video"]),
+    "audio-wider-i2v-flow_grpo_wan-both": (WIDE_AUDIO_I2V, "flow_grpo_wan", True, None),
 }
 
 
@@ -60,7 +67,7 @@ def test_the_trainer_recomputes_the_joint_and_each_streams_log_probs(case, recor
     model_dir = ensure_builtin(model)
     eng = models.engine(model_dir)
     torch.set_num_threads(1)
-    image = picture() if model.endswith("i2v") else None
+    image = picture() if getattr(model, "name", model).endswith("i2v") else None
     p = rollout(eng, sde_type, guided, sde_streams=chosen, sde_step_indices=[0, 1])
     task = eng.run(p, image=image)
     ex = task.extras()
@@ -93,14 +100,21 @@ def test_the_trainer_recomputes_the_joint_and_each_streams_log_probs(case, recor
     assert all(d <= TOL for d in diffs.values()), diffs  # (a NaN fails too)
     if chosen is None and image is None:  # the joint Gaussian is the element-weighted average of the streams'
         v, a = ex[STREAM_LOG_PROBS["video"].name], ex[STREAM_LOG_PROBS["audio"].name]
-        weighted = (g.video_tokens * v + g.audio_tokens * a) / g.tokens
+        sizes = g.video_tokens * g.channels, g.audio_tokens * g.audio_channels
+        weighted = (sizes[0] * v + sizes[1] * a) / sum(sizes)
         assert max_diff(weighted, ex[LOG_PROBS.name]) <= TOL
+    trajectory = ex[TRAJECTORY_LATENTS.name]
+    assert trajectory.shape[-1] == g.width == max(g.channels, g.audio_channels)
+    padding = 1 - sum(m.float() for m in g.stream_masks().values())  # the narrower stream's
+    assert bool(padding.any()) == (g.channels != g.audio_channels)
+    assert torch.equal(trajectory * padding, torch.zeros_like(trajectory))  # left at 0 at every step
 
 
-def test_requests_batched_at_other_steps_equal_their_runs_alone():
+@pytest.mark.parametrize("model", ["tiny-ltx2", NARROW_AUDIO], ids=["tiny-ltx2", "audio-narrower"])
+def test_requests_batched_at_other_steps_equal_their_runs_alone(model):
     """A guided rollout (four passes a sample), a CFG-only generation and an unguided rollout with the SDE on the
     audio alone, started one step apart, in shared forwards: each equals its run alone."""
-    eng = models.engine(ensure_builtin("tiny-ltx2"))
+    eng = models.engine(ensure_builtin(model))
     made = [rollout(eng, "sde", True, seed=11),
             eng.params(num_inference_steps=STEPS, seed=12, num_frames=9, **{**UNGUIDED, "guidance_scale": 4.0},
                        negative_prompt="noise"),

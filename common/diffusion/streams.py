@@ -5,7 +5,8 @@ A family with streams (``Binding.latents.streams``) carries them in one tensor p
 says which elements are whose (``stream_masks``). A rollout may put the SDE on some streams only
 (``sde_streams``): the others take the Euler step (their ODE) at every step, and the joint log-prob averages
 over the SDE streams' elements. The joint log-prob is the element-weighted average of the streams' (the
-Gaussian over all their elements, as one stream's is over its own). The denoise worker and ``rl.TrainerPolicy``
+Gaussian over all their elements, as one stream's is over its own). Elements of no stream (the zero padding of
+a narrower stream) follow the ODE and count in no log-prob. The denoise worker and ``rl.TrainerPolicy``
 both read these rules here.
 """
 
@@ -34,12 +35,13 @@ def sde_streams(info, params, condition_mask: torch.Tensor | None = None) -> dic
 
 
 def ode_mask(info, params) -> torch.Tensor | None:
-    """1 on the elements that follow their ODE at an SDE step (streams left out of ``sde_streams``), else None."""
-    masks = info.family.latents.stream_masks(info, params)
-    chosen = sde_streams(info, params)
-    if len(chosen) == len(masks):
+    """1 on the elements that follow their ODE at an SDE step, else None: the streams left out of
+    ``sde_streams``, and the elements of no stream (padding the family keeps at 0: its velocity there is 0, so
+    the Euler step leaves it so, and it counts in no log-prob)."""
+    if not info.family.latents.stream_masks(info, params):
         return None
-    return sum(m for k, m in masks.items() if k not in chosen)
+    rest = 1 - sum(sde_streams(info, params).values())
+    return rest if bool(rest.any()) else None
 
 
 def log_prob_mask(info, params, condition_mask: torch.Tensor | None) -> torch.Tensor | None:

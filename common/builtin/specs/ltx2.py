@@ -4,10 +4,11 @@ named specs, :data:`SPECS`, and their pipeline's :func:`components`: the layout 
 Gemma3 text encoder, the text connectors, the audio-video transformer, the video VAE (32x spatial, 8x temporal
 as the real one), the audio VAE and the vocoder.
 
-Both latent streams have one token width (``in_channels == audio_in_channels``): video latent channels with
-patch 1, and audio latent channels x mel bins / 4. The transformer's blocks take the perturbed-attention
-processor (``perturbed_attn``, as LTX-2.3's config sets it) so that spatio-temporal guidance perturbs the blocks
-the serving default names.
+The streams' token widths are ``in_channels`` (video latent channels, patch 1) and ``audio_in_channels`` (audio
+latent channels x mel bins / 4): equal in the named specs, as in LTX-2's checkpoints; another
+``audio_latent_channels`` or ``mel_bins`` makes a model whose widths differ (``LTX2Pipeline`` runs it). The
+transformer's blocks take the perturbed-attention processor (``perturbed_attn``, as LTX-2.3's config sets it) so
+that spatio-temporal guidance perturbs the blocks the serving default names.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ class TinyLtx2Spec(BuiltinSpec):
     attention_head_dim: int = 16
     audio_num_attention_heads: int = 2
     audio_attention_head_dim: int = 8
-    latent_channels: int = 16  # the video VAE's; the token width of both streams
+    latent_channels: int = 16  # the video VAE's; the video tokens' width
     # AutoencoderKLLTX2Video
     vae_block_out_channels: tuple[int, ...] = (8, 16, 32, 32)
     vae_decoder_block_out_channels: tuple[int, ...] = (8, 16, 32)
-    # AutoencoderKLLTX2Audio (its base width is the packed audio token width, as latents_mean's length)
+    # AutoencoderKLLTX2Audio (its base width is the packed audio token width, as latents_mean's length):
+    # audio_latent_channels * mel_bins / 4, the audio tokens' width (latent_channels's by default)
     audio_latent_channels: int = 4
     mel_bins: int = 16
     # LTX2Vocoder: 240x upsampling of 100 mel frames a second = 24 kHz, as the real one's
@@ -95,8 +97,8 @@ class TinyLtx2Spec(BuiltinSpec):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.connector_num_heads < 1 or self.text_hidden_size % self.connector_num_heads:
             raise ValueError("text_hidden_size must be a multiple of connector_num_heads")
-        if self.mel_bins % AUDIO_DOWNSAMPLE or self.audio_token_width != self.latent_channels:
-            raise ValueError("audio_latent_channels * mel_bins / 4 must equal latent_channels (one token width)")
+        if self.mel_bins < AUDIO_DOWNSAMPLE or self.mel_bins % AUDIO_DOWNSAMPLE or self.audio_latent_channels < 1:
+            raise ValueError("mel_bins must be a positive multiple of 4 and audio_latent_channels positive")
         if len(self.vae_block_out_channels) != 4 or len(self.vae_decoder_block_out_channels) != 3:
             raise ValueError("the video VAE has 4 encoder and 3 decoder levels (32x spatial, 8x temporal)")
         if self.height % VAE_SPATIAL or self.width % VAE_SPATIAL or (self.num_frames - 1) % VAE_TEMPORAL:
@@ -148,7 +150,7 @@ def transformer_config(spec: TinyLtx2Spec) -> dict:
         num_attention_heads=spec.num_attention_heads, attention_head_dim=spec.attention_head_dim,
         cross_attention_dim=spec.num_attention_heads * spec.attention_head_dim,
         vae_scale_factors=(VAE_TEMPORAL, VAE_SPATIAL, VAE_SPATIAL),
-        audio_in_channels=spec.latent_channels, audio_out_channels=spec.latent_channels,
+        audio_in_channels=spec.audio_token_width, audio_out_channels=spec.audio_token_width,
         audio_num_attention_heads=spec.audio_num_attention_heads,
         audio_attention_head_dim=spec.audio_attention_head_dim,
         audio_cross_attention_dim=spec.audio_num_attention_heads * spec.audio_attention_head_dim,

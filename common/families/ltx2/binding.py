@@ -3,9 +3,10 @@
 - encoder: Gemma3's hidden states through the pipeline's text connectors, a video and an audio context and
   their mask (:mod:`common.families.ltx2.text`); image-to-video: the image's first-frame latent
   (:mod:`common.families.ltx2.image`);
-- denoise: ``LTX2VideoTransformer3DModel`` on both streams of one ``[S_v + S_a, C]`` tensor
-  (:mod:`~common.families.ltx2.geometry`), CFG / STG / modality guidance and rescale per stream on x0
-  (:mod:`~common.families.ltx2.guidance`), each pass a row of the batched forward;
+- denoise: ``LTX2VideoTransformer3DModel`` on both streams of one ``[S_v + S_a, C]`` tensor (the narrower
+  stream zero-padded where their widths differ: :mod:`~common.families.ltx2.geometry`), CFG / STG / modality
+  guidance and rescale per stream on x0 (:mod:`~common.families.ltx2.guidance`), each pass a row of the batched
+  forward;
 - schedule: flow-match Euler with dynamic shifting (``mu`` from the video tokens), sigmas ``linspace(1, 1/N, N)``,
   one schedule for both streams;
 - decode: ``AutoencoderKLLTX2Video`` for the frames, ``AutoencoderKLLTX2Audio`` and the vocoder for the waveform
@@ -25,7 +26,7 @@ from common.diffusion.request_fields import NUM_FRAMES
 from common.families.ltx2.condition import Ltx2FirstFrame
 from common.families.ltx2.decoder import Ltx2Decoder
 from common.families.ltx2.fields import DEFAULTS, FIELDS, frame_rate
-from common.families.ltx2.geometry import video_compression
+from common.families.ltx2.geometry import audio_token_width, video_compression
 from common.families.ltx2.guidance import Ltx2Guidance
 from common.families.ltx2.image import IMAGE_CRF, load_conditioner
 from common.families.ltx2.latents import Ltx2Latents
@@ -35,10 +36,11 @@ from common.families.ltx2.transformer import CONDITIONAL, ROW_KIND, Ltx2Transfor
 
 def geometry(path, transformer_config: dict) -> Geometry:
     spatial, temporal = video_compression(path)
-    if transformer_config.get("in_channels", 128) != transformer_config.get("audio_in_channels", 128):
-        raise ValueError(f"{path}: the engine carries LTX-2's streams as one tensor, which needs the video and audio "
-                         f"token widths equal (in_channels {transformer_config.get('in_channels')}, "
-                         f"audio_in_channels {transformer_config.get('audio_in_channels')})")
+    # The streams' widths may differ (geometry.py pads the narrower); the audio tokens must fit the transformer.
+    audio = int(transformer_config.get("audio_in_channels", 128))
+    if audio != audio_token_width(path):
+        raise ValueError(f"{path}: transformer audio_in_channels {audio} is not the width of the audio tokens the "
+                         f"pipeline makes, {audio_token_width(path)} (audio_vae latent_channels x mel_bins / 4)")
     return Geometry(latent_channels=int(transformer_config.get("in_channels", 128)), vae_scale_spatial=spatial,
                     vae_scale_temporal=temporal,
                     patch_size=(transformer_config.get("patch_size_t", 1), transformer_config.get("patch_size", 1),

@@ -35,7 +35,10 @@ def with_image(info, latents: torch.Tensor, image: torch.Tensor | None) -> torch
 
 
 def with_tokens(latents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``latents`` [n, S, C] with their first tokens ``tokens`` [1, T0, C]."""
+    """``latents`` [n, S, C] with their first tokens ``tokens`` [1, T0, C_v] (zero-padded to ``C`` where the
+    audio tokens are wider: geometry.py)."""
+    if tokens.shape[-1] < latents.shape[-1]:
+        tokens = torch.nn.functional.pad(tokens, (0, latents.shape[-1] - tokens.shape[-1]))
     return torch.cat([tokens.expand(latents.shape[0], -1, -1), latents[:, tokens.shape[1]:]], dim=1)
 
 

@@ -4,8 +4,15 @@ The pipeline denoises video latents (packed ``[S_v, C]`` tokens, :meth:`LTX2Pipe
 latents (``[S_a, C]``, :meth:`LTX2Pipeline._pack_audio_latents`: latent frames by channels x mel bins) jointly,
 on one sigma schedule. The engine carries them as one tensor per sample, ``[S_v + S_a, C]``, video tokens first:
 every shared mechanism (rows, the SDE step, groups, trajectories, resumes) then handles both streams at once,
-and the family's parts split it where the streams differ. Both streams have the same token width in LTX-2
-(``in_channels == audio_in_channels``); a directory where they differ is refused when it is read.
+and the family's parts split it where the streams differ.
+
+The streams' token widths are the transformer's ``in_channels`` and ``audio_in_channels`` (the audio VAE's
+latent channels x mel bins / 4). LTX-2's checkpoints have them equal; where they differ, ``C`` is the wider
+one and the narrower stream's tokens are zero-padded to it. The padding belongs to no stream
+(:meth:`Ltx2Geometry.stream_masks`): :meth:`~Ltx2Geometry.split` drops it (the model, the guidance and the
+decoders see each stream in the pipeline's own shape), :meth:`~Ltx2Geometry.join` puts zeros back (the model's
+velocity there is 0, so every step leaves it 0), and an SDE step treats it as an element on its ODE: no noise
+kept, no part in a log-prob, a KL or a mean (common/diffusion/streams.py).
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ def video_compression(path: Path) -> tuple[int, int]:
 AUDIO_DOWNSAMPLE = 4  # AutoencoderKLLTX2Audio's temporal and mel compression (a constant of the class)
 
 
+def audio_token_width(path: Path) -> int:
+    """The width of the audio tokens ``LTX2Pipeline`` packs: ``audio_vae/``'s latent channels x mel bins / 4."""
+    a = _config(Path(path), "audio_vae")
+    return int(a.get("latent_channels", 8)) * (int(a.get("mel_bins", 64)) // AUDIO_DOWNSAMPLE)
+
+
 @dataclass(frozen=True)
 class Ltx2Geometry:
     latent_frames: int
@@ -44,7 +57,7 @@ class Ltx2Geometry:
     latent_width: int
     patch_size: int
     patch_size_t: int
-    channels: int  # the token width of both streams
+    channels: int  # the video tokens' width (the transformer's in_channels)
     audio_frames: int  # audio latent frames (= audio tokens)
     audio_latent_channels: int
     latent_mel_bins: int
@@ -78,6 +91,16 @@ class Ltx2Geometry:
         return self.video_tokens + self.audio_tokens
 
     @property
+    def audio_channels(self) -> int:
+        """The audio tokens' width: latent channels x latent mel bins (the transformer's audio_in_channels)."""
+        return self.audio_latent_channels * self.latent_mel_bins
+
+    @property
+    def width(self) -> int:
+        """The joint tensor's last dimension: the wider stream's token width."""
+        return max(self.channels, self.audio_channels)
+
+    @property
     def video_shape(self) -> tuple[int, ...]:
         """The unpacked video latents' per-sample shape [C_latent, F', H', W'] (the pipeline's noise shape)."""
         c = self.channels // (self.patch_size_t * self.patch_size ** 2)
@@ -89,17 +112,22 @@ class Ltx2Geometry:
         return (self.audio_latent_channels, self.audio_frames, self.latent_mel_bins)
 
     def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[..., S_v + S_a, C] -> (video [..., S_v, C], audio [..., S_a, C]) (views)."""
-        return joint[..., :self.video_tokens, :], joint[..., self.video_tokens:, :]
+        """[..., S_v + S_a, C] -> (video [..., S_v, C_v], audio [..., S_a, C_a]) (views, without the padding)."""
+        return joint[..., :self.video_tokens, :self.channels], joint[..., self.video_tokens:, :self.audio_channels]
 
-    @staticmethod
-    def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        return torch.cat([video, audio], dim=-2)
+    def join(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`split`: the narrower stream's tokens zero-padded to :attr:`width`."""
+        def padded(x):
+            return x if x.shape[-1] == self.width else torch.nn.functional.pad(x, (0, self.width - x.shape[-1]))
+        return torch.cat([padded(video), padded(audio)], dim=-2)
 
     def stream_masks(self, device=None) -> dict[str, torch.Tensor]:
-        """Per stream, which of the joint tensor's elements are its own: bool [S_v + S_a, C]."""
-        tokens = torch.arange(self.tokens, device=device)[:, None].expand(self.tokens, self.channels)
-        return {"video": tokens < self.video_tokens, "audio": tokens >= self.video_tokens}
+        """Per stream, which of the joint tensor's elements are its own: bool [S_v + S_a, C] (the padding of the
+        narrower stream is in neither)."""
+        tokens = torch.arange(self.tokens, device=device)[:, None]
+        lanes = torch.arange(self.width, device=device)[None, :]
+        return {"video": (tokens < self.video_tokens) & (lanes < self.channels),
+                "audio": (tokens >= self.video_tokens) & (lanes < self.audio_channels)}
 
     def pack_video(self, latents: torch.Tensor) -> torch.Tensor:
         """[n, C, F', H', W'] -> [n, S_v, C * p_t * p * p], as ``LTX2Pipeline._pack_latents``."""

@@ -44,11 +44,12 @@ class Ltx2Latents(LatentsPart):
 
     def shape(self, info, height, width, num_frames=1):
         """At the directory's default frame rate (the audio's length depends on it: see :meth:`request_shape`)."""
-        return (1, _default_geometry(info, height, width, num_frames).tokens, info.transformer_config["in_channels"])
+        g = _default_geometry(info, height, width, num_frames)
+        return (1, g.tokens, g.width)
 
     def request_shape(self, info, params):
         g = geometry_of(info, params)
-        return (1, g.tokens, g.channels)
+        return (1, g.tokens, g.width)
 
     def draw(self, info, params, generator: torch.Generator) -> torch.Tensor:
         g = geometry_of(info, params)
