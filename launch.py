@@ -40,7 +40,8 @@ from common.runtime.memory_flags import add_memory_flags, check_memory_flags, me
 from common.runtime.exit_now import exit_now
 from common.runtime.supervisor import Supervisor
 from common.protocol.messages import ROLES
-from common.families import UnknownFamily, read_model
+from common.families import read_model
+from common.families.checkpoints import checkpoint_problem
 from common.families.layouts import layout_problem
 from common.builtin import BUILTINS, ModelNotFound, resolve as resolve_builtin_or_dir
 from common.diffusion.step_cache import cli_flag as cache_flag
@@ -67,6 +68,8 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--transformer-file", type=os.path.abspath, metavar="FILE", help="the transformer's weights from one "
+                   ".safetensors or .gguf checkpoint; its config and the other components from --model")
     p.add_argument("--runtime-dir", default=None, help="where ipc sockets and the config go (default: a fresh temp dir)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the workers on a Ray cluster: 'auto' (the cluster this node belongs to), HOST:PORT, "
@@ -161,12 +164,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_info(model: Path):
-    """The model's facts (its family's binding); an unknown pipeline class ends the launcher in one line."""
-    try:
-        return read_model(model)
-    except (UnknownFamily, FileNotFoundError) as e:
-        sys.exit(f"launch.py: error: {e}")
+def model_info(model: Path, transformer_file: str | None = None):
+    """The model's facts (its family's binding); weights that would not load end the launcher in one line."""
+    if problem := checkpoint_problem(model, transformer_file):  # an unknown pipeline class, a broken file, ...
+        sys.exit(f"launch.py: error: {problem}")
+    return read_model(model, transformer_file)
 
 
 class EngineServer(uvicorn.Server):
@@ -219,6 +221,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         router_endpoint=router_endpoint(runtime, args.transport, pick_port=pick_port),
         runtime_dir=str(runtime),
         dtype=args.dtype,
+        transformer_file=args.transformer_file,
         max_batch_size=args.max_batch_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         transport=args.transport,
@@ -232,8 +235,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
         cache=args.cache,
         **memory_settings(args),
         limits=Limits(
-            max_height=args.max_height,
-            max_width=args.max_width,
+            max_height=args.max_height, max_width=args.max_width,
             max_num_frames=args.max_num_frames,
             max_steps=args.max_steps,
             max_n=args.max_n,
@@ -371,13 +373,12 @@ def main(argv=None) -> int:
     args.data_dir = args.data_dir or default_data_dir(args.host, args.port)
     store = open_job_store(args.data_dir)  # locked until this process exits
     model = _load_model(args.model)
-    info = model_info(model)
+    info = model_info(model, args.transformer_file)
     log.info("model family: %s (%s)", info.family.family, info.family.pipeline)
     runtime = _private_runtime_dir(args.runtime_dir)
     _warn_about_keys(args, api_key)
     config = engine_config(args, model, runtime, weight_roots)
-    problem = layout_problem(info, config.workers, config.cache)
-    if problem:
+    if problem := layout_problem(info, config.workers, config.cache):
         if args.runtime_dir is None:
             shutil.rmtree(runtime, ignore_errors=True)
         sys.exit(f"launch.py: error: {problem}")

@@ -43,7 +43,8 @@ def main() -> None:
     device = torch.device(spec.devices[args.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    policy = Policy.load(read_model(config.model), torch_dtype_for(device.type, config.dtype), device)
+    info = read_model(config.model, config.transformer_file)
+    policy = Policy.load(info, torch_dtype_for(device.type, config.dtype), device)
     join_group(config, spec, args.rank)
     try:
         layout = ParallelLayout.of(spec, device.type)

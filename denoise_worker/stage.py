@@ -68,7 +68,7 @@ class DenoiseStage(Stage):
     role = "denoise"
 
     def load(self) -> None:
-        self.info = read_model(self.config.model)
+        self.info = read_model(self.config.model, self.config.transformer_file)
         self.family = self.info.family
         self.followers = None
         if self.spec.ranks > 1:  # a multi-device worker: the followers load while the leader does

@@ -3,18 +3,17 @@ prints each directory.
 
 Usage::
 
-    python -m common.builtin NAME... [--out DIR] [--cache-dir DIR] [--dtype D]
+    python -m common.builtin NAME... [--out DIR] [--cache-dir DIR] [--dtype D] [--max-shard-size S] [--variant V]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from common.builtin import BUILTINS, ensure_builtin
 from common.builtin.cache import CACHE_ENV, DEFAULT_CACHE_DIR
-from common.builtin.spec import WEIGHT_DTYPES
+from common.builtin.spec import WEIGHT_DTYPES, with_layout
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -26,23 +25,21 @@ def main(argv: list[str] | None = None) -> list[Path]:
                         help=f"cache root (default: ${CACHE_ENV} or {DEFAULT_CACHE_DIR})")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                         help="dtype the weights are stored in (default: the spec's; another is cached separately)")
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="each component's weights in shards of at most SIZE (e.g. 64KB) with an index")
+    parser.add_argument("--variant", default=None, help="weight files of this variant only (e.g. fp16)")
     args = parser.parse_args(argv)
+    layout = {k: v for k, v in (("weights_dtype", args.dtype), ("max_shard_size", args.max_shard_size),
+                                ("variant", args.variant)) if v is not None}
     paths = []
     for name in args.names:
         spec = BUILTINS[name]
-        if args.dtype is not None:
-            spec = _with_dtype(spec, args.dtype)
+        if layout:
+            spec = with_layout(spec, **layout)
         path = spec.build(args.out / name) if args.out is not None else ensure_builtin(spec, args.cache_dir)
         print(path.resolve(), flush=True)
         paths.append(path)
     return paths
-
-
-def _with_dtype(spec, dtype: str):
-    # A -smooth built-in stores its base's dtype.
-    if hasattr(spec, "base"):
-        return dataclasses.replace(spec, base=_with_dtype(spec.base, dtype))
-    return dataclasses.replace(spec, weights_dtype=dtype)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def build(spec, out_dir: str | Path) -> Path:
     if spec.weights_dtype != "float32":
         pipe.to(getattr(torch, spec.weights_dtype))
     out = Path(out_dir)
-    _save_quietly(pipe, out)
+    _save_quietly(pipe, out, spec)
     defaults = {k: getattr(spec, k) for k in spec.SERVING_DEFAULT_KEYS}
     (out / SERVING_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
     coefficients = getattr(spec, "teacache_coefficients", None)
@@ -121,13 +121,14 @@ def build(spec, out_dir: str | Path) -> Path:
     return out
 
 
-def _save_quietly(pipe, out: Path) -> None:
+def _save_quietly(pipe, out: Path, spec) -> None:
     from transformers.utils import logging as transformers_logging
 
     bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()  # the text encoders' "Writing model shards": noise at a first start
     try:
-        pipe.save_pretrained(out, safe_serialization=True)
+        layout = {k: v for k in ("max_shard_size", "variant") if (v := getattr(spec, k, None)) is not None}
+        pipe.save_pretrained(out, safe_serialization=True, **layout)
     finally:
         if bars:
             transformers_logging.enable_progress_bar()

@@ -4,13 +4,14 @@ share (CLIP text, T5, ``AutoencoderKL``), each a dataclass mixed into their spec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 # How the safetensors files store the weights (they are generated in float32 either way; loaders cast to the
 # dtype they ask for).
-WEIGHT_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def later_field(default):
@@ -35,6 +36,11 @@ class BuiltinSpec:
     # How the safetensors files store the weights (they are generated in float32 either way; loaders cast to
     # the dtype they ask for); checked by check_weights_dtype.
     weights_dtype: str = "float32"
+    # How the files are laid out, as downloaded checkpoints are (common/diffusion/loading.py): each component's
+    # weights in shards of at most this size with an index ("64KB"; None: one file), and in files of this variant
+    # only (``save_pretrained(variant="fp16")``'s ``*.fp16.safetensors``; None: plain names).
+    max_shard_size: str | None = later_field(None)
+    variant: str | None = later_field(None)
 
     @property
     def pipeline(self) -> str:
@@ -45,6 +51,15 @@ class BuiltinSpec:
         from common.builtin.build import build
 
         return build(self, out_dir)
+
+
+def with_layout(spec, **layout):
+    """``spec`` with other file-layout fields (``weights_dtype``, ``max_shard_size``, ``variant``), named after
+    them; a ``-smooth`` built-in's base takes them (it stores its base's files)."""
+    if hasattr(spec, "base"):
+        return dataclasses.replace(spec, base=with_layout(spec.base, **layout))
+    tags = [str(v).lower() for v in layout.values() if v is not None]
+    return dataclasses.replace(spec, name="-".join([spec.name, *tags]), **layout)
 
 
 def check_weights_dtype(spec) -> None:

@@ -93,6 +93,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     router_endpoint: str
     runtime_dir: str
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    # The transformer's weights from this one checkpoint file (a .safetensors or a .gguf: launch.py
+    # --transformer-file), its config and every other component from ``model``; None: the directory's own.
+    transformer_file: str | None = None
     # Requests that share one forward (denoise), one text-encoder or one VAE call.
     max_batch_size: int = 8
     prompt_cache_bytes: int = 256 << 20  # encoder: recently encoded prompts kept (0: no cache)

@@ -50,6 +50,9 @@ class ModelInfo:
     fps: int = 16  # frames per second of the videos it makes (MP4 output)
     transformer_config: dict = field(default_factory=dict)  # e.g. FLUX.1-dev's guidance_embeds
     index: dict = field(default_factory=dict)  # model_index.json: components, and e.g. Wan2.2's expand_timesteps
+    # One checkpoint file holding the transformer's weights (launch.py --transformer-file; a .safetensors or a
+    # .gguf), read instead of transformer/'s own (common/diffusion/loading.py); None: the directory's.
+    transformer_file: Path | None = None
 
     @property
     def expand_timesteps(self) -> bool:

@@ -138,7 +138,8 @@ class Policy:
         names = EXPERTS if info.has_transformer_2 else EXPERTS[:1]
         experts = {}
         for name in names:
-            model = info.family.transformer.load(info.path / name, dtype)
+            file = info.transformer_file if name == "transformer" else None  # --transformer-file: the first's
+            model = info.family.transformer.load(info.path / name, dtype, file)
             # Laid out as a push or a resume lays it out: the same bytes give the same outputs (weight_storage).
             experts[name] = settle(model.to(device).eval().requires_grad_(trainable))
         return cls(info, experts)

@@ -6,6 +6,7 @@ here composing a :class:`~common.diffusion.binding.Binding` of parts, and one li
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from common.diffusion.binding import Binding
@@ -41,6 +42,8 @@ def binding_for(pipeline: str | None) -> Binding:
     return binding
 
 
-def read_model(path: str | Path) -> ModelInfo:
-    """The facts of a model directory, read with its family's binding."""
-    return ModelInfo.read_with(binding_for(read_index(path).get("_class_name")), path)
+def read_model(path: str | Path, transformer_file: str | Path | None = None) -> ModelInfo:
+    """The facts of a model directory, read with its family's binding; ``transformer_file``: one checkpoint file
+    the transformer's weights come from instead (``--transformer-file``)."""
+    info = ModelInfo.read_with(binding_for(read_index(path).get("_class_name")), path)
+    return info if transformer_file is None else replace(info, transformer_file=Path(transformer_file))

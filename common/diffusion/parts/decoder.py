@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
@@ -68,7 +69,7 @@ class AutoencoderKLDecoder:
     def load(cls, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "AutoencoderKLDecoder":
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKL, info.path / "vae", dtype)
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()

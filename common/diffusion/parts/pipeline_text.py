@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from common.diffusion.loading import load_component
 
 # The pipeline's components a text-only pipeline leaves out.
 NOT_TEXT = ("transformer", "scheduler", "vae")
@@ -38,6 +39,6 @@ class PipelineTextEncoder:
         for component, model_class in cls.ENCODERS.items():
             tokenizer = component.replace("text_encoder", "tokenizer")
             parts[tokenizer] = transformers.AutoTokenizer.from_pretrained(path / tokenizer)
-            model = getattr(transformers, model_class).from_pretrained(path / component, dtype=dtype)
+            model = load_component(getattr(transformers, model_class), path / component, dtype)
             parts[component] = model.to(device).eval().requires_grad_(False)
         return cls(getattr(diffusers, cls.PIPELINE)(**parts, **dict.fromkeys(NOT_TEXT)))

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.diffusion.loading import load_component, load_single_file
+
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
 
@@ -52,10 +54,13 @@ class TransformerPart:
     teacache_source: str | None = None
     teacache_warmup: int = 1
 
-    def load(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    def load(self, path: Path, dtype: torch.dtype, file: Path | None = None) -> torch.nn.Module:
+        """The expert in folder ``path``; with ``file`` (``--transformer-file``) its weights from that one
+        checkpoint file instead, its config still from ``path`` (common/diffusion/loading.py)."""
         import diffusers
 
-        return getattr(diffusers, self.model_class).from_pretrained(path, dtype=dtype)
+        cls = getattr(diffusers, self.model_class)
+        return load_component(cls, path, dtype) if file is None else load_single_file(cls, file, path, dtype)
 
     def forward(self, model: torch.nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
                 text: dict[str, torch.Tensor], grid: tuple[int, int], guidance: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from common.diffusion.parts.latents import pack
 from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.diffusion.loading import load_component
 
 AUTO_RESIZE = "auto_resize"
 
@@ -54,7 +55,7 @@ class KontextConditioner:
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "KontextConditioner":
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKL, info.path / "vae", dtype)
         vae.decoder = None  # this worker only encodes: the decode worker holds the decoder
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 

@@ -13,12 +13,13 @@ import torch
 
 from common.diffusion.parts.decoder import image_frames
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 
 def load_vae(info, dtype: torch.dtype, device):
     from diffusers import AutoencoderKLFlux2
 
-    vae = AutoencoderKLFlux2.from_pretrained(info.path / "vae", dtype=dtype)
+    vae = load_component(AutoencoderKLFlux2, info.path / "vae", dtype)
     return vae.to(device).eval().requires_grad_(False)
 
 

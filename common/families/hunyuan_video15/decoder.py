@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 
 class HunyuanVideo15Decoder:
@@ -16,7 +17,7 @@ class HunyuanVideo15Decoder:
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "HunyuanVideo15Decoder":
         from diffusers import AutoencoderKLHunyuanVideo15
 
-        vae = AutoencoderKLHunyuanVideo15.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLHunyuanVideo15, info.path / "vae", dtype)
         vae.encoder = None  # the image side (encoder worker) encodes
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 

@@ -15,6 +15,7 @@ import torch
 
 from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
+from common.diffusion.loading import load_component
 
 
 def _processor(spatial: int):
@@ -44,9 +45,9 @@ class HunyuanVideo15ImageConditioner:
         def ready(m):
             return m.to(device).eval().requires_grad_(False)
 
-        vae = AutoencoderKLHunyuanVideo15.from_pretrained(path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLHunyuanVideo15, path / "vae", dtype)
         vae.decoder = None  # this worker only encodes: the decode worker holds the decoder
-        encoder = transformers.SiglipVisionModel.from_pretrained(path / "image_encoder", dtype=dtype)
+        encoder = load_component(transformers.SiglipVisionModel, path / "image_encoder", dtype)
         extractor = transformers.SiglipImageProcessor.from_pretrained(path / "feature_extractor")
         return cls(ready(vae), ready(encoder), extractor, device, tiling)
 

@@ -19,6 +19,7 @@ import torch
 
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
 from common.protocol.messages import GLYPH_EMBEDS, GLYPH_MASK, IMAGE_EMBEDS, PROMPT_EMBEDS, PROMPT_MASK
+from common.diffusion.loading import load_component
 
 # HunyuanVideo15Pipeline.__init__'s constants: the Qwen budget after the crop, the template's prefix, ByT5's budget.
 TOKENIZER_MAX_LENGTH = 1000
@@ -47,9 +48,9 @@ class HunyuanVideo15TextEncoder:
             return m.to(device).eval().requires_grad_(False)
 
         return cls(transformers.AutoTokenizer.from_pretrained(path / "tokenizer"),
-                   ready(transformers.Qwen2_5_VLTextModel.from_pretrained(path / "text_encoder", dtype=dtype)),
+                   ready(load_component(transformers.Qwen2_5_VLTextModel, path / "text_encoder", dtype)),
                    transformers.AutoTokenizer.from_pretrained(path / "tokenizer_2"),
-                   ready(transformers.T5EncoderModel.from_pretrained(path / "text_encoder_2", dtype=dtype)))
+                   ready(load_component(transformers.T5EncoderModel, path / "text_encoder_2", dtype)))
 
     @torch.no_grad()
     def wire_tensors(self, prompts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:

@@ -27,6 +27,7 @@ from common.diffusion.request_fields import field_value
 from common.diffusion.vae_tiling import VaeTiling
 from common.families.ltx2.fields import DECODE_NOISE_SCALE, DECODE_TIMESTEP, DEFAULTS, frame_rate
 from common.families.ltx2.geometry import Ltx2Geometry
+from common.diffusion.loading import load_component
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
@@ -78,9 +79,9 @@ class Ltx2Decoder:
         def ready(m):
             return m.to(device).eval().requires_grad_(False)
 
-        return cls(info.path, ready(AutoencoderKLLTX2Video.from_pretrained(info.path / "vae", dtype=dtype)),
-                   ready(AutoencoderKLLTX2Audio.from_pretrained(info.path / "audio_vae", dtype=dtype)),
-                   ready(vocoder_class(info.path).from_pretrained(info.path / "vocoder", dtype=dtype)), device,
+        return cls(info.path, ready(load_component(AutoencoderKLLTX2Video, info.path / "vae", dtype)),
+                   ready(load_component(AutoencoderKLLTX2Audio, info.path / "audio_vae", dtype)),
+                   ready(load_component(vocoder_class(info.path), info.path / "vocoder", dtype)), device,
                    tiling)
 
     def batch_key(self, params: "GenerationParams") -> Ltx2Geometry:

@@ -21,10 +21,11 @@ import torch
 from common.diffusion.request_fields import RequestField, field_value
 from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import IMAGE_CONDITION
+from common.diffusion.loading import load_component
 
 IMAGE_CRF = RequestField("image_crf", int, "image-to-video: the H.264 CRF the image is re-compressed at before "
                          "it is encoded, as the model was trained (0: not re-compressed; default: the model's)",
-                         minimum=0, maximum=51)
+                         minimum=0, maximum=51, needs_image=True)
 
 
 def default_crf(path: Path) -> int:
@@ -49,7 +50,7 @@ class Ltx2ImageConditioner:
         from diffusers.video_processor import VideoProcessor
 
         path = Path(path)
-        vae = AutoencoderKLLTX2Video.from_pretrained(path / "vae", torch_dtype=dtype)
+        vae = load_component(AutoencoderKLLTX2Video, path / "vae", dtype)
         vae.decoder = None  # this worker only encodes: the decode worker holds the decoder
         vae = vae.to(device).eval().requires_grad_(False)
         # Bilinear, as LTX2ImageToVideoPipeline's processor resizes (not the processor's default).

@@ -20,6 +20,7 @@ import torch
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
 from common.diffusion.request_fields import max_sequence_length
 from common.protocol.messages import AUDIO_PROMPT_EMBEDS, PROMPT_EMBEDS, PROMPT_MASK
+from common.diffusion.loading import load_component
 
 AUDIO_HIDDEN = "audio_encoder_hidden_states"
 MASK = "encoder_attention_mask"
@@ -46,8 +47,8 @@ class Ltx2TextEncoder:
 
         path = Path(model_dir)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path / "tokenizer")
-        encoder = transformers.Gemma3ForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype)
-        connectors = LTX2TextConnectors.from_pretrained(path / "connectors", torch_dtype=dtype)
+        encoder = load_component(transformers.Gemma3ForConditionalGeneration, path / "text_encoder", dtype)
+        connectors = load_component(LTX2TextConnectors, path / "connectors", dtype)
         parts = {name: m.to(device).eval().requires_grad_(False)
                  for name, m in (("text_encoder", encoder), ("connectors", connectors))}
         none = dict.fromkeys(("scheduler", "vae", "audio_vae", "transformer", "vocoder"))

@@ -60,9 +60,9 @@ class QwenImageTransformer(TransformerPart):
     # Both streams' attention projections (the recipes' LoRA targets for Qwen-Image).
     lora_targets: tuple[str, ...] = JOINT_ATTENTION_PROJECTIONS
 
-    def load(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    def load(self, path: Path, dtype: torch.dtype, file: Path | None = None) -> torch.nn.Module:
         _trace_text_length_symbolically()
-        return super().load(path, dtype)
+        return super().load(path, dtype, file)
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         # One img_shapes entry for every row: the transformer's rotary embedding reads only the first (all rows

@@ -18,6 +18,7 @@ import torch
 from common.diffusion.parts.latents import pack
 from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.diffusion.loading import load_component
 
 REFERENCE_AREA = 1024 * 1024
 # The VAE's 8x and the 2x2 packing: a reference's token grid is its pixels / 16.
@@ -66,7 +67,7 @@ class QwenImageEditConditioner:
         from diffusers.image_processor import VaeImageProcessor
 
         path = Path(getattr(info, "path", info))
-        vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLQwenImage, path / "vae", dtype)
         # The decoder stays: AutoencoderKLQwenImage's encode counts the decoder's convolutions (clear_cache).
         vae = vae.to(device).eval().requires_grad_(False)
         scale = 2 ** len(vae.config.temperal_downsample)

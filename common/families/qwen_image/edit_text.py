@@ -20,6 +20,7 @@ import torch
 from common.diffusion.parts.pipeline_text import NOT_TEXT, PipelineTextEncoder
 from common.families.qwen_image.edit_images import REFERENCE_AREA, area_size
 from common.protocol.messages import PROMPT_EMBEDS
+from common.diffusion.loading import load_component
 
 # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE (an area in pixels).
 CONDITION_AREA = 384 * 384
@@ -44,7 +45,7 @@ class QwenImageEditTextEncoder(PipelineTextEncoder):
         from common.families.qwen_image.processor import load_processor
 
         path = Path(model_dir)
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype)
+        model = load_component(transformers.Qwen2_5_VLForConditionalGeneration, path / "text_encoder", dtype)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path / "tokenizer")
         pipe = getattr(diffusers, cls.PIPELINE)(text_encoder=model.to(device).eval().requires_grad_(False),
                                                 tokenizer=tokenizer, processor=load_processor(path),

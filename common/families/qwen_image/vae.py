@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 
 class QwenImageDecoder:
@@ -16,7 +17,7 @@ class QwenImageDecoder:
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "QwenImageDecoder":
         from diffusers import AutoencoderKLQwenImage
 
-        vae = AutoencoderKLQwenImage.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLQwenImage, info.path / "vae", dtype)
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()

@@ -91,9 +91,9 @@ class SanaTransformer(TransformerPart):
     # budget compiles its own graphs.
     compile_dynamic: dict[str, tuple[int, ...]] = field(default_factory=lambda: {HIDDEN: (1,), MASK: (1,)})
 
-    def load(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    def load(self, path: Path, dtype: torch.dtype, file: Path | None = None) -> torch.nn.Module:
         _register_block()
-        return super().load(path, dtype)
+        return super().load(path, dtype, file)
 
     def forward(self, model, hidden_states, timestep, text, grid, guidance) -> torch.Tensor:
         out = model(hidden_states, encoder_hidden_states=text[HIDDEN], encoder_attention_mask=text[MASK],

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from common.protocol.messages import PROMPT_EMBEDS
+from common.diffusion.loading import load_component
 
 
 def complex_human_instruction() -> list[str]:
@@ -38,7 +39,7 @@ class SanaTextEncoder:
         from transformers import AutoModel, AutoTokenizer
 
         path = Path(model_dir)
-        encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        encoder = load_component(AutoModel, path / "text_encoder", dtype)
         pipe = SanaPipeline(tokenizer=AutoTokenizer.from_pretrained(path / "tokenizer"),
                             text_encoder=encoder.to(device).eval().requires_grad_(False), vae=None, transformer=None,
                             scheduler=None)

@@ -7,6 +7,7 @@ import torch
 
 from common.diffusion.parts.decoder import image_frames
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 
 class SanaDecoder:
@@ -18,7 +19,7 @@ class SanaDecoder:
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "SanaDecoder":
         from diffusers import AutoencoderDC
 
-        vae = AutoencoderDC.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderDC, info.path / "vae", dtype)
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ import torch
 
 from common.diffusion.vae_tiling import VaeTiling
 from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
+from common.diffusion.loading import load_component
 
 
 def first_frame_mask(num_frames: int, latent_frames: int, height: int, width: int, temporal: int,
@@ -56,7 +57,7 @@ class WanImageConditioner:
         from diffusers import AutoencoderKLWan
         from diffusers.video_processor import VideoProcessor
 
-        vae = AutoencoderKLWan.from_pretrained(path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLWan, path / "vae", dtype)
         vae.decoder = None  # this worker only encodes: the decode worker holds the decoder
         vae = vae.to(device).eval().requires_grad_(False)
         encoder = processor = None
@@ -64,7 +65,7 @@ class WanImageConditioner:
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
             processor = CLIPImageProcessor.from_pretrained(path / "image_processor")
-            encoder = CLIPVisionModel.from_pretrained(path / "image_encoder", dtype=dtype)
+            encoder = load_component(CLIPVisionModel, path / "image_encoder", dtype)
             encoder = encoder.to(device).eval().requires_grad_(False)
         video_processor = VideoProcessor(vae_scale_factor=int(vae.config.scale_factor_spatial))
         return cls(vae, video_processor, encoder, processor, expand_timesteps, device, tiling)

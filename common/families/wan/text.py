@@ -15,6 +15,7 @@ import torch
 
 from common.diffusion.parts.text import pad_embeddings
 from common.protocol.messages import PROMPT_EMBEDS
+from common.diffusion.loading import load_component
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default
 
@@ -57,7 +58,7 @@ class WanTextEncoder:
 
         path = Path(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-        model = UMT5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        model = load_component(UMT5EncoderModel, path / "text_encoder", dtype)
         return cls(tokenizer, model.to(device).eval().requires_grad_(False))
 
     @torch.no_grad()

@@ -7,6 +7,7 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from common.diffusion.vae_tiling import VaeTiling
+from common.diffusion.loading import load_component
 
 
 def to_frames(video: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,7 @@ class WanDecoder:
 
     @classmethod
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "WanDecoder":
-        vae = AutoencoderKLWan.from_pretrained(info.path / "vae", dtype=dtype)
+        vae = load_component(AutoencoderKLWan, info.path / "vae", dtype)
         return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()

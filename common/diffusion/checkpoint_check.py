@@ -1,0 +1,191 @@
+"""Why a model directory's weights would not load, found before any worker starts, as one line naming the file.
+
+Each model component's folder is read as ``from_pretrained`` would read it (common/diffusion/loading.py: its
+variant, its index and shards) but from the files' headers alone (common/diffusion/weight_headers.py), and
+compared with the tensors its config makes: the model class instantiated on the ``meta`` device (no memory, no
+weights) gives every name, shape and dtype cheaply. Found: a shard the index names that is missing or lacks the
+tensors the index places in it, a truncated file, a tensor whose shape differs from the config's model or whose
+integer dtype cannot hold a floating-point weight, a folder of another model (few of the model's tensors),
+weights of several variants and no plain ones, a folder with no weights. ``--transformer-file`` is checked the
+same way, through the converter diffusers' ``from_single_file`` runs on it (run on ``meta`` tensors).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from common.diffusion.loading import single_file_support, variants_in, weight_variant
+from common.diffusion.weight_headers import HeaderError, TensorEntry, entries_of, safetensors_entries
+
+_BASES = ("diffusion_pytorch_model", "model")
+_SHOWN = 3  # names an error message lists before summarising
+
+
+def _listed(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:_SHOWN]) + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+
+
+def _dotted(variant: str | None) -> str:
+    return "" if variant is None else f".{variant}"
+
+
+def model_class(library: str, class_name: str):
+    """The class ``model_index.json`` names, when it is a model with weights (else None)."""
+    import diffusers
+    import transformers
+
+    cls = getattr(diffusers if library == "diffusers" else transformers, class_name, None)
+    if cls is not None and (issubclass(cls, diffusers.ModelMixin) or issubclass(cls, transformers.PreTrainedModel)):
+        return cls
+    return None
+
+
+def meta_tensors(cls, folder: Path) -> dict[str, torch.Tensor] | None:
+    """The state dict of ``cls`` built from ``folder``'s config on the ``meta`` device (names, shapes, dtypes);
+    None when the class cannot be built so (the shape checks are then skipped, never a refusal)."""
+    import diffusers
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            if issubclass(cls, diffusers.ModelMixin):
+                model = cls.from_config(cls.load_config(folder))
+            else:
+                model = cls._from_config(transformers.AutoConfig.from_pretrained(folder))
+        return model.state_dict()
+    except Exception:  # a class whose __init__ reads values: no shapes to compare with, nothing refused
+        return None
+
+
+def fit_problem(where: str, entries: dict[str, TensorEntry], expected: dict[str, torch.Tensor], owner: str,
+                names_must_match: bool) -> str | None:
+    """Why tensors ``entries`` (read from ``where``) do not fit model ``owner``'s ``expected`` ones: a shape that
+    differs, an integer dtype where the model holds floats; with ``names_must_match`` (a diffusers model, whose
+    names are the files' own), too few of the model's tensors."""
+    common = set(entries) & set(expected)
+    missing = set(expected) - set(entries)
+    if names_must_match and missing and (len(common) < len(expected) / 2 or not set(entries) - set(expected)):
+        return f"{where}: lacks {len(missing)} of the {len(expected)} tensors of {owner} ({_listed(missing)})"
+    for name in sorted(common):
+        want, got = expected[name], entries[name]
+        if tuple(want.shape) != got.shape:
+            return (f"{where}: {name} has shape {list(got.shape)}, but {owner} (as its config makes it) has "
+                    f"{list(want.shape)}")
+        if want.is_floating_point() and not got.is_float:
+            return f"{where}: {name} is stored as {got.dtype}, but {owner} holds floating-point values there"
+    return None
+
+
+def _index_entries(index: Path) -> dict[str, TensorEntry]:
+    """Every tensor a sharded folder's index places, read from its shards' headers."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise HeaderError(f"{index}: not a valid safetensors index (no weight_map of tensor names to shard files)")
+    entries: dict[str, TensorEntry] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = index.parent / shard
+        if Path(shard).name != shard or not file.is_file():
+            raise HeaderError(f"{index}: names shard {shard}, which is missing")
+        found = safetensors_entries(file)
+        absent = {k for k, v in weight_map.items() if v == shard} - set(found)
+        if absent:
+            raise HeaderError(f"{file}: lacks {len(absent)} tensors that {index.name} places in it "
+                              f"({_listed(absent)})")
+        entries.update(found)
+    return entries
+
+
+def folder_entries(folder: Path) -> dict[str, TensorEntry] | None:
+    """The tensors a component folder's weights declare, as ``from_pretrained`` would find them (its variant,
+    sharded or not); None for pickle-only weights (.bin: their headers are not read). Raises HeaderError."""
+    try:
+        variant = weight_variant(folder)
+    except ValueError as e:
+        raise HeaderError(str(e)) from e
+    for base in _BASES:
+        index = folder / f"{base}.safetensors.index{_dotted(variant)}.json"
+        if index.is_file():
+            return _index_entries(index)
+        single = folder / f"{base}{_dotted(variant)}.safetensors"
+        if single.is_file():
+            return safetensors_entries(single)
+    if variants_in(folder):
+        return None  # .bin weights only
+    raise HeaderError(f"{folder}: no weight files (diffusion_pytorch_model.safetensors, model.safetensors or "
+                      "an index of shards)")
+
+
+def component_problem(folder: Path, library: str, class_name: str) -> str | None:
+    """Why component folder ``folder`` (a model of ``class_name`` per model_index.json) would not load."""
+    cls = model_class(library, class_name)
+    if cls is None:
+        return None
+    config = folder / "config.json"
+    if not config.is_file():
+        return f"{folder}: missing (model_index.json names a {class_name} there), or it has no config.json"
+    named = json.loads(config.read_text()).get("_class_name")
+    if library == "diffusers" and named and named != class_name:
+        return f"{config}: names {named}, but model_index.json a {class_name} (a folder of another model?)"
+    try:
+        entries = folder_entries(folder)
+    except HeaderError as e:
+        return str(e)
+    expected = meta_tensors(cls, folder) if entries is not None else None
+    if expected is None:
+        return None
+    return fit_problem(str(folder), entries, expected, class_name, names_must_match=library == "diffusers")
+
+
+def single_file_problem(class_name: str, file: Path, config_folder: Path) -> str | None:
+    """Why ``--transformer-file FILE`` would not load as a ``class_name`` of ``config_folder``'s config."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    if not file.is_file():
+        return f"--transformer-file {file}: no such file"
+    if file.suffix not in (".safetensors", ".gguf"):
+        return f"--transformer-file {file}: not a .safetensors or .gguf file"
+    if not single_file_support(cls):
+        return (f"--transformer-file: the model's transformer is a {class_name}, which diffusers' from_single_file "
+                "does not load; use a model directory instead")
+    try:
+        entries = entries_of(file)
+    except HeaderError as e:
+        return f"--transformer-file {e}"
+    expected = meta_tensors(cls, config_folder)
+    if expected is None:
+        return None
+    if set(expected) - set(entries):  # the original format: the names diffusers' converter makes of it
+        converted = _converted(cls, entries, config_folder)
+        if isinstance(converted, str):
+            return f"--transformer-file {file}: not a {class_name} checkpoint ({converted})"
+        entries = converted
+    return fit_problem(f"--transformer-file {file}", entries, expected, f"{class_name} of {config_folder}",
+                       names_must_match=True)
+
+
+def _converted(cls, entries: dict[str, TensorEntry], config_folder: Path) -> dict[str, TensorEntry] | str:
+    """``entries`` renamed as diffusers' single-file converter for ``cls`` renames them (run on meta tensors),
+    or why the converter could not read them."""
+    from diffusers.loaders.single_file_model import (SINGLE_FILE_LOADABLE_CLASSES,
+                                                     _get_single_file_loadable_mapping_class)
+
+    convert = SINGLE_FILE_LOADABLE_CLASSES[_get_single_file_loadable_mapping_class(cls)]["checkpoint_mapping_fn"]
+    meta = {k: torch.empty(e.shape, dtype=torch.float32 if e.is_float else torch.int64, device="meta")
+            for k, e in entries.items()}
+    try:
+        out = convert(config=dict(cls.load_config(config_folder)), checkpoint=meta)
+    except (KeyError, IndexError, ValueError, RuntimeError) as e:
+        found = f"found no {e}" if isinstance(e, KeyError) else f"stopped: {type(e).__name__}: {e}"
+        return f"neither its diffusers names nor the original ones diffusers' converter reads; the converter {found}"
+    if not out:
+        return "diffusers' converter found none of its tensors"
+    return {k: TensorEntry("F32" if t.is_floating_point() else "I64", tuple(t.shape), t.is_floating_point())
+            for k, t in out.items()}
+
