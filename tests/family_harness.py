@@ -223,15 +223,17 @@ class ModuleModels:
             self.engines[str(model_dir)] = InProcess(model_dir)
         return self.engines[str(model_dir)]
 
-    def pipe(self, model_dir: Path):
-        """The family's diffusers pipeline on ``model_dir``, laid out as the engine's weights (reference_pipeline)."""
+    def pipe(self, model_dir: Path, pipeline: str | None = None):
+        """The family's diffusers pipeline on ``model_dir`` (or pipeline class ``pipeline``, loading the same
+        directory), laid out as the engine's weights (reference_pipeline)."""
         import diffusers
         from conftest import reference_pipeline
 
-        if str(model_dir) not in self.pipes:
-            cls = getattr(diffusers, read_model(model_dir).family.pipeline)
-            self.pipes[str(model_dir)] = reference_pipeline(cls.from_pretrained(model_dir, dtype=DTYPE))
-        return self.pipes[str(model_dir)]
+        pipeline = pipeline or read_model(model_dir).family.pipeline
+        if (str(model_dir), pipeline) not in self.pipes:
+            cls = getattr(diffusers, pipeline)
+            self.pipes[str(model_dir), pipeline] = reference_pipeline(cls.from_pretrained(model_dir, dtype=DTYPE))
+        return self.pipes[str(model_dir), pipeline]
 
     def trainer(self, model_dir: Path):
         from rl import TrainerPolicy

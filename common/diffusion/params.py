@@ -107,6 +107,10 @@ def check_images(request: dict, info: ModelInfo) -> None:
     if image is not None and takes is None:
         raise FieldError("image", f"this {family.pipeline} model takes no image (it makes {'videos' if family.video else 'images'} "
                                   "from text)")
+    if image is None:
+        for field in family.request_fields:
+            if field.needs_image and request.get(field.name) is not None:
+                raise FieldError(field.name, f"{family.pipeline} takes {field.name} with an image only")
     if last_image is None and last == "required" and image is not None:
         raise FieldError("last_image", f"this {family.pipeline} model makes videos between two frames: give "
                                        "last_image too")

@@ -37,6 +37,8 @@ class RequestField:
     model_check: Callable[["ModelInfo"], str | None] | None = None
     resolve: Callable[[object, dict], object] | None = None
     aliases: tuple[str, ...] = ()  # what other engines' APIs call it (router/peers/: e.g. "fps" for a frame rate)
+    # Taken with an image only (a setting of the image's conditioning, on a model where the image is optional).
+    needs_image: bool = False
 
     def problem(self, value) -> str | None:
         """Why ``value`` is not of this field's type and bounds (None: it is)."""

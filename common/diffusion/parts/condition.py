@@ -8,8 +8,8 @@ latents the transformer sees.
   says ``expand_timesteps``; the image is optional;
 - :class:`ChannelConcat`: the condition (``image_condition``: a mask and the image's latents) concatenated
   to the latents on the channel axis, a constant of the request (the rollout's step is the text-only one's,
-  trajectories carry the noise latents only); the image is required, image embeds (``image_embeds``) may
-  join the text side.
+  trajectories carry the noise latents only); the image is required (optional on ``expand_timesteps`` models,
+  taken as :class:`FirstFrame` does), image embeds (``image_embeds``) may join the text side.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ class ChannelConcat(FirstFrame):
     last_image: Callable[["ModelInfo"], str | None] = lambda info: None
 
     def image_input(self, info):
-        return "required"
+        # expand_timesteps models: text to video without one, as the text-only pipeline runs the same directory.
+        return "optional" if info.expand_timesteps else "required"
 
     def last_image_input(self, info):
         return None if info.expand_timesteps else self.last_image(info)  # (frame 0 alone there)

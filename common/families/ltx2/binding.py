@@ -11,6 +11,9 @@
   one schedule for both streams;
 - decode: ``AutoencoderKLLTX2Video`` for the frames, ``AutoencoderKLLTX2Audio`` and the vocoder for the waveform
   (:mod:`common.families.ltx2.decoder`).
+
+Either pipeline's directory serves both tasks (:func:`~common.diffusion.tasks.serving_both`): a request with an
+image is image-to-video, one without text-to-video.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from common.diffusion.binding import Binding
 from common.diffusion.parts.condition import NoCondition
 from common.diffusion.parts.latents import Geometry
 from common.diffusion.request_fields import NUM_FRAMES
+from common.diffusion.tasks import serving_both
 from common.families.ltx2.condition import Ltx2FirstFrame
 from common.families.ltx2.decoder import Ltx2Decoder
 from common.families.ltx2.fields import DEFAULTS, FIELDS, frame_rate
@@ -65,8 +69,10 @@ _COMMON = dict(text=Ltx2PassText(), latents=Ltx2Latents(geometry=geometry), tran
                decoder=Ltx2Decoder, guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS,
                request_fps=frame_rate)
 
-LTX2 = Binding(family="ltx2", pipeline="LTX2Pipeline", condition=NoCondition(),
-               request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS), **_COMMON)
-LTX2_I2V = Binding(family="ltx2-i2v", pipeline="LTX2ImageToVideoPipeline",
-                   condition=Ltx2FirstFrame(loader=load_conditioner),
-                   request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS, IMAGE_CRF), **_COMMON)
+# One checkpoint for both tasks (Lightricks/LTX-2 names LTX2Pipeline; LTX2ImageToVideoPipeline loads the same
+# directory): either class's directory serves both, a request's image picking image-to-video.
+LTX2, LTX2_I2V = serving_both(
+    Binding(family="ltx2", pipeline="LTX2Pipeline", condition=NoCondition(),
+            request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS), **_COMMON),
+    Binding(family="ltx2-i2v", pipeline="LTX2ImageToVideoPipeline", condition=Ltx2FirstFrame(loader=load_conditioner),
+            request_fields=(NUM_FRAMES, MAX_SEQUENCE_LENGTH, *FIELDS, IMAGE_CRF), **_COMMON))

@@ -12,7 +12,8 @@ I2V-A14B (without one, two experts): Wan's parts (:mod:`.binding`) with an image
 
 A model whose transformer has ``image_dim`` takes a CLIP image encoder; with ``pos_embed_seq_len`` (the
 first-last-frame model) it embeds a last image too. Models without CLIP take a last image through the
-mask alone. ``expand_timesteps`` models (Wan2.2 TI2V-5B) are ``WanPipeline`` directories.
+mask alone. ``expand_timesteps`` models (Wan2.2 TI2V-5B) are ``WanPipeline`` directories; one saved under
+this class serves text to video too (its image optional), as ``WanPipeline`` loads and runs it.
 """
 
 from __future__ import annotations
