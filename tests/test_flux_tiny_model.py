@@ -221,7 +221,7 @@ def test_cli_and_weights_dtype(tmp_path, capsys):
         (dict(num_layers=0), "transformer sizes"),
         (dict(height=72), "multiples of 16"),
         (dict(width=8), "multiples of 16"),
-        (dict(vae_block_out_channels=(4, 8, 8)), "vae_block_out_channels"),
+        (dict(vae_block_out_channels=(4,)), "vae_block_out_channels"),  # no downsampling
         (dict(vae_norm_num_groups=3), "vae_norm_num_groups"),
         (dict(clip_l_num_heads=5), "clip_l_hidden_size"),
         (dict(t5_d_ff=0), "T5 sizes"),

@@ -113,7 +113,8 @@ def test_image_side_equals_prepare_latents(case):
     wire = conditioner.wire_tensors(images, 32, 32, {})
     latents, grids = wire["reference_latents"], wire["reference_grids"]
     assert latents.shape == expected.shape and torch.equal(latents, expected)
-    # Each reference at a 1024x1024 area at its aspect ratio, 16 pixels a token (independently recomputed).
+    # Each reference at a 1024x1024 area at its aspect ratio, 16 pixels a token on the built-in's 8x VAE
+    # (independently recomputed).
     assert grids.dtype == torch.int64 and grids.shape == (len(images), 2)
     for (rows, cols), (h, w) in zip(grids.tolist(), sizes):
         assert abs(rows * cols * 256 - 1024 * 1024) < 0.1 * 1024 * 1024
@@ -122,14 +123,21 @@ def test_image_side_equals_prepare_latents(case):
 
 
 def test_default_output_size_is_the_pipelines():
-    """Edit sizes the output by the first image, Plus by the last, as the pipelines (height=None)."""
+    """Edit sizes the output by the first image, Plus by the last, as the pipelines (height=None): floored to
+    whole tokens of the directory's VAE (``multiple_of = vae_scale_factor * 2``; 32x floors 32-pixel sizes)."""
+    from types import SimpleNamespace
+
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
     sizes = [(300, 200), (120, 150)]  # (width, height), as PIL
-    for size_of, which in ((edit_output_size, 0), (edit_plus_output_size, -1)):
-        width, height, _ = calculate_dimensions(1024 * 1024, sizes[which][0] / sizes[which][1])
-        assert size_of(None, sizes, {}) == (height // 16 * 16, width // 16 * 16)
-    assert edit_images.area_size(picture(200, 300, 0).size) == edit_output_size(None, [(300, 200)], {})
+    for scale in (8, 16, 32):
+        info, step = SimpleNamespace(vae_scale_spatial=scale), scale * 2
+        for size_of, which in ((edit_output_size, 0), (edit_plus_output_size, -1)):
+            width, height, _ = calculate_dimensions(1024 * 1024, sizes[which][0] / sizes[which][1])
+            assert size_of(info, sizes, {}) == (height // step * step, width // step * step)
+    info = SimpleNamespace(vae_scale_spatial=8)
+    assert edit_images.area_size(picture(200, 300, 0).size) == edit_output_size(info, [(300, 200)], {})
+    assert edit_output_size(SimpleNamespace(vae_scale_spatial=32), [(300, 200)], {}) == (832, 1216)  # not 1248
 
 
 def test_processor_without_torchvision_expands_image_tokens(tmp_path):

@@ -194,7 +194,7 @@ def test_non_default_spec_builds_and_runs(tmp_path):
         (dict(height=72), "multiples of 16"),
         (dict(width=64 * 16), "pos_embed_max_size"),
         (dict(dual_attention_layers=(2,)), "dual_attention_layers"),
-        (dict(vae_block_out_channels=(4, 8, 8)), "vae_block_out_channels"),
+        (dict(vae_block_out_channels=(4,)), "vae_block_out_channels"),  # no downsampling
         (dict(vae_norm_num_groups=3), "vae_norm_num_groups"),
         (dict(clip_g_num_heads=5), "clip_g_hidden_size"),
         (dict(qk_norm="l2"), "qk_norm"),

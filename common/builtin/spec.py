@@ -101,11 +101,17 @@ class KLVaeSizes:
     vae_layers_per_block: int = 1
     vae_norm_num_groups: int = 4
 
+    @property
+    def vae_spatial_stride(self) -> int:
+        """Pixels per latent pixel on a side: one halving per level after the first (four levels: 8x, as the
+        real checkpoints'; the pipelines' ``vae_scale_factor``)."""
+        return 2 ** (len(self.vae_block_out_channels) - 1)
 
-def check_kl_vae(spec: KLVaeSizes, levels: int) -> None:
-    """An ``AutoencoderKL`` of ``levels`` levels."""
-    if len(spec.vae_block_out_channels) != levels:
-        raise ValueError(f"vae_block_out_channels must have {levels} entries (8x downsampling)")
+
+def check_kl_vae(spec: KLVaeSizes) -> None:
+    """An ``AutoencoderKL`` that downsamples (at least two levels)."""
+    if len(spec.vae_block_out_channels) < 2:
+        raise ValueError("vae_block_out_channels must have at least 2 entries (4: 8x downsampling, 3: 4x)")
     if spec.vae_norm_num_groups < 1 or any(c % spec.vae_norm_num_groups for c in spec.vae_block_out_channels):
         raise ValueError("every VAE width must be a multiple of vae_norm_num_groups")
     if spec.vae_layers_per_block < 1:

@@ -45,7 +45,9 @@ class Binding:
     fps: int = 16  # video: the MP4's frame rate unless serving_defaults.json says otherwise
     # A family whose requests choose their video's frame rate: that rate, read off a request's params (the MP4's).
     request_fps: Callable[[object], float] | None = None
-    size_multiple: int = 16
+    # A fixed rule the pipeline puts on height and width beyond its VAE's (WanPipeline.check_inputs' 16, SANA's
+    # 32): sizes are multiples of this and of the directory's VAE scale times its patches (params.size_multiple).
+    size_multiple: int = 1
     # The pipeline's own defaults for the request fields a model directory's serving defaults may override.
     defaults: dict = field(default_factory=dict)
     # (transformer config, geometry) -> the pipeline's default height and width, where its config decides.

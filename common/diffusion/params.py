@@ -31,17 +31,21 @@ OWN_SLOTS = ("num_frames", "max_sequence_length")
 
 
 def size_multiple(info: ModelInfo) -> int:
-    """What height and width must be multiples of on this model directory: its VAE's scale times its patches
-    (diffusers' pipelines check ``height % (vae_scale_factor * patch_size)``), at least the family's."""
-    return max(info.family.size_multiple, info.vae_scale_spatial * info.patch_size[-1])
+    """What height and width must be multiples of on this model directory, as its pipeline asks: whole patches
+    of whole latent pixels, its VAE's scale times its patches (diffusers' ``height % (vae_scale_factor *
+    patch_size)``, or the 2x2 packing's ``vae_scale_factor * 2``), and the family's own fixed rule where its
+    pipeline has one (:attr:`Binding.size_multiple`). A size the pipeline would round down (with a warning) is
+    refused: the engine makes the size asked."""
+    return math.lcm(info.family.size_multiple, info.vae_scale_spatial * info.patch_size[-1])
 
 
 def check_size(name: str, value: int, info: ModelInfo, maximum: int) -> None:
     multiple = size_multiple(info)
     if value < multiple or value % multiple:
-        why = f" (this model's VAE's {info.vae_scale_spatial}x times its {info.patch_size[-1]}x patches)" \
-            if multiple > info.family.size_multiple else ""
-        raise FieldError(name, f"must be a positive multiple of {multiple}, got {value}{why}")
+        cells = info.vae_scale_spatial * info.patch_size[-1]
+        why = f"this model's VAE's {info.vae_scale_spatial}x times its {info.patch_size[-1]}x patches" \
+            if cells == multiple else f"{info.family.pipeline} takes multiples of {info.family.size_multiple}"
+        raise FieldError(name, f"must be a positive multiple of {multiple}, got {value} ({why})")
     if value > maximum:
         raise FieldError(name, f"must be at most {maximum}, got {value}")
 

@@ -44,7 +44,8 @@ class ImagesBody(EngineFields):
     prompt: str
     model: str | None = None
     n: int = Field(default=1, ge=1)
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of 16 (default: the model's)")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of the model's VAE scale times "
+                             "its patches (16 on an 8x VAE; default: the model's)")
     response_format: Literal["b64_json"] = Field(default="b64_json", description="PNGs in base64 (no urls)")
     output_format: Literal["png"] = "png"
     user: str | None = None  # OpenAI's end-user tag: accepted, unused
@@ -81,7 +82,8 @@ class VideoBody(EngineFields):
     prompt: str
     model: str | None = None
     seconds: str | None = Field(default=None, description="length; 16 * seconds + 1 frames (Wan's 16 fps)")
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of 16 (default: the model's)")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, multiples of the model's VAE scale times "
+                             "its patches (16 on an 8x VAE; default: the model's)")
     num_frames: int | None = Field(default=None, description="4k+1 frames; replaces seconds")
     # Image to video: OpenAI's input_reference (a multipart file, or JSON {"image_url": "data:..."}), as the
     # engine's image field (a base64 file or data: URL; router/api/images.py).

@@ -11,9 +11,7 @@ from common.builtin.build import seeded
 from common.builtin.spec import (BuiltinSpec, ClipLSizes, KLVaeSizes, T5Sizes, check_clip, check_kl_vae, check_t5,
                                  check_weights_dtype)
 
-# AutoencoderKL with four levels downsamples 8x, as FLUX's VAE does.
-VAE_LEVELS = 4
-VAE_SPATIAL_STRIDE = 2 ** (VAE_LEVELS - 1)
+# The VAE is an AutoencoderKL of the spec's levels (four: 8x, as FLUX's; KLVaeSizes.vae_spatial_stride).
 # FluxPipeline packs the latents into 2x2 patches.
 PACK_SIZE = 2
 # FLUX.1's VAE latent normalisation.
@@ -97,7 +95,7 @@ class TinyFluxSpec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
         self._check_transformer()
         check_clip(self, "clip_l")
         check_t5(self)
-        check_kl_vae(self, VAE_LEVELS)
+        check_kl_vae(self)
         self._check_scheduler()
         self._check_request()
         check_weights_dtype(self)
@@ -118,8 +116,8 @@ class TinyFluxSpec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
             raise ValueError("base_image_seq_len must be positive and below max_image_seq_len")
 
     def _check_request(self) -> None:
-        # The pipeline needs whole 2x2 packs of whole latent pixels (16 px).
-        multiple = VAE_SPATIAL_STRIDE * PACK_SIZE
+        # The pipeline needs whole 2x2 packs of whole latent pixels (16 px on an 8x VAE).
+        multiple = self.vae_spatial_stride * PACK_SIZE
         if self.height % multiple or self.width % multiple or min(self.height, self.width) < multiple:
             raise ValueError(f"height and width must be positive multiples of {multiple}")
         if not 1 <= self.max_sequence_length <= MAX_T5_SEQUENCE_LENGTH:
@@ -209,7 +207,8 @@ def components(spec: TinyFluxSpec) -> dict:
     tokenizer = clip_tokenizer(CLIP_L_PAD_TOKEN)
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(spec)),
-        vae=autoencoder_kl(spec, sample_size=DEFAULT_SAMPLE_SIZE * VAE_SPATIAL_STRIDE,  # in pixels, as FLUX.1's 1024
+        # sample_size in pixels, as FLUX.1's 1024
+        vae=autoencoder_kl(spec, sample_size=DEFAULT_SAMPLE_SIZE * spec.vae_spatial_stride,
                            scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR),
         text_encoder=clip_text_encoder(spec, "text_encoder", False, **clip_sizes(spec, "clip_l", tokenizer)),
         tokenizer=tokenizer,

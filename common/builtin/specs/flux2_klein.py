@@ -18,10 +18,9 @@ from common.builtin.text_encoders import qwen3
 
 # Flux2KleinPipeline's default text_encoder_out_layers: hidden_states[27] needs 27 decoder layers.
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
-# AutoencoderKLFlux2 with four levels downsamples 8x; the pipeline packs 2x2 latent patches into channels.
-VAE_LEVELS = 4
+# AutoencoderKLFlux2 halves the image at every level after the first (four: 8x, as FLUX.2's); the pipeline
+# packs 2x2 latent patches into channels.
 PACK_SIZE = 2
-PIXEL_MULTIPLE = 2 ** (VAE_LEVELS - 1) * PACK_SIZE
 ROPE_AXES = 4  # Flux2Transformer2DModel's position ids: (t, h, w, l)
 # The FlowMatchEulerDiscreteScheduler config FLUX.2 ships: the pipeline hands it its own mu
 # (compute_empirical_mu), so the base / max shifts are never read.
@@ -78,11 +77,12 @@ class TinyFlux2KleinSpec(BuiltinSpec):
         if len(self.axes_dims_rope) != ROPE_AXES or sum(self.axes_dims_rope) != self.attention_head_dim \
                 or any(d % 2 for d in self.axes_dims_rope):
             raise ValueError(f"axes_dims_rope must be {ROPE_AXES} even dimensions summing to attention_head_dim")
-        if len(self.vae_block_out_channels) != VAE_LEVELS \
+        if len(self.vae_block_out_channels) < 2 \
                 or any(c % self.vae_norm_num_groups for c in self.vae_block_out_channels):
-            raise ValueError(f"vae_block_out_channels: {VAE_LEVELS} multiples of vae_norm_num_groups")
-        if self.height % PIXEL_MULTIPLE or self.width % PIXEL_MULTIPLE:
-            raise ValueError(f"height and width must be multiples of {PIXEL_MULTIPLE}")
+            raise ValueError("vae_block_out_channels: at least 2 multiples of vae_norm_num_groups")
+        multiple = 2 ** (len(self.vae_block_out_channels) - 1) * PACK_SIZE
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"height and width must be multiples of {multiple}")
         if self.is_distilled and self.guidance_scale > 1:
             raise ValueError("a distilled model's guidance_scale must be <= 1 (no classifier-free guidance)")
         check_weights_dtype(self)

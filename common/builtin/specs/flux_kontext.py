@@ -28,7 +28,7 @@ class TinyFluxKontextSpec(TinyFluxSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        multiple = flux.VAE_SPATIAL_STRIDE * flux.PACK_SIZE
+        multiple = self.vae_spatial_stride * flux.PACK_SIZE
         if self.max_area < multiple * multiple:
             raise ValueError(f"max_area must be at least {multiple * multiple} (one {multiple}x{multiple} cell)")
 

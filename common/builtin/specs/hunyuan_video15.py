@@ -67,7 +67,10 @@ class TinyHunyuanVideo15Spec(BuiltinSpec):
     siglip_num_heads: int = 2
     siglip_image_size: int = 32
     siglip_patch_size: int = 8
-    # VAE (AutoencoderKLHunyuanVideo15): five levels, the first width a multiple of latent_channels.
+    # VAE (AutoencoderKLHunyuanVideo15): five levels, the first width a multiple of latent_channels; it halves
+    # the image at the first log2(VAE_SPATIAL_COMPRESSION) of them (16x as the real one's; a subclass may set
+    # another: a class attribute, so that the built-ins' cache keys, and their -smooth variants', stay).
+    VAE_SPATIAL_COMPRESSION: ClassVar[int] = VAE_SPATIAL
     latent_channels: int = 8
     vae_block_out_channels: tuple[int, ...] = (8, 8, 16, 16, 16)
     vae_layers_per_block: int = 1
@@ -91,9 +94,13 @@ class TinyHunyuanVideo15Spec(BuiltinSpec):
             raise ValueError("text_num_layers must be >= 2 (the pipeline reads hidden_states[-3])")
         if len(self.vae_block_out_channels) != 5 or self.vae_block_out_channels[0] % self.latent_channels:
             raise ValueError("vae_block_out_channels: five levels, the first a multiple of latent_channels")
+        spatial = self.VAE_SPATIAL_COMPRESSION
+        # Spatial halvings at the first levels, the temporal ones among them: at least 4x, at most four levels.
+        if spatial not in (4, 8, 16):
+            raise ValueError("VAE_SPATIAL_COMPRESSION must be 4, 8 or 16")
         for side in (self.height, self.width, self.target_size):
-            if side % VAE_SPATIAL or side < VAE_SPATIAL:
-                raise ValueError(f"height, width and target_size must be positive multiples of {VAE_SPATIAL}")
+            if side % spatial or side < spatial:
+                raise ValueError(f"height, width and target_size must be positive multiples of {spatial}")
         if (self.num_frames - 1) % VAE_TEMPORAL:
             raise ValueError(f"num_frames must be {VAE_TEMPORAL}k+1")
         check_weights_dtype(self)
@@ -172,7 +179,7 @@ def components(spec: TinyHunyuanVideo15Spec) -> dict:
     tokenizer.padding_side = "right"  # as the real checkpoint's tokenizer
     tokenizer_2 = ByT5Tokenizer()
     vae = dict(latent_channels=spec.latent_channels, block_out_channels=spec.vae_block_out_channels,
-               layers_per_block=spec.vae_layers_per_block, spatial_compression_ratio=VAE_SPATIAL,
+               layers_per_block=spec.vae_layers_per_block, spatial_compression_ratio=spec.VAE_SPATIAL_COMPRESSION,
                temporal_compression_ratio=VAE_TEMPORAL, scaling_factor=VAE_SCALING_FACTOR)
     out = dict(
         transformer=seeded(spec, "transformer", lambda: HunyuanVideo15Transformer3DModel(**transformer_config(spec))),

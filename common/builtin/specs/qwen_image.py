@@ -10,14 +10,12 @@ from dataclasses import dataclass
 from common.builtin.build import seeded
 from common.builtin.spec import BuiltinSpec, check_weights_dtype
 
-# AutoencoderKLQwenImage: four levels (three 2x downsamplings, 8x as Qwen-Image's VAE), 16 latent channels.
-VAE_LEVELS = 4
-VAE_TEMPORAL_DOWNSAMPLE = (False, True, True)
-VAE_SPATIAL_STRIDE = 2 ** len(VAE_TEMPORAL_DOWNSAMPLE)
+# AutoencoderKLQwenImage: one level per entry of vae_dim_mult, a 2x spatial downsampling between levels (four:
+# 8x, as Qwen-Image's VAE), 16 latent channels.
 LATENT_CHANNELS = 16
-# QwenImagePipeline packs the latents into 2x2 patches, so images come in whole 16-pixel cells.
+# QwenImagePipeline packs the latents into 2x2 patches, so images come in whole cells of the VAE's scale times 2
+# pixels (16 on an 8x VAE).
 PATCH_SIZE = 2
-PIXEL_MULTIPLE = VAE_SPATIAL_STRIDE * PATCH_SIZE
 # Qwen-Image's VAE latent statistics (those of Wan 2.1's VAE, which it shares).
 LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
@@ -97,6 +95,17 @@ class TinyQwenImageSpec(BuiltinSpec):
         return self.text_hidden_size
 
     @property
+    def vae_temporal_downsample(self) -> tuple[bool, ...]:
+        """One entry per downsampling (the pipelines' ``vae_scale_factor`` is 2 ** its length): Qwen-Image's
+        (False, True, True) on four levels, and halving time at every further one."""
+        return (False,) + (True,) * (len(self.vae_dim_mult) - 2)
+
+    @property
+    def pixel_multiple(self) -> int:
+        """Heights and widths are multiples of this: whole 2x2 packs of latent pixels."""
+        return 2 ** len(self.vae_temporal_downsample) * PATCH_SIZE
+
+    @property
     def text_head_dim(self) -> int:
         return self.text_hidden_size // self.text_num_heads
 
@@ -141,16 +150,17 @@ class TinyQwenImageSpec(BuiltinSpec):
             raise ValueError("vision_hidden_size must be a positive multiple of 4 * vision_num_heads")
 
     def _check_vae(self) -> None:
-        if len(self.vae_dim_mult) != VAE_LEVELS:
-            raise ValueError(f"vae_dim_mult must have {VAE_LEVELS} entries (8x downsampling)")
+        if len(self.vae_dim_mult) < 2:
+            raise ValueError("vae_dim_mult must have at least 2 entries (4: 8x downsampling, 5: 16x)")
         if self.vae_base_dim < 1 or min(self.vae_dim_mult) < 1:
             raise ValueError("vae_base_dim and vae_dim_mult must be positive")
         if self.vae_num_res_blocks < 1:
             raise ValueError("vae_num_res_blocks must be >= 1")
 
     def _check_request(self) -> None:
-        if self.height % PIXEL_MULTIPLE or self.width % PIXEL_MULTIPLE or min(self.height, self.width) < 1:
-            raise ValueError(f"height and width must be positive multiples of {PIXEL_MULTIPLE}")
+        multiple = self.pixel_multiple
+        if self.height % multiple or self.width % multiple or min(self.height, self.width) < 1:
+            raise ValueError(f"height and width must be positive multiples of {multiple}")
         if not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length must be in [1, {MAX_SEQUENCE_LENGTH}]")
         # With Qwen-Image's terminal shift a single step's schedule is 0 / 0 (NaN sigmas).
@@ -220,7 +230,8 @@ def components(spec: TinyQwenImageSpec) -> dict:
 
     tokenizer = qwen2_tokenizer()
     vae = wan_vae_config(spec.vae_base_dim, spec.vae_dim_mult, spec.vae_num_res_blocks) | dict(
-        latents_mean=list(LATENTS_MEAN), latents_std=list(LATENTS_STD))
+        temperal_downsample=list(spec.vae_temporal_downsample), latents_mean=list(LATENTS_MEAN),
+        latents_std=list(LATENTS_STD))
     return dict(
         transformer=seeded(spec, "transformer", lambda: QwenImageTransformer2DModel(**transformer_config(spec))),
         vae=wan_vae(spec, vae, "AutoencoderKLQwenImage"),

@@ -12,9 +12,7 @@ from common.builtin.build import seeded
 from common.builtin.spec import (BuiltinSpec, ClipLSizes, KLVaeSizes, T5Sizes, check_clip, check_kl_vae, check_t5,
                                  check_weights_dtype)
 
-# AutoencoderKL with four levels downsamples 8x, as SD3's VAE does.
-VAE_LEVELS = 4
-VAE_SPATIAL_STRIDE = 2 ** (VAE_LEVELS - 1)
+# The VAE is an AutoencoderKL of the spec's levels (four: 8x, as SD3's; KLVaeSizes.vae_spatial_stride).
 # SD3.5's VAE latent normalisation (SD3.0 has the same scaling factor and shift).
 VAE_SCALING_FACTOR = 1.5305
 VAE_SHIFT_FACTOR = 0.0609
@@ -95,7 +93,7 @@ class TinySD3Spec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
         self._check_transformer()
         self._check_text_encoders()
         check_t5(self)
-        check_kl_vae(self, VAE_LEVELS)
+        check_kl_vae(self)
         self._check_request()
         check_weights_dtype(self)
 
@@ -120,8 +118,8 @@ class TinySD3Spec(BuiltinSpec, ClipLSizes, T5Sizes, KLVaeSizes):
             raise ValueError("clip_l_hidden_size + clip_g_hidden_size must not exceed t5_d_model")
 
     def _check_request(self) -> None:
-        # The pipeline needs whole patches of whole latent pixels (16 px for patch 2).
-        multiple = VAE_SPATIAL_STRIDE * self.patch_size
+        # The pipeline needs whole patches of whole latent pixels (16 px for patch 2 on an 8x VAE).
+        multiple = self.vae_spatial_stride * self.patch_size
         if self.height % multiple or self.width % multiple or min(self.height, self.width) < multiple:
             raise ValueError(f"height and width must be positive multiples of {multiple}")
         if max(self.height, self.width) > multiple * self.pos_embed_max_size:
@@ -208,8 +206,8 @@ def components(spec: TinySD3Spec) -> dict:
     return dict(
         transformer=seeded(spec, "transformer", lambda: SD3Transformer2DModel(**transformer_config(spec))),
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=spec.shift),
-        vae=autoencoder_kl(spec, sample_size=spec.sample_size * VAE_SPATIAL_STRIDE, scaling_factor=VAE_SCALING_FACTOR,
-                           shift_factor=VAE_SHIFT_FACTOR),
+        vae=autoencoder_kl(spec, sample_size=spec.sample_size * spec.vae_spatial_stride,
+                           scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR),
         text_encoder=clip_text_encoder(spec, "text_encoder", True, **clip_sizes(spec, "clip_l", tokenizer)),
         tokenizer=tokenizer,
         text_encoder_2=clip_text_encoder(spec, "text_encoder_2", True, **clip_sizes(spec, "clip_g", tokenizer_2)),

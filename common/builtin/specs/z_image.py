@@ -11,12 +11,12 @@ from common.builtin.build import seeded
 from common.builtin.spec import BuiltinSpec, KLVaeSizes, check_kl_vae, check_weights_dtype
 from common.builtin.text_encoders import qwen3
 
-VAE_LEVELS = 4  # 8x, as Z-Image's (FLUX.1's) VAE
+# The VAE is an AutoencoderKL of the spec's levels (four: 8x, as Z-Image's and FLUX.1's).
 VAE_SCALING_FACTOR = 0.3611
 VAE_SHIFT_FACTOR = 0.1159
 LATENT_CHANNELS = 16
-# ZImagePipeline: sizes in whole 16-pixel cells (the VAE's 8x times the transformer's 2x2 patches).
-PIXEL_MULTIPLE = 16
+# ZImagePipeline: sizes in whole cells of the VAE's scale times 2 (16 pixels on an 8x VAE).
+PACK_SIZE = 2
 # The FlowMatchEulerDiscreteScheduler config Tongyi-MAI/Z-Image-Turbo ships: a static shift (3.0).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, use_dynamic_shifting=False)
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +65,10 @@ class TinyZImageSpec(BuiltinSpec, KLVaeSizes):
         if min(self.text_hidden_size, self.text_num_heads, self.text_num_kv_heads, self.text_head_dim,
                self.text_intermediate_size) < 1 or self.text_num_heads % self.text_num_kv_heads:
             raise ValueError("text encoder sizes must be positive, text_num_heads a multiple of text_num_kv_heads")
-        check_kl_vae(self, VAE_LEVELS)
-        if self.height % PIXEL_MULTIPLE or self.width % PIXEL_MULTIPLE or min(self.height, self.width) < 1:
-            raise ValueError(f"height and width must be positive multiples of {PIXEL_MULTIPLE}")
+        check_kl_vae(self)
+        multiple = self.vae_spatial_stride * PACK_SIZE
+        if self.height % multiple or self.width % multiple or min(self.height, self.width) < 1:
+            raise ValueError(f"height and width must be positive multiples of {multiple}")
         if self.shift <= 0:
             raise ValueError("shift must be positive")
         if self.num_inference_steps < 1 or self.guidance_scale < 0 or not 1 <= self.max_sequence_length <= 512:

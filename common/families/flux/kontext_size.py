@@ -38,8 +38,9 @@ class KontextLatents(PackedLatents):
 
 MAX_AREA_FIELD = RequestField(
     MAX_AREA, int, "the output's area in pixels: the output is made at this area with the aspect of height / "
-    "width, each rounded down to whole 16-pixel cells (the pipeline's max_area)", default=FROM_MODEL,
-    minimum=256, maximum=4096 ** 2)
+    "width, each rounded down to whole 2x2 packs of latent pixels (16 pixels on an 8x VAE; the pipeline's "
+    "max_area)", default=FROM_MODEL, minimum=256, maximum=4096 ** 2)
 AUTO_RESIZE_FIELD = RequestField(
     AUTO_RESIZE, bool, "resize the reference image to the preferred Kontext resolution nearest its aspect (the "
-    "pipeline's default); false: its own size, rounded down to whole 16-pixel cells", default=True)
+    "pipeline's default); false: its own size, rounded down to whole 2x2 packs of latent pixels (16 pixels on an "
+    "8x VAE)", default=True)

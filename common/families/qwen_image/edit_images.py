@@ -3,7 +3,9 @@ the edit pipelines' ``prepare_latents`` makes ``image_latents``.
 
 Every reference is encoded at a 1024x1024 area at its own aspect ratio, whatever the output size (diffusers'
 ``calculate_dimensions``, rounded to 32 pixels), by the VAE (``argmax``: the posterior's mode),
-normalised by ``latents_mean`` / ``latents_std`` and packed 2x2 into tokens. Qwen-Image-Edit takes one image
+normalised by ``latents_mean`` / ``latents_std`` and packed 2x2 into tokens: a token is the VAE's scale
+factor times 2 pixels on a side (16 on Qwen-Image's 8x VAE), read from the directory as the pipelines'
+``vae_scale_factor = 2 ** len(temperal_downsample)``. Qwen-Image-Edit takes one image
 (resized, then preprocessed, by the pipeline's ``VaeImageProcessor``), Qwen-Image-Edit-Plus up to three
 (each preprocessed at its own size); the tokens of all of them travel concatenated as ``reference_latents``
 [T, C * 4] with each one's token grid in ``reference_grids`` [k, 2].
@@ -21,8 +23,12 @@ from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
 from common.diffusion.loading import load_component
 
 REFERENCE_AREA = 1024 * 1024
-# The VAE's 8x and the 2x2 packing: a reference's token grid is its pixels / 16.
-PIXELS_PER_TOKEN = 16
+
+
+def vae_scale_factor(vae_config) -> int:
+    """The pipelines' ``vae_scale_factor`` of an ``AutoencoderKLQwenImage`` config: one halving per entry of
+    its ``temperal_downsample``."""
+    return 2 ** len(vae_config["temperal_downsample"])
 
 
 def area_size(size: tuple[int, int], area: int = REFERENCE_AREA) -> tuple[int, int]:
@@ -36,18 +42,19 @@ def area_size(size: tuple[int, int], area: int = REFERENCE_AREA) -> tuple[int, i
 
 def edit_output_size(info, sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int]:
     """QwenImageEditPipeline's default (height, width): the first image's reference size."""
-    return _output_size(sizes[0])
+    return _output_size(sizes[0], info.vae_scale_spatial * 2)
 
 
 def edit_plus_output_size(info, sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int]:
     """QwenImageEditPlusPipeline's default (height, width): the last image's reference size."""
-    return _output_size(sizes[-1])
+    return _output_size(sizes[-1], info.vae_scale_spatial * 2)
 
 
-def _output_size(size: tuple[int, int]) -> tuple[int, int]:
+def _output_size(size: tuple[int, int], pixels_per_token: int) -> tuple[int, int]:
     height, width = area_size(size)
-    # The pipelines floor the size to whole tokens (a no-op on calculate_dimensions' multiples of 32).
-    return height // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
+    # The pipelines floor the size to whole tokens (``multiple_of = vae_scale_factor * 2``): a no-op on
+    # calculate_dimensions' multiples of 32 unless the VAE downsamples more than 16x.
+    return height // pixels_per_token * pixels_per_token, width // pixels_per_token * pixels_per_token
 
 
 class QwenImageEditConditioner:
@@ -55,8 +62,13 @@ class QwenImageEditConditioner:
 
     RESIZE_FIRST = True  # QwenImageEditPipeline resizes the image, then preprocesses it at the same size
 
-    def __init__(self, vae, image_processor, device, tiling: VaeTiling = VaeTiling()):
-        self.vae, self.image_processor, self.device, self.tiling = vae, image_processor, device, tiling
+    def __init__(self, vae, device, tiling: VaeTiling = VaeTiling()):
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.vae, self.device, self.tiling = vae, device, tiling
+        # Pixels per packed token on a side: the VAE's scale times the 2x2 packing (the pipelines' processor's).
+        self.pixels_per_token = vae_scale_factor(vae.config) * 2
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.pixels_per_token)
         z = vae.config.z_dim
         self.latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
         self.latents_std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
@@ -64,14 +76,11 @@ class QwenImageEditConditioner:
     @classmethod
     def load(cls, info, dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "QwenImageEditConditioner":
         from diffusers import AutoencoderKLQwenImage
-        from diffusers.image_processor import VaeImageProcessor
 
         path = Path(getattr(info, "path", info))
         vae = load_component(AutoencoderKLQwenImage, path / "vae", dtype)
         # The decoder stays: AutoencoderKLQwenImage's encode counts the decoder's convolutions (clear_cache).
-        vae = vae.to(device).eval().requires_grad_(False)
-        scale = 2 ** len(vae.config.temperal_downsample)
-        return cls(vae, VaeImageProcessor(vae_scale_factor=scale * 2), device, tiling)
+        return cls(vae.to(device).eval().requires_grad_(False), device, tiling)
 
     @torch.no_grad()
     def tokens(self, image) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -84,7 +93,9 @@ class QwenImageEditConditioner:
         latents = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode()
         mean, std = (t.to(latents.device, latents.dtype) for t in (self.latents_mean, self.latents_std))
         latents = ((latents - mean) / std)[:, :, 0]  # [1, C, H', W']
-        return pack(latents)[0].float(), (height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
+        # The preprocessed pixels are floored to whole tokens: so is the grid.
+        step = self.pixels_per_token
+        return pack(latents)[0].float(), (height // step, width // step)
 
     def wire_tensors(self, images: list, height: int, width: int, fields: dict) -> dict[str, torch.Tensor]:
         """The request's reference tensors (the output size does not change them)."""

@@ -81,4 +81,5 @@ WAN = Binding(
         teacache_source="published: TeaCache4Wan2.1, fitted on Wan2.1-T2V-1.3B", teacache_warmup=5),
     condition=FirstFrame(loader=load_image_conditioner),  # expand_timesteps models (TI2V) only
     fps=16,  # Wan2.1 / Wan2.2 text-to-video models make 16 frames per second (diffusers' examples export at 16)
+    size_multiple=16,  # WanPipeline.check_inputs, whatever the VAE (then floored to its scale times the patches)
     defaults=DEFAULTS, request_fields=FIELDS)
