@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common.config.engine import EngineConfig, default_threads, torch_dtype_for
+from common.config.engine import EngineConfig, worker_threads, torch_dtype_for
 from common.diffusion.compiled import compile_experts
 from common.families import read_model
 from common.diffusion.policy import Policy
@@ -39,7 +39,7 @@ def main() -> None:
     spec = config.worker("denoise", args.index)
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s denoise-{spec.index}.{args.rank} %(levelname)s %(message)s")
-    torch.set_num_threads(spec.threads or default_threads(config, spec))
+    torch.set_num_threads(worker_threads(config, spec))
     device = torch.device(spec.devices[args.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -124,6 +124,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     vae_tiling_pixels: int | None = None
     # Encoder workers: the device of the text encoder(s) ("cpu", "cuda", "cuda:N"); None: the worker's own.
     text_encoder_device: str | None = None
+    # CPU intra-op threads: "invariant" computes at one thread, so outputs do not follow the topology's threads,
+    # the cores or the batch; "threaded" uses them, outputs round with them (common/diffusion/thread_invariance.py).
+    cpu_numerics: str = "invariant"
     transport: str = "ipc"  # "ipc" (one host, sockets in the 0700 runtime dir) or "tcp"
     # ipc only: tensors of at least this many bytes travel in /dev/shm segments, not frames (common/transport/shm.py).
     # 0: off (always 0 with tcp). Segment names start with common.transport.shm.engine_prefix(runtime_dir).
@@ -170,6 +173,18 @@ def torch_dtype_for(device: str, dtype: str | None) -> torch.dtype:
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"unknown dtype {dtype!r} (expected one of {sorted(DTYPE_CHOICES)})")
     return DTYPE_CHOICES[dtype]
+
+
+CPU_NUMERICS = ("invariant", "threaded")
+
+
+def worker_threads(config: "EngineConfig", spec: WorkerSpec) -> int:
+    """torch's intra-op threads for a worker: one with ``cpu_numerics`` "invariant" (kernels that split their
+    work by the thread count round by the split: common/diffusion/thread_invariance.py), else the topology's,
+    else :func:`default_threads`."""
+    if config.cpu_numerics == "invariant":
+        return 1
+    return spec.threads or default_threads(config, spec)
 
 
 def default_threads(config: "EngineConfig", spec: WorkerSpec) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from common.diffusion.thread_invariance import contiguous_activations
 from common.diffusion.weight_storage import settle, weight_tensors
 from common.protocol.errors import WeightsMissing
 
@@ -46,9 +47,9 @@ def modules_of(holders: Mapping[str, object], depth: int = 3) -> dict[str, torch
 
 def settle_held(**holders: object) -> None:
     """Every module ``holders`` hold laid out as a worker's component is (a trainer's own copy of a stage's
-    encoders: its outputs then equal the worker's bit for bit)."""
+    encoders: its outputs then equal the worker's bit for bit): weights and activations' layout."""
     for module in modules_of(holders).values():
-        settle(module)
+        contiguous_activations(settle(module))
 
 
 def return_freed_memory(devices: set[torch.device] = frozenset()) -> None:
@@ -84,7 +85,8 @@ class ModuleMemory:
     """One module's weights: on their device, in host memory (level 1), or dropped (level 2)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = settle(module)  # laid out as every resume and push will lay it out
+        # Laid out as every resume and push will lay it out; its activations as thread_invariance says.
+        self.module = contiguous_activations(settle(module))
         self.level = 0  # 0: the weights are on their device
         self._host: dict[str, torch.Tensor] = {}
         self._meta: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}

@@ -1,4 +1,5 @@
-"""launch.py's memory flags: VAE tiling (decode, and image-to-video's image encode) and the text encoder's device."""
+"""launch.py's memory flags: VAE tiling (decode, and image-to-video's image encode) and the text encoder's device;
+and how CPU workers use their threads (``--cpu-numerics``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 
 import torch
 
+from common.config.engine import CPU_NUMERICS
 from common.config.topology import is_device
 from common.diffusion.vae_tiling import DEFAULT_TILING_PIXELS, TILING_MODES
 
@@ -26,6 +28,10 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-encoder-device", type=_device, default=None, metavar="DEVICE",
                    help="encoder workers run their text encoders on DEVICE (cpu, cuda or cuda:N; cpu: a GPU too "
                         "small for them beside the rest); default: the worker's own device")
+    p.add_argument("--cpu-numerics", choices=CPU_NUMERICS, default="invariant",
+                   help="invariant: workers compute at one CPU thread, so outputs are the same bits whatever the "
+                        "topology's threads, the machine's cores or the batch; threaded: the topology's threads "
+                        "(faster on a large CPU model; outputs then round with the thread count)")
 
 
 def check_memory_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -43,4 +49,4 @@ def check_memory_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def memory_settings(args: argparse.Namespace) -> dict:
     """The flags' EngineConfig fields."""
     return {"vae_tiling": args.vae_tiling, "vae_tiling_pixels": args.vae_tiling_pixels,
-            "text_encoder_device": args.text_encoder_device}
+            "text_encoder_device": args.text_encoder_device, "cpu_numerics": args.cpu_numerics}

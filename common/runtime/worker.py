@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import zmq
 
-from common.config.engine import EngineConfig, default_threads
+from common.config.engine import EngineConfig, worker_threads
 from common.protocol.codec import WireError, decode, encode
 from common.protocol.control import CONTROL_REQUESTS, ControlRequest, ReleaseMemory, kind_of
 from common.protocol.errors import Cancelled, DeadlineExceeded, Sleeping, check_deadline
@@ -363,7 +363,7 @@ def main(stage_cls: type[Stage]) -> None:
 
     dlog.disable_progress_bar()
     tlog.disable_progress_bar()
-    torch.set_num_threads(spec.threads or default_threads(config, spec))
+    torch.set_num_threads(worker_threads(config, spec))
     runtime = WorkerRuntime(stage_cls(config, spec))
     signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
     signal.signal(signal.SIGINT, lambda *_: runtime.stop())
