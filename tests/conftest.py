@@ -143,6 +143,10 @@ def keyed_engine(shared_engine):
 
 
 def pytest_terminal_summary(terminalreporter):
+    sweep = sys.modules.get("test_config_sweep")
+    if sweep is not None:  # the seed that rebuilds every drawn configuration of the run
+        terminalreporter.write_line(f"config sweep: seed {sweep.SEED}, {sweep.PER_FAMILY} per family "
+                                    "(DISAGG_SWEEP_SEED, DISAGG_SWEEP_N)")
     if ENGINE_STARTS["all"]:
         shared = sum(p.starts for p in _POOLS)
         keys = len(set().union(*(p.keys for p in _POOLS))) if _POOLS else 0

@@ -216,3 +216,17 @@ def components(spec: TinyFluxSpec) -> dict:
         tokenizer_2=t5_tokenizer(spec.t5_vocab_size),
         transformer=seeded(spec, "transformer", lambda: FluxTransformer2DModel(**transformer_config(spec))),
     )
+
+
+# The parity sweep's choices (common/builtin/sweep.py): the two block kinds, heads and rope axes, guidance
+# embeddings, T5 and CLIP sizes, the VAE's widths, static or dynamic shifting and its bounds, and the request.
+SWEEP_KNOBS = {
+    "num_layers": (0, 1, 2), "num_single_layers": (1, 2), "num_attention_heads": (1, 2, 3),
+    "attention_head_dim": (16, 24), "axes_dims_rope": ((4, 6, 6), (4, 4, 8), (8, 8, 8), (2, 10, 12)),
+    "guidance_embeds": (True, False), "t5_d_model": (16, 32, 48), "t5_num_layers": (1, 2),
+    "clip_l_hidden_size": (16, 32), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16)),
+    "use_dynamic_shifting": (True, False), "shift": (1.0, 3.0), "base_shift": (0.3, 0.5), "max_shift": (0.9, 1.15),
+    "base_image_seq_len": (16, 256), "max_image_seq_len": (1024, 4096),
+    "height": (32, 48, 64), "width": (32, 64, 80), "num_inference_steps": (2, 3, 4), "guidance_scale": (0.0, 3.5),
+    "true_cfg_scale": (1.0, 1.0, 2.5), "max_sequence_length": (16, 32),
+}

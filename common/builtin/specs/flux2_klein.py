@@ -144,3 +144,14 @@ def components(spec: TinyFlux2KleinSpec) -> dict:
         transformer=seeded(spec, "transformer", lambda: Flux2Transformer2DModel(**transformer)),
         is_distilled=spec.is_distilled,
     )
+
+
+# The parity sweep's choices (common/builtin/sweep.py): the two block kinds, heads, rope axes, the timestep
+# guidance width, latent channels, the VAE's widths, distilled or not, and the request.
+SWEEP_KNOBS = {
+    "num_layers": (1, 2), "num_single_layers": (1, 2), "num_attention_heads": (1, 2),
+    "attention_head_dim": (16, 32), "axes_dims_rope": ((4, 4, 4, 4), (8, 8, 8, 8), (2, 2, 6, 6)),
+    "timestep_guidance_channels": (16, 32), "latent_channels": (4, 8),
+    "vae_block_out_channels": ((8, 8, 16, 16), (4, 8, 8, 8)), "is_distilled": (False, True),
+    "height": (32, 64), "width": (32, 48, 64), "num_inference_steps": (2, 3, 4), "guidance_scale": (1.0, 4.0),
+}

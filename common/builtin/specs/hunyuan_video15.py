@@ -194,3 +194,14 @@ def components(spec: TinyHunyuanVideo15Spec) -> dict:
         guider=ClassifierFreeGuidance(guidance_scale=spec.guider_scale),
     )
     return {**out, **(image_parts(spec) if spec.image_to_video else {})}
+
+
+# The parity sweep's choices (common/builtin/sweep.py): layers, heads and rope axes, the text models, latent
+# channels, and the request's size, frames and steps.
+SWEEP_KNOBS = {
+    "num_layers": (1, 2), "num_refiner_layers": (1, 2), "num_attention_heads": (1, 2),
+    "attention_head_dim": (16, 24), "rope_axes_dim": ((4, 6, 6), (8, 4, 4), (4, 10, 10)),
+    "latent_channels": (4, 8), "vae_block_out_channels": ((8, 8, 16, 16, 16), (4, 8, 8, 16, 16)),
+    "guider_scale": (1.0, 6.0), "height": (32, 48), "width": (48, 80), "num_frames": (1, 5, 9),
+    "num_inference_steps": (2, 3),
+}

@@ -123,3 +123,14 @@ def components(spec: TinySanaSpec) -> dict:
         decoder_act_fns=VAE_ACT_FNS, scaling_factor=VAE_SCALING_FACTOR))
     return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                 scheduler=DPMSolverMultistepScheduler(**SCHEDULER_CONFIG, flow_shift=spec.flow_shift))
+
+
+# The parity sweep's choices (common/builtin/sweep.py): self- and cross-attention heads and widths, the MLP, the
+# Gemma-2 text model, the flow shift, and the request (sizes SanaPipeline's bins keep).
+SWEEP_KNOBS = {
+    "num_layers": (1, 2, 3), "num_attention_heads": (1, 2, 4), "attention_head_dim": (8, 16),
+    "num_cross_attention_heads": (1, 2), "cross_attention_head_dim": (8, 16), "mlp_ratio": (2.0, 2.5),
+    "text_hidden_size": (32, 64), "text_num_layers": (1, 2), "text_num_heads": (1, 2), "text_head_dim": (8, 16),
+    "flow_shift": (1.0, 3.0, 4.5), "num_inference_steps": (2, 3, 4), "guidance_scale": (1.0, 4.5),
+    "max_sequence_length": (32, 64),
+}

@@ -215,3 +215,17 @@ def components(spec: TinySD3Spec) -> dict:
         text_encoder_3=t5_encoder(spec, "text_encoder_3", **t5_sizes(spec)),
         tokenizer_3=t5_tokenizer(spec.t5_vocab_size),
     )
+
+
+# The parity sweep's choices (common/builtin/sweep.py): transformer widths, heads, layers, patches and position
+# grid, SD3 / SD3.5 blocks, the three text encoders, the VAE's widths, and the request.
+SWEEP_KNOBS = {
+    "num_layers": (1, 2, 3), "num_attention_heads": (1, 2, 3), "attention_head_dim": (8, 12, 16),
+    "patch_size": (1, 2), "sample_size": (4, 8), "pos_embed_max_size": (8, 16, 32),
+    "dual_attention_layers": ((), (), (0,), (0, 1)), "qk_norm": QK_NORMS,
+    "clip_l_hidden_size": (16, 32), "clip_l_num_layers": (1, 2), "clip_l_projection_dim": (8, 32),
+    "clip_g_hidden_size": (32, 48), "clip_g_projection_dim": (16, 48), "t5_d_model": (80, 96, 128),
+    "t5_num_layers": (1, 2), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8, 16)),
+    "shift": (1.0, 3.0, 6.0), "height": (32, 48, 64), "width": (32, 48, 80), "num_inference_steps": (2, 3, 5),
+    "guidance_scale": (1.0, 4.5), "max_sequence_length": (16, 32, 77),
+}

@@ -229,3 +229,16 @@ def components(spec: TinyWanSpec, transformer: dict | None = None, vae: dict | N
                        if spec.two_experts else None),
         boundary_ratio=spec.boundary_ratio,
     )
+
+
+# The parity sweep's choices (common/builtin/sweep.py): widths, heads, layers, the text encoder, the VAE's widths,
+# the flow shift, experts, and the request's size, frames and steps.
+SWEEP_KNOBS = {
+    "num_layers": (1, 2, 3), "num_attention_heads": (1, 2, 3), "attention_head_dim": (6, 8, 12, 16),
+    "ffn_dim": (16, 32, 48), "freq_dim": (8, 16, 32), "text_dim": (16, 32, 48), "text_layers": (1, 2),
+    "text_heads": (1, 2, 4), "text_d_ff": (32, 64), "text_d_kv": (8, 16), "vae_base_dim": (4, 8),
+    "vae_dim_mult": ((1, 1, 1, 1), (1, 2, 2, 2), (1, 2, 4, 4)), "flow_shift": (1.0, 3.0, 5.0, 8.0),
+    "two_experts": (False, False, True), "boundary_ratio": (None, 0.5, 0.875),
+    "height": (16, 32, 48), "width": (16, 32, 48), "num_frames": (1, 5, 9), "num_inference_steps": (2, 3, 4),
+    "guidance_scale": (1.0, 3.0, 5.0),
+}

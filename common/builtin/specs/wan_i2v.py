@@ -220,3 +220,16 @@ def components(spec: TinyWanI2VSpec) -> dict:
             num_heads=spec.vision_heads, image_size=spec.vision_image_size, patch_size=spec.vision_patch_size)
         out["image_processor"] = clip_image_processor(spec.vision_image_size)
     return out
+
+
+# The parity sweep's choices (common/builtin/sweep.py): Wan's, the CLIP vision tower, the layouts of Wan2.1 and
+# Wan2.2 (VAE, expanded timesteps, first and last frame), and the request.
+SWEEP_KNOBS = {
+    "num_layers": (1, 2), "num_attention_heads": (1, 2, 3), "attention_head_dim": (8, 12, 16),
+    "ffn_dim": (16, 32), "text_dim": (16, 32), "vae_base_dim": (4, 8), "flow_shift": (1.0, 3.0, 5.0),
+    "image_encoder": (True, False), "vision_hidden_size": (16, 32), "vision_layers": (1, 2),
+    "first_last_frame": (False, True), "expand_timesteps": (False, True), "vae_layout": ("wan2.1", "wan2.2"),
+    "two_experts": (False, True), "boundary_ratio": (None, 0.9),
+    "height": (32, 48, 64), "width": (32, 64), "num_frames": (1, 5, 9), "num_inference_steps": (2, 3, 4),
+    "guidance_scale": (1.0, 5.0),
+}

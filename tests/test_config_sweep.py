@@ -1,0 +1,156 @@
+"""The configuration sweep: per family (the registry's pipelines), configurations drawn at random over the knobs
+its pipeline and models read (common/builtin/sweep.py: widths, heads, patches, latent and VAE sizes, text
+encoders, the scheduler's shift, dynamic shifting and its bounds, time-shift type, terminal shift, Karras or
+exponential sigmas, guidance embeddings, experts, the request), each built as a tiny model in a temp directory and
+then either served equal to the family's diffusers pipeline or refused when the engine reads the directory
+(launch), in one line naming the property. For each one served:
+
+- serving: the engine's final latents equal the pipeline's (``output_type="latent"``) within 1e-4 of their scale;
+- rollouts: an SDE rollout's log-probs equal ``rl.TrainerPolicy``'s recompute from the trajectory within 1e-5;
+- batching: the rollout and a serving request of another seed, stepped in shared forwards one step apart, each
+  equal to its run alone within 1e-5.
+
+``DISAGG_SWEEP_N`` configurations per family (default 1; ``CI=true``: 2) of sweep ``DISAGG_SWEEP_SEED`` (default
+0), printed at the end of the run; any case is rebuilt from (pipeline, seed, index) with
+``common.builtin.sweep.build_drawn``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.builtin.sweep import base_specs, build_drawn, describe
+from common.families import read_model
+from common.config.engine import Limits
+from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS
+from family_harness import InProcess, compare_tasks, max_diff, negative_for
+from pipeline_reference import pipeline_for, pipeline_outputs
+from router.api.schemas import GenerateBody, RolloutBody
+from router.core.request_params import to_params
+from rl import TrainerPolicy, Trajectory
+
+SEED = int(os.environ.get("DISAGG_SWEEP_SEED", "0"))
+PER_FAMILY = int(os.environ.get("DISAGG_SWEEP_N", "2" if os.environ.get("CI") == "true" else "1"))
+SERVE_TOL = 1e-4  # of the latents' scale
+RECOMPUTE_TOL = 1e-5
+BATCH_TOL = 1e-5  # of the latents' scale
+CASES = [(pipeline, i) for pipeline in sorted(base_specs()) for i in range(PER_FAMILY)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _picture(seed: int) -> Image.Image:
+    """A smooth picture of another size and aspect than any request's."""
+    coarse = np.random.RandomState(seed).randint(0, 256, (5, 7, 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((104, 80), Image.BILINEAR)
+
+
+def _images(info, seed: int) -> dict:
+    """The request's pictures where the model and its pipeline class take them (required or optional): ``image``,
+    and ``last_image`` where the model needs one (first-last-frame)."""
+    import diffusers
+
+    condition = info.family.condition
+    takes = inspect.signature(getattr(diffusers, info.family.pipeline).__call__).parameters
+    out = {} if condition.image_input(info) is None or "image" not in takes else {"image": _picture(seed)}
+    if out and condition.last_image_input(info) == "required":
+        out["last_image"] = _picture(seed + 1)
+    return out
+
+
+def _params(eng, images: dict, body=GenerateBody, **fields):
+    """A request as the router makes it (its checks, the size an image decides), with its pictures."""
+    if negative_for(eng.info, "blurry") is not None:
+        fields["negative_prompt"] = "blurry"
+    pixels = {k: torch.from_numpy(np.array(v)) for k, v in images.items()}
+    return to_params(body(prompt="a red fox in the snow", **{k: "x" for k in images}, **fields), eng.info, Limits(),
+                     None, pixels)
+
+
+def _refusal(model_dir) -> str | None:
+    """Why the engine refuses the directory when reading it (as at launch), or None."""
+    try:
+        read_model(model_dir)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:
+    return max_diff(a, b) / max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("pipeline,index", CASES, ids=[f"{p}-{i}" for p, i in CASES])
+def test_a_drawn_configuration_is_served_equal_or_refused_at_launch(pipeline, index, tmp_path, record_property):
+    spec, scheduler, model_dir = build_drawn(pipeline, SEED, index, tmp_path / "model")
+    what = f"sweep seed {SEED} case {pipeline}-{index}: {describe(spec, scheduler)}"
+    record_property("config", what)
+    refused = _refusal(model_dir)
+    if refused is not None:  # refused when read: one line naming why
+        assert "\n" not in refused and len(refused) < 400, what
+        pytest.skip(f"refused at launch: {refused}")
+    eng = InProcess(model_dir)
+    info, images = eng.info, _images(eng.info, index)
+    image, last = images.get("image"), images.get("last_image")
+    threads = eng.max_threads
+
+    # serving against the pipeline on the same directory: latents where the pipeline returns them in the
+    # engine's layout, else the frames both decode them to
+    pipe = pipeline_for(model_dir)
+    p = _params(eng, images, seed=index + 1)
+    torch.set_num_threads(threads)
+    got = eng.run(p, image=image, last_image=last).output_latents()
+    torch.set_num_threads(threads)
+    want = pipeline_outputs(pipe, info, p, images)
+    if got[0].shape == want.shape:
+        diffs = {"latents": _scaled(got[0], want)}
+    else:
+        torch.set_num_threads(threads)
+        want = pipeline_outputs(pipe, info, p, images, "np")
+        diffs = {"frames": max_diff(eng.frames(got, p)[0], want)}
+    record_property("diffs", diffs)
+    assert max(diffs.values()) <= SERVE_TOL, (what, diffs)
+    del pipe
+
+    # a rollout, recomputed by the trainer
+    roll = _params(eng, images, RolloutBody, seed=index + 7, n=2, sde_type="sde", noise_level=0.7,
+                   return_trajectory=True)
+    torch.set_num_threads(threads)
+    task = eng.run(roll, image=image, last_image=last)
+    ex = task.extras()
+    trainer = TrainerPolicy(model_dir)
+    inputs = None if image is None else trainer.image(roll, image, last)
+    embeddings = trainer.embeddings(roll, inputs)
+    for i in range(roll.n):
+        sample = Trajectory(ex[TRAJECTORY_LATENTS.name][i], ex[TRAJECTORY_TIMESTEPS.name], ex[TRAJECTORY_SIGMAS.name])
+        with torch.no_grad():
+            again = trainer.log_probs(sample, ex[LOG_PROB_STEPS.name], roll, embeddings=embeddings, image=inputs)
+        diffs[f"log_probs.{i}"] = max_diff(again, ex[LOG_PROBS.name][i])
+    record_property("diffs", diffs)
+    assert max(v for k, v in diffs.items() if k.startswith("log_probs")) <= RECOMPUTE_TOL, (what, diffs)
+
+    # the rollout and a serving request in shared forwards, one step apart, against their runs alone
+    other = _params(eng, images, seed=index + 30)
+    torch.set_num_threads(threads)
+    alone = [task, eng.run(other, image=image, last_image=last)]
+    torch.set_num_threads(threads)
+    tasks = [eng.task(roll, image=image, last_image=last)]
+    eng.step(tasks)
+    torch.set_num_threads(threads)
+    tasks.append(eng.task(other, image=image, last_image=last))
+    while not all(t.done for t in tasks):
+        eng.step([t for t in tasks if not t.done])
+    diffs["batched"] = max(compare_tasks(a, b) / max(1.0, b.latents.abs().max().item()) for a, b in zip(tasks, alone))
+    record_property("diffs", diffs)
+    assert diffs["batched"] <= BATCH_TOL, (what, diffs)
