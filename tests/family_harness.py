@@ -59,8 +59,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 class InProcess:
     """One model directory's engine path (see the module docstring)."""
 
-    def __init__(self, model_dir: Path):
-        self.info: ModelInfo = read_model(model_dir)
+    def __init__(self, model_dir: Path, transformer_file: Path | None = None):
+        self.info: ModelInfo = read_model(model_dir, transformer_file)  # the file: as --transformer-file
         self.family = self.info.family
         self.encoder = self.family.text.load_encoder(self.info, DTYPE, CPU)
         self.policy = Policy.load(self.info, DTYPE, CPU)

@@ -34,12 +34,20 @@ def _dotted(variant: str | None) -> str:
 
 
 def model_class(library: str, class_name: str):
-    """The class ``model_index.json`` names, when it is a model with weights (else None)."""
+    """The class ``model_index.json`` names, when it is a model with weights (else None); a library other than
+    diffusers and transformers is a diffusers pipeline's own module (``["ltx2", "LTX2Vocoder"]``)."""
+    import importlib
+
     import diffusers
     import transformers
 
-    cls = getattr(diffusers if library == "diffusers" else transformers, class_name, None)
-    if cls is not None and (issubclass(cls, diffusers.ModelMixin) or issubclass(cls, transformers.PreTrainedModel)):
+    try:
+        module = {"diffusers": diffusers, "transformers": transformers}.get(library) or importlib.import_module(
+            f"diffusers.pipelines.{library}")
+    except ImportError:
+        return None
+    cls = getattr(module, class_name, None)
+    if isinstance(cls, type) and issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel)):
         return cls
     return None
 
@@ -132,6 +140,8 @@ def component_problem(folder: Path, library: str, class_name: str) -> str | None
     named = json.loads(config.read_text()).get("_class_name")
     if library == "diffusers" and named and named != class_name:
         return f"{config}: names {named}, but model_index.json a {class_name} (a folder of another model?)"
+    if named and named != class_name:  # a pipeline's own module: the config says which of its classes
+        cls = model_class(library, named) or cls
     try:
         entries = folder_entries(folder)
     except HeaderError as e:
@@ -139,7 +149,7 @@ def component_problem(folder: Path, library: str, class_name: str) -> str | None
     expected = meta_tensors(cls, folder) if entries is not None else None
     if expected is None:
         return None
-    return fit_problem(str(folder), entries, expected, class_name, names_must_match=library == "diffusers")
+    return fit_problem(str(folder), entries, expected, class_name, names_must_match=library != "transformers")
 
 
 def single_file_problem(class_name: str, file: Path, config_folder: Path) -> str | None:

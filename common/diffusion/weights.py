@@ -33,17 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "WEIGHTS_INDEX_NAME",
-    "WEIGHTS_NAME",
-    "WeightsError",
-    "load_into",
-    "read_weights",
-    "save_weights",
-    "state_dict_checksum",
-    "validate_against",
-    "resolve_weight_roots",
-]
+__all__ = ["WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WeightsError", "load_into", "read_weights", "save_weights",
+           "state_dict_checksum", "validate_against", "resolve_weight_roots"]
 
 # File names diffusers' ModelMixin.save_pretrained uses.
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -270,6 +261,8 @@ def validate_against(module: torch.nn.Module, state: Mapping[str, torch.Tensor])
     """
     if not isinstance(state, Mapping):
         raise WeightsError(f"expected a mapping of name -> tensor, got {type(state).__name__}")
+    if any(hasattr(p, "quant_type") for p in module.parameters()):  # GGUF's, dequantized in each forward
+        raise WeightsError("the model's weights are GGUF-quantized (--transformer-file *.gguf): updates cannot replace them")
     expected = module.state_dict()
     not_tensors = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
