@@ -30,6 +30,7 @@ from common.builtin.build import build as build_builtin
 from common.builtin.specs.flux_kontext import SPECS, TinyFluxKontextSpec
 from common.families.flux.kontext_images import KontextConditioner
 from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.runtime.component_memory import settle_held
 from family_harness import DTYPE, ModuleModels, max_diff
 from family_harness import gradient_picture as picture
 
@@ -126,6 +127,7 @@ def test_reference_tokens_equal_the_pipelines(dirs, which, auto_resize, size):
     path = dirs(which)
     image = picture(*size, seed=size[0])
     images = KontextConditioner.load(SimpleNamespace(path=path), DTYPE, torch.device("cpu"))
+    settle_held(images=images)  # laid out as the encoder worker's (and as reference_pipeline lays out diffusers')
     wire = images.wire_tensors([image], 64, 64, {"auto_resize": auto_resize})
     ref = pipeline_reference(path, image, auto_resize, height=64, width=64)
     assert max_diff(wire[REFERENCE_LATENTS.name], ref["image_latents"][0]) <= TOL
