@@ -69,7 +69,8 @@ class AdapterTable:
     def _read_path(self, msg: LoadLora):
         if not self.config.weight_roots:  # the router refuses first; never read from anywhere
             raise Forbidden("adapter loads from a path are disabled: start the engine with --weight-root DIR")
-        return read_lora(msg.path, self.config.weight_roots, swap_experts=msg.load_into_transformer_2)
+        return read_lora(msg.path, self.config.weight_roots, swap_experts=msg.load_into_transformer_2,
+                         pipeline=self.policy.family.pipeline)  # community formats: as its diffusers loader reads them
 
     @staticmethod
     def _read_tensors(msg: LoadLora, tensors: dict[str, torch.Tensor]):

@@ -55,11 +55,13 @@ class ImageInputs:
 
 class TrainerPolicy:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 vae_tiling: VaeTiling = VaeTiling(), limits: Limits | None = None):
+                 vae_tiling: VaeTiling = VaeTiling(), limits: Limits | None = None,
+                 transformer_file: str | Path | None = None):
         """``vae_tiling``: the engine's ``--vae-tiling`` settings, which an image's VAE encode follows (a tiled
         encode's condition differs from a whole one's); ``limits``: the engine's request bounds, which
-        :meth:`params` checks (None: the engine's defaults)."""
-        self.info = read_model(model_dir)
+        :meth:`params` checks (None: the engine's defaults); ``transformer_file``: the engine's
+        ``--transformer-file`` (the transformer's weights from that one file)."""
+        self.info = read_model(model_dir, transformer_file)
         self.limits = Limits() if limits is None else limits
         self.vae_tiling = vae_tiling
         self.device = torch.device(device)

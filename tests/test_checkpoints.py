@@ -35,6 +35,7 @@ from common.families.checkpoints import checkpoint_problem
 from common.runtime.component_memory import modules_of
 from family_builtins import tiny_per_pipeline
 from family_harness import InProcess, max_diff
+from rl import TrainerPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
@@ -146,19 +147,21 @@ def fine_tuned(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) * v.std().nan_to_num() for k, v in state.items()}
 
 
+def wan_original_name(name: str) -> str:
+    """A Wan transformer tensor's (or module's) name as Wan's own checkpoints spell it."""
+    if name == "scale_shift_table":
+        return "head.modulation"
+    for ours, theirs in WAN_TO_ORIGINAL:
+        name = name.replace(ours, theirs)
+    return name.replace("@1", "0").replace("@2", "2").replace("scale_shift_table", "modulation")
+
+
 def wan_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Wan's own checkpoint names (blocks.0.self_attn.q, head.modulation, ...), checked against diffusers'
     converter: it renames them back onto the model's."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    def original(name: str) -> str:
-        if name == "scale_shift_table":
-            return "head.modulation"
-        for ours, theirs in WAN_TO_ORIGINAL:
-            name = name.replace(ours, theirs)
-        return name.replace("@1", "0").replace("@2", "2").replace("scale_shift_table", "modulation")
-
-    out = {original(k): v for k, v in state.items()}
+    out = {wan_original_name(k): v for k, v in state.items()}
     assert set(convert_wan_transformer_to_diffusers(dict(out))) == set(state) and len(set(out) & set(state)) < 4
     return out
 
@@ -231,6 +234,8 @@ def test_a_reload_from_disk_reads_the_transformer_file(kind, tmp_path):
     loaded, held = state_dict_checksum(stage.policy.experts["transformer"]), quantized()
     assert loaded != state_dict_checksum(InProcess(base).policy.experts["transformer"])
     assert (held > 0) == (kind == "gguf")
+    trainer = TrainerPolicy(base, transformer_file=file)  # a trainer's recompute reads the same file (GGUF: frozen)
+    assert state_dict_checksum(trainer.policy.experts["transformer"]) == loaded
     stage.memory.release(2)
     stage.memory.resume(reload="disk")
     assert state_dict_checksum(stage.policy.experts["transformer"]) == loaded and quantized() == held
@@ -239,6 +244,34 @@ def test_a_reload_from_disk_reads_the_transformer_file(kind, tmp_path):
 
         with pytest.raises(WeightsError, match="GGUF-quantized"):
             load_into(stage.policy.experts["transformer"], fine_tuned(base))
+
+
+def test_a_community_lora_serves_as_diffusers_loads_it(tmp_path, record_property):
+    """A LoRA in Wan's own names as its trainers write them (``diffusion_model.blocks.0.self_attn.q.lora_down``,
+    per-module ``alpha``): read through diffusers' WanPipeline converter, served equal to ``load_lora_weights``."""
+    import lora_fixtures as lf
+    from common.diffusion.lora import build_adapter
+    from common.diffusion.lora_format import read_lora
+
+    model_dir = ensure_builtin("tiny")
+    made = lf.make_diffusers_lora(model_dir, tmp_path / "d", rank=4, alpha=8, target_modules=lf.ATTN, seed=1)
+    tensors = {}
+    for key, value in made.state_dict.items():  # blocks.0.attn1.to_q.lora_A.weight
+        module, part = key.rsplit(".lora_", 1)
+        name = "diffusion_model." + wan_original_name(module + ".")[:-1]
+        tensors[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+        tensors[f"{name}.alpha"] = torch.tensor(float(made.alpha))
+    file = lf.write_raw_lora(tmp_path / "wan_lora.safetensors", tensors)
+    eng = InProcess(model_dir)
+    adapter = build_adapter("c", 1, read_lora(str(file), None, pipeline="WanPipeline"), eng.policy.experts, 64)
+    eng.policy.cover(adapter)
+    p = request(eng)
+    got = eng.run(p, lora=(adapter, 0.8)).latents
+    pipe = diffusers_pipeline(model_dir)
+    pipe.load_lora_weights(str(file), adapter_name="c")
+    pipe.set_adapters(["c"], [0.8])
+    record_property("max_diff", diff := max_diff(got, diffusers_latents(pipe, eng, p)))
+    assert diff <= TOL and max_diff(got, eng.run(p).latents) > 1e-3  # equal, and the adapter changes the output
 
 
 # --- refused at launch -----------------------------------------------------------------------------------------

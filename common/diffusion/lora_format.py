@@ -13,6 +13,9 @@ nothing about alpha, alpha = r (scale 1), as diffusers assumes.
   or per-module ``<module>.alpha`` keys.
 - peft: a folder with ``adapter_config.json`` and ``adapter_model.safetensors``, keys
   optionally prefixed ``base_model.model.``.
+- community formats (kohya / sd-scripts, the model's own checkpoint names as its trainers write them, XLabs,
+  ...): what diffusers' ``<Pipeline>.lora_state_dict`` converts for the model's pipeline class (``pipeline``),
+  which folds each module's alpha into its tensors; a file whose keys it does not convert is refused.
 
 Only safetensors are read, and only below the allowed roots (:mod:`common.diffusion.weights`).
 """
@@ -140,8 +143,10 @@ def lora_sha256(parsed: dict[str, ExpertLora]) -> str:
     return digest.hexdigest()
 
 
-def read_lora(path: str, roots: list[str] | None, swap_experts: bool = False) -> dict[str, ExpertLora]:
-    """An adapter from a diffusers LoRA file or folder, or a peft adapter folder, below ``roots``."""
+def read_lora(path: str, roots: list[str] | None, swap_experts: bool = False,
+              pipeline: str | None = None) -> dict[str, ExpertLora]:
+    """An adapter from a diffusers LoRA file or folder, or a peft adapter folder, below ``roots``; with
+    ``pipeline`` (the model's diffusers pipeline class), also a file in a community format it converts."""
     given = Path(path).expanduser()
     real_roots = None if roots is None else [Path(r).resolve() for r in roots]
     check_allowed(given, real_roots)
@@ -155,7 +160,25 @@ def read_lora(path: str, roots: list[str] | None, swap_experts: bool = False) ->
         return parse_state(load_safetensors_file(given / PEFT_FILE, real_roots), config, swap_experts=swap_experts)
     file = given / DIFFUSERS_FILE if given.is_dir() else given
     state = load_safetensors_file(file, real_roots)
+    if pipeline and any(_expert_of(k, "")[0] == "" for k in state):
+        state = community_to_diffusers(state, pipeline)
     return _parse_diffusers(state, _header_metadata(file), swap_experts)
+
+
+def community_to_diffusers(state: dict[str, torch.Tensor], pipeline: str) -> dict[str, torch.Tensor]:
+    """A community-format adapter's tensors as diffusers' loader of ``pipeline`` converts them (diffusers'
+    names, ``transformer.``-prefixed, alphas folded in); unchanged where it converts nothing."""
+    import diffusers
+
+    convert = getattr(getattr(diffusers, pipeline, None), "lora_state_dict", None)
+    if convert is None:
+        return state
+    try:
+        out = convert(dict(state))
+    except Exception as e:  # each converter raises its own kind on keys it does not expect
+        raise LoraError(f"not a LoRA format {pipeline}'s loader reads ({type(e).__name__}: {e})") from None
+    out = out[0] if isinstance(out, tuple) else out
+    return {k if _expert_of(k, "")[0] else f"transformer.{k}": v for k, v in out.items()}
 
 
 def _header_metadata(file: Path) -> dict:

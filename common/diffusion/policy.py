@@ -141,7 +141,10 @@ class Policy:
             file = info.transformer_file if name == "transformer" else None  # --transformer-file: the first's
             model = info.family.transformer.load(info.path / name, dtype, file)
             # Laid out as a push or a resume lays it out: the same bytes give the same outputs (weight_storage).
-            experts[name] = settle(model.to(device).eval().requires_grad_(trainable))
+            model = model.to(device).eval().requires_grad_(False)
+            for p in model.parameters():  # a GGUF file's quantized weights (integers) take no gradients
+                p.requires_grad_(trainable and p.is_floating_point())
+            experts[name] = settle(model)
         return cls(info, experts)
 
     def cover(self, adapter: LoraAdapter) -> None:
