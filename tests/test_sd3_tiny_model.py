@@ -199,7 +199,7 @@ def test_non_default_spec_builds_and_runs(tmp_path):
         (dict(clip_g_num_heads=5), "clip_g_hidden_size"),
         (dict(qk_norm="l2"), "qk_norm"),
         (dict(max_sequence_length=513), "max_sequence_length"),
-        (dict(weights_dtype="float16"), "weights_dtype"),
+        (dict(weights_dtype="int8"), "weights_dtype"),  # (float16 is a stored dtype)
     ],
 )
 def test_spec_validation(change, message):
