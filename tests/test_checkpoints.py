@@ -3,17 +3,19 @@ and broken ones refused at launch in one line (common/diffusion/checkpoint_check
 
 1. Built-ins written as real checkpoints ship (common/builtin/spec.py ``with_layout``): bf16 weights in shards with
    an index, and fp16 ``variant`` files only. Through the family registry (every pipeline with DISAGG_HEAVY=1, a
-   few by default): every module the engine's workers load equals, tensor for tensor, the one diffusers'
-   pipeline loads from the same directory (with ``variant=``), in float32 (upcast). On Wan, the served latents
-   equal diffusers' on both layouts (1e-4), and computed in bf16 they equal diffusers' pipeline in bf16.
+   few by default): every module the engine's workers load equals, tensor for tensor, the one diffusers' or
+   transformers' ``from_pretrained`` loads from the same folder (``variant=``), in float32 (upcast). On Wan, the
+   served latents equal diffusers' on both layouts (1e-4), and computed in bf16 they equal diffusers' in bf16.
 2. ``--transformer-file``: one .safetensors (diffusers' names; Wan's original names, which diffusers' converter
    renames) and a GGUF Q8_0 file (diffusers' names on FLUX.1, Wan's original names) with the rest of the pipeline
    from the base directory, served equal to diffusers' ``from_single_file`` (with ``GGUFQuantizationConfig``) on
-   the same file; a reload from disk (sleep level 2) reads the file again.
-3. Broken: a shard missing from its index, a truncated file, a shape the config's model does not hold, an integer
-   dtype for a float weight, a single file of another model, a class from_single_file does not map, a directory
-   of another pipeline, weights of two variants and no plain ones: ``launch.main`` exits non-zero naming the file
-   or property, before any worker starts; one launched run checks the process boundary (one line, no traceback).
+   the same file; a reload from disk (sleep level 2) and a trainer's copy read the file again; a LoRA in Wan's own
+   names (a community format diffusers' loader converts) served equal to ``load_lora_weights``.
+3. Broken: a shard missing from its index, a truncated file, a shape the config's model does not hold, a config
+   the model class cannot be built from, an integer dtype for a float weight, a single file of another model, a
+   class from_single_file does not map, a directory of another pipeline, weights of two variants and no plain
+   ones: ``launch.main`` exits non-zero naming the file or property, before any worker starts; one launched run
+   checks the process boundary (one line, no traceback).
 """
 
 from __future__ import annotations
@@ -291,6 +293,10 @@ def _broken(tmp_path: Path, case: str) -> tuple[list[str], str]:
         config = sharded / "transformer" / "config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "joint_attention_dim": 48}))
         return ["--model", str(sharded)], "context_embedder.weight has shape"
+    if case == "config that builds no model":
+        config = sharded / "vae" / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "norm_num_groups": 3}))
+        return ["--model", str(sharded)], "vae/config.json: does not build AutoencoderKL"
     if case == "integer dtype":
         from safetensors.torch import load_file
 
@@ -301,7 +307,7 @@ def _broken(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--model", str(flux)], "x_embedder.weight is stored as I32"
     if case == "file of another model":
         sd3_file = ensure_builtin("tiny-sd3") / "transformer" / "diffusion_pytorch_model.safetensors"
-        return ["--model", str(sharded), "--transformer-file", str(sd3_file)], "not a FluxTransformer2DModel checkpoint"
+        return ["--model", str(sharded), "--transformer-file", str(sd3_file)], "not a checkpoint of FluxTransformer2DModel"
     if case == "class without single files":
         return ["--model", str(ensure_builtin("tiny-hunyuan-video15")), "--transformer-file", str(flux_file)], \
             "HunyuanVideo15Transformer3DModel, which diffusers' from_single_file does not load"
@@ -318,8 +324,8 @@ def _broken(tmp_path: Path, case: str) -> tuple[list[str], str]:
     return ["--model", str(sharded)], "several variants (ema, fp16)"
 
 
-CASES = ["missing shard", "truncated", "shape", "integer dtype", "file of another model", "class without single files",
-         "another pipeline", "two variants"]
+CASES = ["missing shard", "truncated", "shape", "config that builds no model", "integer dtype", "file of another model",
+         "class without single files", "another pipeline", "two variants"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -53,18 +53,23 @@ def model_class(library: str, class_name: str):
 
 
 def meta_tensors(cls, folder: Path) -> dict[str, torch.Tensor] | None:
-    """The state dict of ``cls`` built from ``folder``'s config on the ``meta`` device (names, shapes, dtypes);
-    None when the class cannot be built so (the shape checks are then skipped, never a refusal)."""
+    """The state dict of ``cls`` built from ``folder``'s config without weights (names, shapes, dtypes). A
+    diffusers model is built as its ``from_pretrained`` builds it (accelerate's ``init_empty_weights``), so a
+    config it cannot build from raises HeaderError; a transformers model on the ``meta`` device, None when it
+    cannot be built so (its shapes are then not compared, never a refusal)."""
     import diffusers
-    import transformers
+    from accelerate import init_empty_weights
 
+    if issubclass(cls, diffusers.ModelMixin):
+        try:
+            with init_empty_weights():
+                return cls.from_config(cls.load_config(folder)).state_dict()
+        except Exception as e:  # what the worker's from_pretrained would raise
+            raise HeaderError(f"{folder / 'config.json'}: does not build {cls.__name__} "
+                              f"({type(e).__name__}: {e})") from e
     try:
         with torch.device("meta"):
-            if issubclass(cls, diffusers.ModelMixin):
-                model = cls.from_config(cls.load_config(folder))
-            else:
-                model = cls._from_config(transformers.AutoConfig.from_pretrained(folder))
-        return model.state_dict()
+            return cls._from_config(cls.config_class.from_pretrained(folder)).state_dict()
     except Exception:  # a class whose __init__ reads values: no shapes to compare with, nothing refused
         return None
 
@@ -136,18 +141,21 @@ def component_problem(folder: Path, library: str, class_name: str) -> str | None
         return None
     config = folder / "config.json"
     if not config.is_file():
-        return f"{folder}: missing (model_index.json names a {class_name} there), or it has no config.json"
+        return f"{folder}: missing (model_index.json names {class_name} there), or it has no config.json"
     named = json.loads(config.read_text()).get("_class_name")
     if library == "diffusers" and named and named != class_name:
-        return f"{config}: names {named}, but model_index.json a {class_name} (a folder of another model?)"
+        return f"{config}: names {named}, but model_index.json names {class_name} (a folder of another model?)"
     if named and named != class_name:  # a pipeline's own module: the config says which of its classes
         cls = model_class(library, named) or cls
     try:
         entries = folder_entries(folder)
     except HeaderError as e:
         return str(e)
-    expected = meta_tensors(cls, folder) if entries is not None else None
-    if expected is None:
+    try:
+        expected = meta_tensors(cls, folder)
+    except HeaderError as e:
+        return str(e)
+    if expected is None or entries is None:
         return None
     return fit_problem(str(folder), entries, expected, class_name, names_must_match=library != "transformers")
 
@@ -162,19 +170,20 @@ def single_file_problem(class_name: str, file: Path, config_folder: Path) -> str
     if file.suffix not in (".safetensors", ".gguf"):
         return f"--transformer-file {file}: not a .safetensors or .gguf file"
     if not single_file_support(cls):
-        return (f"--transformer-file: the model's transformer is a {class_name}, which diffusers' from_single_file "
+        return (f"--transformer-file: the model's transformer is {class_name}, which diffusers' from_single_file "
                 "does not load; use a model directory instead")
     try:
         entries = entries_of(file)
     except HeaderError as e:
         return f"--transformer-file {e}"
-    expected = meta_tensors(cls, config_folder)
-    if expected is None:
-        return None
+    try:
+        expected = meta_tensors(cls, config_folder)
+    except HeaderError as e:
+        return str(e)
     if set(expected) - set(entries):  # the original format: the names diffusers' converter makes of it
         converted = _converted(cls, entries, config_folder)
         if isinstance(converted, str):
-            return f"--transformer-file {file}: not a {class_name} checkpoint ({converted})"
+            return f"--transformer-file {file}: not a checkpoint of {class_name} ({converted})"
         entries = converted
     return fit_problem(f"--transformer-file {file}", entries, expected, f"{class_name} of {config_folder}",
                        names_must_match=True)

@@ -33,7 +33,7 @@ def pipeline_problem(path: Path, index: dict, binding: Binding) -> str | None:
     components = _components(index)
     for name in EXPERTS:
         if name in components and components[name][1] != binding.transformer.model_class:
-            return (f"{path}/model_index.json: {name} is a {components[name][1]}, but {binding.pipeline} runs a "
+            return (f"{path}/model_index.json: {name} is {components[name][1]}, but {binding.pipeline} runs "
                     f"{binding.transformer.model_class} (a directory of another pipeline?)")
     return None
 
