@@ -5,7 +5,7 @@ and broken ones refused at launch in one line (common/diffusion/checkpoint_check
    an index, and fp16 ``variant`` files only. Through the family registry (every pipeline with DISAGG_HEAVY=1, a
    few by default): every module the engine's workers load equals, tensor for tensor, the one diffusers' or
    transformers' ``from_pretrained`` loads from the same folder (``variant=``), in float32 (upcast). On Wan, the
-   served latents equal diffusers' on both layouts (1e-4), and computed in bf16 they equal diffusers' in bf16.
+   served latents equal diffusers' on both layouts (1e-4), and computed in bf16 (fp16) they equal diffusers' in it.
 2. ``--transformer-file``: one .safetensors (diffusers' names; Wan's original names, which diffusers' converter
    renames) and a GGUF Q8_0 file (diffusers' names on FLUX.1, Wan's original names) with the rest of the pipeline
    from the base directory, served equal to diffusers' ``from_single_file`` (with ``GGUFQuantizationConfig``) on
@@ -128,13 +128,14 @@ def test_served_latents_equal_diffusers_on_each_layout(layout, record_property):
     assert diff <= TOL
 
 
-def test_bf16_weights_computed_in_bf16_equal_diffusers_in_bf16(monkeypatch, record_property):
-    model_dir = layout_dir("tiny", "bf16-sharded")
-    monkeypatch.setattr(family_harness, "DTYPE", torch.bfloat16)  # as a worker started with --dtype bfloat16
+@pytest.mark.parametrize("layout, dtype", [("bf16-sharded", torch.bfloat16), ("fp16-variant", torch.float16)])
+def test_weights_computed_in_their_own_dtype_equal_diffusers_in_it(layout, dtype, monkeypatch, record_property):
+    model_dir = layout_dir("tiny", layout)
+    monkeypatch.setattr(family_harness, "DTYPE", dtype)  # as a worker started with --dtype bfloat16 / float16
     eng = InProcess(model_dir)
-    assert eng.policy.dtype == torch.bfloat16
+    assert eng.policy.dtype == dtype
     p = request(eng)
-    ref = diffusers_latents(diffusers_pipeline(model_dir, dtype=torch.bfloat16), eng, p)
+    ref = diffusers_latents(diffusers_pipeline(model_dir, dtype=dtype, variant=LAYOUTS[layout].get("variant")), eng, p)
     record_property("max_diff", diff := max_diff(eng.run(p).latents, ref))
     assert diff <= TOL
 
