@@ -177,7 +177,7 @@ class InStage:
         self.stage = DenoiseStage(config, config.workers[0])
         self.stage.load()
 
-    def message(self, request_id: str, p: GenerationParams, image=None):
+    def message(self, request_id: str, p: GenerationParams, image=None, last_image=None):
         """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
         from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
 
@@ -190,16 +190,16 @@ class InStage:
         tensors = {k: t.clone() for k, t in wires[0].items()}
         if guided:
             tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})
-        tensors.update(self.eng.image_wire(p, image))
+        tensors.update(self.eng.image_wire(p, image, last_image))
         msg = DenoiseRequest(v=PROTOCOL_VERSION, request_id=request_id, route=Route(encoder=0, denoise=0, decode=0),
                              params=p)
         return msg, tensors
 
-    def serve(self, requests: dict[str, tuple[GenerationParams, object]]) -> dict:
+    def serve(self, requests: dict[str, tuple[GenerationParams, object]], last_image=None) -> dict:
         """Every request (id -> (params, image or None)) held at once, the worker's turns until none is left:
         per id, what the stage sent on (a ``Forward``) or the error it answered with."""
         for rid, (p, image) in requests.items():
-            self.stage.accept(*self.message(rid, p, image))
+            self.stage.accept(*self.message(rid, p, image, last_image))
         out = {}
         while self.stage.has_work():
             for msg, outcome in self.stage.work():

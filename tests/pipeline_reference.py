@@ -22,8 +22,9 @@ ENGINE_ONLY = {"seed", "n", "seeds", "output_type", "fields", "sigmas", "sigmas_
 
 
 def pipeline_for(model_dir: Path):
-    """The directory's diffusers pipeline in float32, without progress bars; a Qwen-VL ``processor`` (the edit
-    pipelines') loaded as the engine loads it, since transformers' own class needs torchvision."""
+    """The directory's diffusers pipeline in float32, laid out as the engine lays out its components
+    (``conftest.reference_pipeline``); a Qwen-VL ``processor`` (the edit pipelines') loaded as the engine loads it,
+    since transformers' own class needs torchvision."""
     import diffusers
 
     from common.families import read_model
@@ -33,9 +34,9 @@ def pipeline_for(model_dir: Path):
     given = {}
     if "processor" in inspect.signature(cls.__init__).parameters and (model_dir / "processor").is_dir():
         given["processor"] = load_processor(model_dir)
-    pipe = cls.from_pretrained(model_dir, dtype=torch.float32, **given)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    from conftest import reference_pipeline
+
+    return reference_pipeline(cls.from_pretrained(model_dir, dtype=torch.float32, **given))
 
 
 def pipeline_call(pipe, info, p: GenerationParams, images: dict | None = None) -> dict:

@@ -29,7 +29,7 @@ from common.builtin.sweep import base_specs, build_drawn, describe
 from common.families import read_model
 from common.config.engine import Limits
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS
-from family_harness import InProcess, compare_tasks, max_diff, negative_for
+from family_harness import InProcess, InStage, max_diff, negative_for
 from pipeline_reference import pipeline_for, pipeline_outputs
 from router.api.schemas import GenerateBody, RolloutBody
 from router.core.request_params import to_params
@@ -87,6 +87,11 @@ def _refusal(model_dir) -> str | None:
     return None
 
 
+def _turn(st: InStage) -> list:
+    """One turn of the stage: (request id, what it sent on) for each request it finished."""
+    return [(msg.request_id, outcome) for msg, outcome in st.stage.work()]
+
+
 def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:
     return max_diff(a, b) / max(1.0, b.float().abs().max().item())
 
@@ -140,17 +145,21 @@ def test_a_drawn_configuration_is_served_equal_or_refused_at_launch(pipeline, in
     record_property("diffs", diffs)
     assert max(v for k, v in diffs.items() if k.startswith("log_probs")) <= RECOMPUTE_TOL, (what, diffs)
 
-    # the rollout and a serving request in shared forwards, one step apart, against their runs alone
+    # the rollout and a serving request held by the denoise worker's own stage, the second joining a step later
+    # (its batch choice: one expert, one size a forward), against each run alone
+    st = InStage(eng, tmp_path / "stage")
     other = _params(eng, images, seed=index + 30)
-    torch.set_num_threads(threads)
-    alone = [task, eng.run(other, image=image, last_image=last)]
-    torch.set_num_threads(threads)
-    tasks = [eng.task(roll, image=image, last_image=last)]
-    eng.step(tasks)
-    torch.set_num_threads(threads)
-    tasks.append(eng.task(other, image=image, last_image=last))
-    while not all(t.done for t in tasks):
-        eng.step([t for t in tasks if not t.done])
-    diffs["batched"] = max(compare_tasks(a, b) / max(1.0, b.latents.abs().max().item()) for a, b in zip(tasks, alone))
+    held = {"roll": roll, "other": other}
+    alone = {rid: st.serve({rid: (q, image)}, last)[rid] for rid, q in held.items()}
+    shared, real = [], st.stage.batched_velocity
+    st.stage.batched_velocity = lambda tasks: shared.append(len(tasks)) or real(tasks)
+    st.stage.accept(*st.message("roll", roll, image, last))
+    together = dict(_turn(st))
+    st.stage.accept(*st.message("other", other, image, last))
+    while st.stage.has_work():
+        together.update(_turn(st))
+    diffs["batched"] = max(_scaled(together[rid].tensors[name], t) for rid in held
+                           for name, t in alone[rid].tensors.items() if t.is_floating_point() and t.numel())
     record_property("diffs", diffs)
+    record_property("shared_forwards", sum(n > 1 for n in shared))  # none where an expert split parts them
     assert diffs["batched"] <= BATCH_TOL, (what, diffs)

@@ -272,6 +272,8 @@ def test_router_rules_for_images(engines):
     assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/api/images.py
     assert "first-last-frame" in _refused(clip, "last_image", image="x", last_image="y")
     assert _check(a14b, image="x", last_image="y")
+    # one frame has no frames between the two (the pipeline's would be -1): refused, not a worker's error
+    assert "two frames or more" in _refused(a14b, "num_frames", image="x", last_image="y", num_frames=1)
     assert "needs image" in _refused(ti2v, "last_image", last_image="y")
     assert "512" in _refused(clip, "max_sequence_length", image="x", max_sequence_length=64)
     assert _check(a14b, image="x", max_sequence_length=64).max_sequence_length == 64

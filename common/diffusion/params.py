@@ -123,6 +123,9 @@ def check_images(request: dict, info: ModelInfo) -> None:
             raise FieldError("last_image", "needs image (the first frame) too")
         if last is None:
             raise FieldError("last_image", f"this {family.pipeline} model has no first-last-frame conditioning")
+        frames = request.get("num_frames") or info.defaults.get("num_frames", 1)
+        if frames < 2:  # (the pipeline's frames between the two would be -1)
+            raise FieldError("num_frames", f"a video from image to last_image has two frames or more, got {frames}")
 
 
 def _check_schedule(name: str, values: list[float], lo: float, hi: float, max_len: int) -> None:

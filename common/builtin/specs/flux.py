@@ -224,7 +224,7 @@ SWEEP_KNOBS = {
     "num_layers": (0, 1, 2), "num_single_layers": (1, 2), "num_attention_heads": (1, 2, 3),
     "attention_head_dim": (16, 24), "axes_dims_rope": ((4, 6, 6), (4, 4, 8), (8, 8, 8), (2, 10, 12)),
     "guidance_embeds": (True, False), "t5_d_model": (16, 32, 48), "t5_num_layers": (1, 2),
-    "clip_l_hidden_size": (16, 32), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16)),
+    "clip_l_hidden_size": (16, 32), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8)),
     "use_dynamic_shifting": (True, False), "shift": (1.0, 3.0), "base_shift": (0.3, 0.5), "max_shift": (0.9, 1.15),
     "base_image_seq_len": (16, 256), "max_image_seq_len": (1024, 4096),
     "height": (32, 48, 64), "width": (32, 64, 80), "num_inference_steps": (2, 3, 4), "guidance_scale": (0.0, 3.5),

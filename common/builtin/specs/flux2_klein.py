@@ -152,6 +152,6 @@ SWEEP_KNOBS = {
     "num_layers": (1, 2), "num_single_layers": (1, 2), "num_attention_heads": (1, 2),
     "attention_head_dim": (16, 32), "axes_dims_rope": ((4, 4, 4, 4), (8, 8, 8, 8), (2, 2, 6, 6)),
     "timestep_guidance_channels": (16, 32), "latent_channels": (4, 8),
-    "vae_block_out_channels": ((8, 8, 16, 16), (4, 8, 8, 8)), "is_distilled": (False, True),
+    "vae_block_out_channels": ((8, 8, 16, 16), (4, 8, 8, 8), (8, 8, 16)), "is_distilled": (False, True),
     "height": (32, 64), "width": (32, 48, 64), "num_inference_steps": (2, 3, 4), "guidance_scale": (1.0, 4.0),
 }

@@ -59,7 +59,7 @@ def components(spec: TinyFluxKontextSpec) -> dict:
 SWEEP_KNOBS = {
     "num_layers": (0, 1, 2), "num_single_layers": (1, 2), "num_attention_heads": (1, 2),
     "attention_head_dim": (16, 24), "axes_dims_rope": ((4, 6, 6), (4, 4, 8), (8, 8, 8)),
-    "guidance_embeds": (True, False), "t5_d_model": (16, 32), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16)),
+    "guidance_embeds": (True, False), "t5_d_model": (16, 32), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8)),
     "base_shift": (0.3, 0.5), "max_shift": (0.9, 1.15), "max_area": (1024, 4096),
     "height": (32, 64), "width": (32, 48, 64), "num_inference_steps": (2, 3), "guidance_scale": (0.0, 2.5),
 }

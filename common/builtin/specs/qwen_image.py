@@ -253,7 +253,7 @@ SWEEP_KNOBS = {
     "num_layers": (1, 2, 3), "num_attention_heads": (1, 2, 3), "attention_head_dim": (16, 24),
     "axes_dims_rope": ((4, 6, 6), (8, 4, 4), (4, 8, 12)), "text_hidden_size": (32, 64), "text_num_layers": (1, 2),
     "text_num_heads": (1, 2), "text_num_kv_heads": (1, 2), "text_intermediate_size": (32, 64),
-    "vae_base_dim": (4, 8), "vae_dim_mult": ((1, 2, 4, 4), (1, 1, 2, 2)),
+    "vae_base_dim": (4, 8), "vae_dim_mult": ((1, 2, 4, 4), (1, 1, 2, 2), (1, 2, 2), (1, 1, 2, 2, 2)),
     "height": (32, 48, 64), "width": (32, 64, 80), "num_inference_steps": (2, 3, 4),
     "true_cfg_scale": (1.0, 4.0), "max_sequence_length": (32, 64),
 }

@@ -102,6 +102,6 @@ def components(spec: TinyQwenImageEditSpec) -> dict:
 SWEEP_KNOBS = {
     "num_layers": (1, 2), "num_attention_heads": (1, 2, 3), "attention_head_dim": (16, 24),
     "axes_dims_rope": ((4, 6, 6), (8, 4, 4)), "text_hidden_size": (32, 64), "text_num_layers": (1, 2),
-    "vae_base_dim": (4, 8), "vae_dim_mult": ((1, 2, 2, 2), (1, 1, 2, 4)), "processor_max_tokens": (36, 64),
+    "vae_base_dim": (4, 8), "vae_dim_mult": ((1, 2, 2, 2), (1, 1, 2, 4), (1, 1, 2, 2, 2)), "processor_max_tokens": (36, 64),
     "height": (32, 64), "width": (32, 48, 64), "num_inference_steps": (2, 3), "true_cfg_scale": (1.0, 4.0),
 }

@@ -225,7 +225,7 @@ SWEEP_KNOBS = {
     "dual_attention_layers": ((), (), (0,), (0, 1)), "qk_norm": QK_NORMS,
     "clip_l_hidden_size": (16, 32), "clip_l_num_layers": (1, 2), "clip_l_projection_dim": (8, 32),
     "clip_g_hidden_size": (32, 48), "clip_g_projection_dim": (16, 48), "t5_d_model": (80, 96, 128),
-    "t5_num_layers": (1, 2), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8, 16)),
+    "t5_num_layers": (1, 2), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8, 16), (4, 8, 8)),
     "shift": (1.0, 3.0, 6.0), "height": (32, 48, 64), "width": (32, 48, 80), "num_inference_steps": (2, 3, 5),
     "guidance_scale": (1.0, 4.5), "max_sequence_length": (16, 32, 77),
 }

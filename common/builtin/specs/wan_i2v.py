@@ -112,6 +112,8 @@ class TinyWanI2VSpec(TinyWanSpec):
             self._check_vision()
         elif self.first_last_frame:
             raise ValueError("first_last_frame (Wan2.1 FLF2V) embeds both frames with the image encoder")
+        if self.first_last_frame and self.num_frames < 2:
+            raise ValueError("first_last_frame makes a video between two frames: num_frames must be at least 5")
 
     def _check_vision(self) -> None:
         if min(self.vision_hidden_size, self.vision_layers, self.vision_heads, self.vision_intermediate_size,

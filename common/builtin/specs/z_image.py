@@ -121,6 +121,6 @@ def components(spec: TinyZImageSpec) -> dict:
 SWEEP_KNOBS = {
     "dim": (32, 48, 64), "n_layers": (1, 2), "n_refiner_layers": (1, 2), "n_heads": (1, 2), "n_kv_heads": (1, 2),
     "axes_dims": ((4, 6, 6), (8, 4, 4), (8, 8, 8), (4, 10, 10), (8, 12, 12)), "text_hidden_size": (32, 64),
-    "text_num_layers": (2, 3), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16)), "shift": (1.0, 3.0, 6.0),
+    "text_num_layers": (2, 3), "vae_block_out_channels": ((4, 4, 8, 8), (8, 8, 16, 16), (4, 8, 8)), "shift": (1.0, 3.0, 6.0),
     "height": (32, 48, 64), "width": (32, 64, 80), "num_inference_steps": (2, 3, 4), "guidance_scale": (0.0, 5.0),
 }
