@@ -973,6 +973,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.decode_threads = preset.get("decode_threads") if args.encoder_threads else None
     args.topology = args.topology or DEFAULT_TOPOLOGY
     args.launch_flags = extra if extra_dtype is not None else [*extra, "--dtype", args.dtype]
+    # A speed comparison with diffusers on all cores: the workers' threads as the topology gives them, not one
+    # (the engine's default keeps its CPU numbers independent of threads: docs/architecture.md).
+    if args.device.startswith("cpu") and _flag_value(args.launch_flags, "--cpu-numerics") is None:
+        args.launch_flags = [*args.launch_flags, "--cpu-numerics", "threaded"]
     if args.diffusers_requests is None:
         args.diffusers_requests = args.requests
     args.check = max(0, min(args.check, args.diffusers_requests))
