@@ -98,8 +98,8 @@ def _scaled(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("pipeline,index", CASES, ids=[f"{p}-{i}" for p, i in CASES])
 def test_a_drawn_configuration_is_served_equal_or_refused_at_launch(pipeline, index, tmp_path, record_property):
-    spec, scheduler, model_dir = build_drawn(pipeline, SEED, index, tmp_path / "model")
-    what = f"sweep seed {SEED} case {pipeline}-{index}: {describe(spec, scheduler)}"
+    spec, configs, model_dir = build_drawn(pipeline, SEED, index, tmp_path / "model")
+    what = f"sweep seed {SEED} case {pipeline}-{index}: {describe(spec, configs)}"
     record_property("config", what)
     refused = _refusal(model_dir)
     if refused is not None:  # refused when read: one line naming why

@@ -6,8 +6,9 @@ encoder sizes and lengths, experts, guidance embeddings, the request's size and 
 the family's first tiny built-in, draws every knob from a seeded generator and keeps the first combination the
 spec accepts (its ``__post_init__`` says what its pipeline and models need). :func:`scheduler_knobs` draws the
 scheduler options the family's scheduler class reads (its shift, dynamic shifting and its bounds, the time-shift
-type, a terminal shift, Karras or exponential sigmas; UniPC's order), written into the built directory's
-``scheduler_config.json`` by :func:`build_drawn`. Everything follows from ``(pipeline, seed, index)``, so a
+type, a terminal shift, Karras or exponential sigmas; UniPC's order) and :func:`vae_knobs` the VAE's latent
+statistics (scaling and shift factors, per-channel means and deviations), written into the built directory's
+configs by :func:`build_drawn`. Everything follows from ``(pipeline, seed, index)``, so a
 configuration the sweep reports is rebuilt from those three.
 """
 
@@ -99,21 +100,47 @@ def scheduler_knobs(config: dict, rng: random.Random) -> dict:
     return out
 
 
+# The VAE's latent statistics as checkpoints ship them (SD3's, FLUX.1's, SDXL's, HunyuanVideo 1.5's scaling).
+SCALING_FACTORS = (0.13025, 0.3611, 1.03682, 1.5305)
+SHIFT_FACTORS = (0.0, 0.0609, 0.1159)
+
+
+def vae_knobs(config: dict, rng: random.Random) -> dict:
+    """VAE config entries drawn for ``config`` (a ``vae/config.json``): the latents' scaling and shift factors
+    and per-channel means and standard deviations, where the class has them."""
+    out = {}
+    if isinstance(config.get("scaling_factor"), float):
+        out["scaling_factor"] = rng.choice(SCALING_FACTORS)
+    if isinstance(config.get("shift_factor"), float):
+        out["shift_factor"] = rng.choice(SHIFT_FACTORS)
+    if isinstance(config.get("latents_mean"), list) and isinstance(config.get("latents_std"), list):
+        out["latents_mean"] = [round(rng.uniform(-0.5, 0.5), 4) for _ in config["latents_mean"]]
+        out["latents_std"] = [round(rng.uniform(0.5, 3.0), 4) for _ in config["latents_std"]]
+    return out
+
+
+def _redraw(path: Path, knobs, rng: random.Random) -> dict:
+    """Rewrite the JSON config at ``path`` with the entries ``knobs(config, rng)`` draws; those entries."""
+    config = json.loads(path.read_text())
+    drawn = knobs(config, rng)
+    path.write_text(json.dumps({**config, **drawn}, indent=2, sort_keys=True) + "\n")
+    return drawn
+
+
 def build_drawn(pipeline: str, seed: int, index: int, out_dir: str | Path) -> tuple[object, dict, Path]:
     """Build configuration ``index`` of sweep ``seed`` for ``pipeline`` into ``out_dir``: (its spec, the scheduler
-    entries drawn, the directory)."""
+    and VAE config entries drawn, the directory)."""
     from common.builtin.build import build
 
     spec = draw(pipeline, seed, index)
     out = build(spec, out_dir)
-    path = out / "scheduler" / "scheduler_config.json"
-    config = json.loads(path.read_text())
-    drawn = scheduler_knobs(config, rng_for(pipeline + "/scheduler", seed, index))
-    path.write_text(json.dumps({**config, **drawn}, indent=2, sort_keys=True) + "\n")
-    return spec, drawn, out
+    drawn = _redraw(out / "scheduler" / "scheduler_config.json", scheduler_knobs,
+                    rng_for(pipeline + "/scheduler", seed, index))
+    vae = _redraw(out / "vae" / "config.json", vae_knobs, rng_for(pipeline + "/vae", seed, index))
+    return spec, {**drawn, **{f"vae.{k}": v for k, v in vae.items()}}, out
 
 
 def describe(spec, drawn: dict) -> str:
     """The drawn values of a configuration, one line: what a failing sweep case prints."""
     knobs = {k: getattr(spec, k) for k in knobs_of(spec)}
-    return json.dumps({"spec": knobs, "seed": spec.seed, "scheduler": drawn}, sort_keys=True, default=str)
+    return json.dumps({"spec": knobs, "seed": spec.seed, "configs": drawn}, sort_keys=True, default=str)

@@ -221,6 +221,7 @@ SWEEP_KNOBS = {
     "num_layers": (1, 2), "num_attention_heads": (1, 2), "attention_head_dim": (8, 16),
     "audio_num_attention_heads": (1, 2), "audio_attention_head_dim": (4, 8), "text_hidden_size": (32, 64),
     "connector_num_layers": (1, 2), "connector_num_registers": (4, 8), "audio_latent_channels": (2, 4, 8),
+    "latent_channels": (8, 16),
     # (the VAE decoder's reflection padding needs latents of 2 or more: 64 px at its 32x)
     "height": (64, 96), "width": (64, 96, 128), "num_frames": (1, 9, 17), "frame_rate": (24.0, 12.5),
     "num_inference_steps": (2, 3), "guidance_scale": (1.0, 4.0),

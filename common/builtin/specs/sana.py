@@ -131,6 +131,6 @@ SWEEP_KNOBS = {
     "num_layers": (1, 2, 3), "num_attention_heads": (1, 2, 4), "attention_head_dim": (8, 16),
     "num_cross_attention_heads": (1, 2), "cross_attention_head_dim": (8, 16), "mlp_ratio": (2.0, 2.5),
     "text_hidden_size": (32, 64), "text_num_layers": (1, 2), "text_num_heads": (1, 2), "text_head_dim": (8, 16),
-    "flow_shift": (1.0, 3.0, 4.5), "num_inference_steps": (2, 3, 4), "guidance_scale": (1.0, 4.5),
+    "flow_shift": (1.0, 3.0, 4.5), "latent_channels": (4, 8, 16), "num_inference_steps": (2, 3, 4), "guidance_scale": (1.0, 4.5),
     "max_sequence_length": (32, 64),
 }
