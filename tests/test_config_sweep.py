@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from common.builtin.sweep import base_specs, build_drawn, describe
-from common.families import read_model
+from common.families.checkpoints import checkpoint_problem
 from common.config.engine import Limits
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS
 from family_harness import InProcess, InStage, max_diff, negative_for
@@ -79,12 +79,8 @@ def _params(eng, images: dict, body=GenerateBody, **fields):
 
 
 def _refusal(model_dir) -> str | None:
-    """Why the engine refuses the directory when reading it (as at launch), or None."""
-    try:
-        read_model(model_dir)
-    except ValueError as e:
-        return str(e)
-    return None
+    """Why launch.py refuses the directory (its files, its configs, the facts the engine reads), or None."""
+    return checkpoint_problem(model_dir)
 
 
 def _turn(st: InStage) -> list:
