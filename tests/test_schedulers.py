@@ -127,3 +127,17 @@ def test_template_untouched_and_requests_isolated_after_many_requests():
                 reference = lat
             assert torch.equal(lat, reference)  # same request, same result, whatever ran before
     _equal_state(before, _state(template))
+
+
+def test_a_schedule_the_config_cannot_make_is_a_request_error():
+    """Exponential sigmas with a linear time shift and a negative mu (a short sequence) reach a sigma <= 0, in
+    diffusers' own pipeline too: the request is refused naming the field, as a 400, never a worker's crash."""
+    config = dict(use_dynamic_shifting=True, base_shift=0.25, max_shift=1.5, base_image_seq_len=256,
+                  max_image_seq_len=1024, time_shift_type="linear", use_exponential_sigmas=True)
+    direct = FlowMatchEulerDiscreteScheduler(**config)
+    with pytest.raises(ValueError):
+        direct.set_timesteps(sigmas=np.linspace(1.0, 1 / 3, 3), mu=-0.134)
+    with pytest.raises(RequestError) as refused:
+        schedulers.build(FlowMatchEulerDiscreteScheduler(**config), params(num_inference_steps=3), mu=-0.134,
+                         default_sigmas=True)
+    assert str(refused.value).startswith("num_inference_steps: ") and refused.value.status == 400

@@ -83,6 +83,23 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
     becomes ``sigmas = linspace(1, 1/N, N)``, as the family's pipeline passes them.
     """
     scheduler = type(template).from_config(template.config)
+    try:
+        _set_up(scheduler, params, device, image_seq_len, default_sigmas, mu)
+    except (ValueError, ZeroDivisionError, OverflowError) as e:
+        if isinstance(e, RequestError):
+            raise
+        # A config diffusers' own pipeline cannot run this schedule with either (e.g. exponential sigmas down to 0)
+        raise RequestError(f"num_inference_steps: this model's {type(scheduler).__name__} config cannot make the "
+                           f"schedule of {params.num_inference_steps} steps: {e}") from None
+    if params.sigmas_as_given and params.sigmas is not None:
+        _as_given(scheduler, params.sigmas)
+    scheduler.set_begin_index(0)
+    return scheduler
+
+
+def _set_up(scheduler, params: GenerationParams, device, image_seq_len: int, default_sigmas: bool,
+            mu: float | None) -> None:
+    """``scheduler.set_timesteps`` as :func:`build` describes."""
     accepts = inspect.signature(scheduler.set_timesteps).parameters
     kwargs: dict = {"device": device}
     if params.mu is not None:
@@ -118,10 +135,6 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
             scheduler.timesteps = torch.as_tensor(t, dtype=torch.float64).to(ts.dtype).to(ts.device)
     else:
         scheduler.set_timesteps(params.num_inference_steps, **kwargs)
-    if params.sigmas_as_given and params.sigmas is not None:
-        _as_given(scheduler, params.sigmas)
-    scheduler.set_begin_index(0)
-    return scheduler
 
 
 def _as_given(scheduler, sigmas: list[float]) -> None:
