@@ -29,6 +29,9 @@ class Guidance:
     # The pipeline hands its scheduler ``sigmas = linspace(1, 1/N, N)`` when a request gives none; else the
     # scheduler spaces its own steps.
     default_sigmas: bool = False
+    # The pipeline casts the model's output to float32 before guiding it (SanaPipeline's ``noise_pred.float()``):
+    # in bf16 the combination then rounds as the pipeline's does.
+    float32_output: bool = False
 
     def scale(self, params) -> float:
         """The request's classifier-free guidance scale (guidance runs above 1)."""
@@ -63,6 +66,8 @@ class Guidance:
     def combine(self, x: "ModelInput", outs: list[torch.Tensor], scale: float) -> torch.Tensor:
         """The guided output of ``x`` from its passes' outputs (``ModelInput.branches``' order: cond, uncond,
         further passes); one output is the model's own."""
+        if self.float32_output:
+            outs = [out.float() for out in outs]
         return outs[0] if len(outs) == 1 else self.guide(outs[0], outs[1], scale)
 
 

@@ -78,7 +78,9 @@ class Ltx2Transformer(TransformerPart):
         g = grid.geometry
         text = dict(text)
         kind = text.pop(ROW_KIND, None)
-        video, audio = g.split(hidden_states)
+        # Each stream in its own memory, as the pipeline's two tensors: in bf16 a linear layer on a strided view
+        # rounds otherwise than on a contiguous tensor.
+        video, audio = (stream.contiguous() for stream in g.split(hidden_states))
         if timestep.dim() == 2:  # image-to-video: a timestep per token; the audio tokens' is the row's
             video_t, row_t = timestep[:, :g.video_tokens], timestep[:, g.video_tokens]
         else:

@@ -127,7 +127,7 @@ SANA = Binding(
     family="sana", pipeline="SanaPipeline",
     text=PaddedMaskedText(fields=(PROMPT_EMBEDS,), load_encoder=load_text_encoder, example=example_text, mask=MASK),
     latents=BinnedLatents(geometry=geometry), transformer=SanaTransformer(), decoder=SanaDecoder,
-    guidance=Guidance(in_one_forward=True),  # the pipeline's [uncond, cond] batch
+    guidance=Guidance(in_one_forward=True, float32_output=True),  # the pipeline's [uncond, cond] batch
     size_multiple=32,  # SanaPipeline.check_inputs, on the size the latents are made at
     # SanaPipeline.__call__'s own defaults (height and width: the transformer's sample size x 32).
     defaults={"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 20, "guidance_scale": 4.5,
