@@ -92,10 +92,13 @@ def test_wan_preset_flows_device_dtype_and_tolerance():
 def test_dtype_defaults_and_conflicts():
     args = serve.parse_args([])
     assert (args.device, args.dtype, args.tolerance) == ("cpu", "float32", 1e-4)
-    assert args.launch_flags == ["--dtype", "float32"]
+    # on the CPU the engine computes on the threads the topology gives, as the baseline on all cores
+    assert args.launch_flags == ["--dtype", "float32", "--cpu-numerics", "threaded"]
+    assert "--cpu-numerics" not in serve.parse_args(["--extra=--cpu-numerics invariant"]).launch_flags[-2:]
     # A --dtype inside --extra is the engine's and the baseline's.
     args = serve.parse_args(["--extra=--max-batch-size 2 --dtype=bfloat16"])
-    assert args.dtype == "bfloat16" and args.launch_flags == ["--max-batch-size", "2", "--dtype=bfloat16"]
+    assert args.dtype == "bfloat16" and args.launch_flags == ["--max-batch-size", "2", "--dtype=bfloat16",
+                                                             "--cpu-numerics", "threaded"]
     with pytest.raises(SystemExit):
         serve.parse_args(["--dtype", "float32", "--extra", "--dtype bfloat16"])
 

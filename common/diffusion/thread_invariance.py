@@ -11,7 +11,7 @@ torch 2.13, MKL 2024.2, oneDNN 3.12; bench/thread_invariance.py):
   scalar tail differ (``gelu``, ``silu``, ``exp``: which elements fall in a tail follows the split): 1e-7 to
   1e-5 an op, on contiguous inputs too.
 
-Two measures follow. Every component's convolutions and group norms see contiguous inputs
+Two measures follow. Every component's group norms see contiguous inputs
 (:func:`contiguous_activations`, applied wherever a component is laid out: the workers' component memory,
 a trainer's copy, the tests' reference pipelines), which removes the first cause whatever the count. The second
 has no layout that avoids it, so the workers compute at one intra-op thread (``EngineConfig.cpu_numerics``
@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 
 _HOOKED = "_disagg_contiguous_input"  # set on a module whose input hook is installed (installing is idempotent)
-# The modules whose kernel's reduction order follows the input's memory format.
-LAYOUT_SENSITIVE = (torch.nn.GroupNorm, torch.nn.modules.conv._ConvNd)
+# The modules whose kernel's reduction order follows the input's memory format and the thread count. Not the
+# convolutions: oneDNN's round by their layout only when split over threads (which the workers' one thread
+# avoids), and a contiguous copy before each one changed SANA's transformer from a load to its level-1 resume.
+LAYOUT_SENSITIVE = (torch.nn.GroupNorm,)
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:
@@ -36,8 +38,8 @@ def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:
 
 
 def contiguous_activations(module: torch.nn.Module) -> torch.nn.Module:
-    """Every group norm and convolution in ``module`` given its input contiguous (a no-op on one that is); the
-    module. The outputs then no longer depend on the input's layout, nor a group norm's on the thread count."""
+    """Every group norm in ``module`` given its input contiguous (a no-op on one that is); the module. Its outputs
+    then no longer depend on the input's layout nor on the thread count."""
     for sub in module.modules():
         if isinstance(sub, LAYOUT_SENSITIVE) and not getattr(sub, _HOOKED, False):
             sub.register_forward_pre_hook(_contiguous_input)
