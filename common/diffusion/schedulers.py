@@ -72,7 +72,7 @@ def dynamic(config) -> bool:
 
 
 def build(template, params: GenerationParams, device: torch.device | str = "cpu", *, image_seq_len: int = 0,
-          default_sigmas: bool = False, mu: float | None = None):
+          default_sigmas=False, mu: float | None = None):
     """A fresh scheduler for one request: sigmas first, else timesteps, else the step count.
 
     ``timesteps`` name the exact timesteps to run; the scheduler's sigmas become
@@ -80,7 +80,8 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
     a statically shifted scheduler means handing it the un-shifted sigmas.
     A dynamically shifted scheduler takes the request's ``mu``, else the one of
     ``image_seq_len`` (:func:`calculate_shift`) unless the family gives its own (``mu``); ``default_sigmas``: the step count
-    becomes ``sigmas = linspace(1, 1/N, N)``, as the family's pipeline passes them.
+    becomes ``sigmas = linspace(1, 1/N, N)`` (or ``default_sigmas(N)`` where it is a function), as the family's
+    pipeline passes them.
     """
     scheduler = type(template).from_config(template.config)
     try:
@@ -97,7 +98,7 @@ def build(template, params: GenerationParams, device: torch.device | str = "cpu"
     return scheduler
 
 
-def _set_up(scheduler, params: GenerationParams, device, image_seq_len: int, default_sigmas: bool,
+def _set_up(scheduler, params: GenerationParams, device, image_seq_len: int, default_sigmas,
             mu: float | None) -> None:
     """``scheduler.set_timesteps`` as :func:`build` describes."""
     accepts = inspect.signature(scheduler.set_timesteps).parameters
@@ -110,7 +111,7 @@ def _set_up(scheduler, params: GenerationParams, device, image_seq_len: int, def
     if sigmas is None and params.timesteps is None and default_sigmas and "sigmas" in accepts \
             and not scheduler.config.get("use_flow_sigmas", False):
         n = params.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / n, n)
+        sigmas = default_sigmas(n) if callable(default_sigmas) else np.linspace(1.0, 1 / n, n)
     if sigmas is not None:
         if "sigmas" not in accepts:
             raise RequestError(f"sigmas: {type(scheduler).__name__} does not take custom sigmas")

@@ -26,9 +26,10 @@ class Guidance:
     field: str = "guidance_scale"  # the request field that scales classifier-free guidance
     # A single request's two passes as the pipeline runs them: one forward ([uncond, cond]), or two (cond, uncond).
     in_one_forward: bool = False
-    # The pipeline hands its scheduler ``sigmas = linspace(1, 1/N, N)`` when a request gives none; else the
-    # scheduler spaces its own steps.
-    default_sigmas: bool = False
+    # The pipeline hands its scheduler ``sigmas = linspace(1, 1/N, N)`` (numpy's, float64) when a request gives
+    # none, or a function of N gives them (a pipeline that computes them otherwise); else the scheduler spaces
+    # its own steps.
+    default_sigmas: object = False
     # The pipeline casts the model's output to float32 before guiding it (SanaPipeline's ``noise_pred.float()``):
     # in bf16 the combination then rounds as the pipeline's does.
     float32_output: bool = False

@@ -33,9 +33,16 @@ class ZImageCfg:
         return ((1000 - t) / 1000).item() > self.truncation
 
 
+def pipeline_sigmas(n: int) -> list[float]:
+    """ZImagePipeline's default sigmas: ``torch.linspace(1, 1/N, N)`` in float32, not numpy's float64 of the
+    other flow pipelines (at 6 steps the second shifted sigma is then 0.9375, not 0.93750006: the transformer's
+    time input sees the difference)."""
+    return torch.linspace(1.0, 1 / n, n).tolist()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZImageGuidance(Guidance):
-    default_sigmas: bool = True  # the pipeline's sigmas linspace(1, 1/N, N)
+    default_sigmas: object = pipeline_sigmas
 
     def uses_cfg(self, params) -> bool:
         """On above 0 (``do_classifier_free_guidance``), not 1: the Turbo setting, 0, runs one pass."""
