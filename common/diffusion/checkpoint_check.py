@@ -35,7 +35,7 @@ def _dotted(variant: str | None) -> str:
 
 def model_class(library: str, class_name: str):
     """The class ``model_index.json`` names, when it is a model with weights (else None); a library other than
-    diffusers and transformers is a diffusers pipeline's own module (``["ltx2", "LTX2Vocoder"]``)."""
+    diffusers and transformers is a diffusers pipeline's own module (a family's vocoder or connectors)."""
     import importlib
 
     import diffusers
