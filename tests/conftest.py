@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,10 @@ def pytest_terminal_summary(terminalreporter):
         keys = len(set().union(*(p.keys for p in _POOLS))) if _POOLS else 0
         terminalreporter.write_line(f"engines started: {ENGINE_STARTS['all']} (shared: {shared} starts of "
                                     f"{keys} keys)")
+    if MEMORY_PEAK["total"]:
+        terminalreporter.write_line(f"memory: this process at most {MEMORY_PEAK['own'] / 2**30:.1f} GiB; with the "
+                                    f"processes it started {MEMORY_PEAK['total'] / 2**30:.1f} GiB, after "
+                                    f"{MEMORY_PEAK['at']}")
 
 
 _PIPES: dict[str, object] = {}
@@ -231,3 +236,33 @@ def tiny_lora(tiny_dir, lora_root):
     from lora_fixtures import ATTN, make_diffusers_lora
 
     return make_diffusers_lora(tiny_dir, lora_root / "tiny-lora", rank=4, alpha=8, target_modules=ATTN, seed=1)
+
+
+# Memory of the suite: this process and every process it started (engines, their workers), after each test.
+# The peak is reported at the end; ``DISAGG_TEST_MEMORY_LOG=FILE`` also writes one line a test, to find where
+# it grows.
+MEMORY_PEAK = {"total": 0, "own": 0, "at": ""}
+
+
+def _rss_now() -> tuple[int, int]:
+    import psutil
+
+    me = psutil.Process()
+    total = own = me.memory_info().rss
+    for child in me.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:  # gone between the listing and the read
+            pass
+    return own, total
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    own, total = _rss_now()
+    if total > MEMORY_PEAK["total"]:
+        MEMORY_PEAK.update(total=total, at=nodeid)
+    MEMORY_PEAK["own"] = max(MEMORY_PEAK["own"], own)
+    log = os.environ.get("DISAGG_TEST_MEMORY_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.time():.1f} {own / 2**20:.0f} {total / 2**20:.0f} {nodeid}\n")
