@@ -44,16 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.diffusion import schedulers  # noqa: E402
 from common.diffusion.cache_signals import SETTINGS_FILE, modulated_input, teacache_settings  # noqa: E402
 from common.diffusion.params import family_values  # noqa: E402
 from common.diffusion.policy import Policy  # noqa: E402
 from common.diffusion.step_cache import METHODS, rel_l1, rescale  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.builtin import BUILTINS, ensure_builtin  # noqa: E402
-from common.protocol.messages import GenerationParams  # noqa: E402
+from common.protocol.messages import NEGATIVE_OF, GenerationParams  # noqa: E402
 from denoise_worker.task import DenoiseTask  # noqa: E402
-from denoise_worker.texts import TextTable  # noqa: E402
+from denoise_worker.denoiser import Denoiser  # noqa: E402
 
 DTYPE = torch.float32
 CPU = torch.device("cpu")
@@ -102,9 +101,7 @@ class Runner:
         self.family = f = self.info.family
         self.encoder = f.text.load_encoder(self.info, DTYPE, CPU)
         self.policy = Policy.load(self.info, DTYPE, CPU)
-        self.texts = TextTable(f, CPU, self.policy.dtype)
-        self.serving = schedulers.load_serving_template(self.info)
-        self.rollout = schedulers.rollout_template_for(self.serving)
+        self.denoiser = Denoiser(self.policy, CPU, max_batch=8)
         self.images = f.condition.load(self.info, DTYPE, CPU) if f.condition.image_input(self.info) == "required" else None
 
     def params(self, i: int, steps: int, height: int | None, width: int | None, frames: int | None) -> GenerationParams:
@@ -127,11 +124,10 @@ class Runner:
         if self.images is not None:
             pixels = self.images.wire_tensors(picture(p.height, p.width, p.seed), None, p.height, p.width,
                                               p.num_frames)
-        beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
-        cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
-        uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
-        return DenoiseTask.create(p, cond, uncond, self.info, self.serving, self.rollout, CPU,
-                                  image=self.family.condition.from_wire(pixels))
+        tensors = {**wires[0], **pixels}
+        if guided:
+            tensors.update({NEGATIVE_OF[k].name: t for k, t in wires[1].items()})
+        return self.denoiser.task(p, tensors)
 
     @torch.no_grad()
     def pairs(self, prompt: int, p: GenerationParams) -> list[Pair]:

@@ -4,8 +4,7 @@
     python bench/rollout_branch.py --model small --repeats 3
     python bench/rollout_branch.py --model tiny --windows 2:2 6:4 --json bench/results/rollout-branch.json
 
-In-process, without sockets: the denoise worker's own objects (``DenoiseTask``, the batched forwards of
-``denoise_worker/forward.py``, ``advance_all``) on the CPU, float32, the encoder's text tensors made once
+In-process, without sockets: the denoise worker's own :class:`~denoise_worker.denoiser.Denoiser` on the CPU, float32, the encoder's text tensors made once
 per model. Per model and window (``start:size``: SDE steps ``start .. start+size-1`` of ``--steps``), one
 group of ``--n`` samples with ``sde_type "sde"`` and CFG (guidance 4.0, negative prompt) is run
 
@@ -35,15 +34,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.builtin import ensure_builtin  # noqa: E402
-from common.diffusion import schedulers, text_roles  # noqa: E402
+from common.diffusion import text_roles  # noqa: E402
 from common.diffusion.policy import Policy  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.protocol.messages import LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams, RolloutParams  # noqa: E402
-from denoise_worker.forward import step_velocities  # noqa: E402
-from denoise_worker.joint_step import advance_all  # noqa: E402
+from common.protocol.messages import (LOG_PROBS, NEGATIVE_OF, TRAJECTORY_LATENTS, GenerationParams,  # noqa: E402
+                                     RolloutParams)
+from denoise_worker.denoiser import Denoiser  # noqa: E402
 from denoise_worker.task import DenoiseTask  # noqa: E402
-from denoise_worker.texts import TextTable  # noqa: E402
-from denoise_worker.threads import size_threads  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -56,19 +53,14 @@ class Model:
         self.info = read_model(ensure_builtin(name))
         self.family = self.info.family
         self.policy = Policy.load(self.info, torch.float32, CPU)
-        self.serving = schedulers.load_serving_template(self.info)
-        self.rollout = schedulers.rollout_template_for(self.serving)
-        self.texts = TextTable(self.family, CPU, self.policy.dtype)
+        self.denoiser = Denoiser(self.policy, CPU, max_batch)  # sizes each forward's threads as the CPU worker
         self.encoder = self.family.text.load_encoder(self.info, torch.float32, CPU)
         self.rows = 0
-        inner = self.policy.batched_velocity
 
-        def counted(inputs):  # the rows each forward takes, CFG branches included
-            self.rows += sum(x.n * (1 if x.uncond is None else 2) for x in inputs)
-            return inner(inputs)
-        self.policy.batched_velocity = counted
-        self.cond = None
-        self.max_threads = torch.get_num_threads()
+        def counted(inputs):  # the rows each forward takes, guidance passes included
+            self.rows += sum(x.row_count for x in inputs)
+        self.denoiser.observe = counted
+        self.wire = None
 
     def params(self, n: int, steps: int, window: list[int], share: bool) -> GenerationParams:
         d = self.info.defaults
@@ -82,23 +74,15 @@ class Model:
 
     @torch.no_grad()
     def run(self, p: GenerationParams) -> tuple[DenoiseTask, int, float, float]:
-        if self.cond is None:
+        if self.wire is None:
             guided = self.family.guidance.uses_cfg(p)
             texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
             wires = text_roles.encode(self.encoder, texts, p.max_sequence_length)
-            self.cond = [self.texts.conditioning(w, p.max_sequence_length) for w in wires]
-        size = self.family.latents.size(self.info, p.height, p.width, p.fields)
-        tokens = self.family.latents.image_seq_len(self.info, *size, p.num_frames)
-
-        def before(inputs):  # as the eager CPU worker: one thread for a small forward, all for a large one
-            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs,
-                         self.max_threads, tokens)
+            self.wire = {**wires[0], **({NEGATIVE_OF[k].name: t for k, t in wires[1].items()} if guided else {})}
         rows, t0, c0 = self.rows, time.perf_counter(), time.process_time()
-        task = DenoiseTask.create(p, self.cond[0], self.cond[1] if len(self.cond) > 1 else None, self.info,
-                                  self.serving, self.rollout, CPU)
-        while not task.done:
-            velocities = step_velocities(self.policy, [task], self.max_batch, before)
-            assert advance_all([task], velocities) == [None]
+        task = self.denoiser.add("bench", self.denoiser.task(p, self.wire)).task
+        while self.denoiser.requests:
+            assert all(out.error is None for out in self.denoiser.step())
         return task, self.rows - rows, time.perf_counter() - t0, time.process_time() - c0
 
 

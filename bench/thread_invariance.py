@@ -59,8 +59,8 @@ def measure(name, path, sizes=((80, 120), (130, 70))):
     t1 = eng.task(p, image=image)
     t2 = eng.task(msgspec.structs.replace(p, seed=7), image=image)
     before = lambda xs: None
-    rows["forward alone"] = sweep(lambda: step_velocities(eng.policy, [t1], 8, before))
-    rows["forward batch2"] = sweep(lambda: step_velocities(eng.policy, [t1, t2], 8, before))
+    rows["forward alone"] = sweep(lambda: [g.velocity for g in step_velocities(eng.policy, [t1], 8, before)])
+    rows["forward batch2"] = sweep(lambda: [g.velocity for g in step_velocities(eng.policy, [t1, t2], 8, before)])
     lat = t1.latents
     rows["decode"] = sweep(lambda: eng.decoded(lat, p))
     for k, v in rows.items():

@@ -9,21 +9,15 @@ guides. The ``first_block`` probes of every request in the step run as one forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import replace
 
 import torch
 
 from common.diffusion.cache_signals import first_block_residuals, modulated_input
 from common.diffusion.policy import ModelInput, Policy
 from common.diffusion.step_cache import RequestCache
+from denoise_worker.step_plan import CachedBranches, StepPlan
 from denoise_worker.task import DenoiseTask
-
-
-@dataclass
-class StepPlan:
-    inputs: list[ModelInput]  # what this request adds to the step's forward (possibly nothing)
-    finish: Callable[[list[torch.Tensor]], torch.Tensor]  # the forward's outputs for ``inputs`` -> guided output
 
 
 def request_cache(task: DenoiseTask, settings: tuple[tuple[float, ...], int]) -> RequestCache | None:
@@ -37,12 +31,15 @@ def request_cache(task: DenoiseTask, settings: tuple[tuple[float, ...], int]) ->
 
 
 def plan_step(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
+    """Each task's own rows at this step (one expert for the whole batched step)."""
+    name = policy.expert_for(tasks[0].timestep)
     plans: list[StepPlan | None] = [None] * len(tasks)
     branches: dict[int, list[ModelInput]] = {}
     x_of: dict[int, ModelInput] = {}
     for i, task in enumerate(tasks):
         if task.cache is None:
-            plans[i] = StepPlan([task.model_input()], lambda outs: outs[0])
+            x = task.model_input()
+            plans[i] = StepPlan(task, name, x, [x])
             continue
         x = x_of[i] = task.model_input()
         # Each pass alone, without its request's guidance settings: the forward gives back its raw output.
@@ -50,10 +47,9 @@ def plan_step(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
                        for b, c in enumerate(x.branches)]
     if not branches:
         return plans
-    name = policy.expert_for(tasks[next(iter(branches))].timestep)  # one expert per batched step
     signals = _signals(policy, name, {i: (tasks[i], b) for i, b in branches.items()})
     for i, pieces in branches.items():
-        plans[i] = _cached_plan(policy, name, tasks[i], x_of[i], pieces, signals.get(i))
+        plans[i] = _cached_plan(name, tasks[i], x_of[i], pieces, signals.get(i))
     return plans
 
 
@@ -75,7 +71,7 @@ def _signals(policy: Policy, name: str, cached: dict[int, tuple[DenoiseTask, lis
     return out
 
 
-def _cached_plan(policy: Policy, name: str, task: DenoiseTask, x: ModelInput, pieces: list[ModelInput],
+def _cached_plan(name: str, task: DenoiseTask, x: ModelInput, pieces: list[ModelInput],
                  signals: list[torch.Tensor] | None) -> StepPlan:
     forced = task.sde is not None and not task.step_variant_now().deterministic  # a rollout's SDE step is never cached
     masks = task.cache.decide(task.step, name, forced, signals)
@@ -90,9 +86,4 @@ def _cached_plan(policy: Policy, name: str, task: DenoiseTask, x: ModelInput, pi
         else:
             continue
         which.append(b)
-
-    def finish(outs: list[torch.Tensor]) -> torch.Tensor:
-        computed = dict(zip(which, outs))
-        return policy.combine(name, x, [task.cache.output(b, mask, computed.get(b)) for b, mask in enumerate(masks)])
-
-    return StepPlan(inputs, finish)
+    return StepPlan(task, name, x, inputs, CachedBranches(masks, which))

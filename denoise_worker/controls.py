@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -33,14 +33,32 @@ from common.protocol.control import (
     WeightsReply,
 )
 from common.protocol.errors import Forbidden, RequestError, Sleeping
+from common.config.engine import EngineConfig
+from common.diffusion.policy import Policy
+from common.runtime.component_memory import ComponentMemory
+from denoise_worker.adapters import AdapterTable
 from denoise_worker.pinned import Pinned, pinned_copy
+from denoise_worker.weight_sync import WeightSync
 
-if TYPE_CHECKING:
-    from denoise_worker.stage import DenoiseStage
+
+class ControlledStage(Protocol):
+    """What the handlers read and change of the denoise stage (denoise_worker/stage.py implements it)."""
+
+    config: EngineConfig
+    policy: Policy
+    memory: ComponentMemory
+    adapters: AdapterTable
+    sync: WeightSync
+    pinned: Pinned | None
+    weight_version: int
+
+    def fresh_modules(self) -> dict[str, torch.nn.Module]: ...
+
+    def answer(self, msg: Any, reply: type, **fields: Any) -> Any: ...
 
 
 class DenoiseControls:
-    def __init__(self, stage: DenoiseStage):
+    def __init__(self, stage: ControlledStage):
         self.stage = stage
 
     def table(self) -> dict[type, Callable[..., ControlReply]]:

@@ -7,23 +7,29 @@ from typing import Callable
 import torch
 
 from common.diffusion.policy import ModelInput, Policy
-from denoise_worker.caching import StepPlan, plan_step
+from denoise_worker.caching import plan_step
 from denoise_worker.packing import forward_parts
 from denoise_worker.pinned import with_pinned
 from denoise_worker.reference import with_reference
+from denoise_worker.step_plan import Guided, StepPlan, guide
 from denoise_worker.task import DenoiseTask
 
 BeforeForward = Callable[[list[ModelInput]], None]  # called with each forward's inputs (e.g. to size threads)
-Outcome = torch.Tensor | Exception  # a task's guided output, or the error of its own forwards
+Outcome = Guided | Exception  # a task's guided output, or the error of its own forwards
+
+
+def plan_rows(policy: Policy, tasks: list[DenoiseTask]) -> list[StepPlan]:
+    """Each task's rows at this step, as data: its own (or, with step caching, the branches that compute), the
+    KL reference's adapter-free rows in the same forward, a pinned reference's input for a forward of its own."""
+    return with_pinned(tasks, with_reference(tasks, plan_step(policy, tasks)))
 
 
 @torch.no_grad()
 def step_velocities(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
-                    before: BeforeForward | None = None) -> list[torch.Tensor]:
+                    before: BeforeForward | None = None) -> list[Guided]:
     """Guided model outputs ([n, ...] per task) for tasks at (possibly) different steps; the rows that
     requests with caching skip take no part in the forwards (denoise_worker/caching.py)."""
-    plans = with_pinned(tasks, with_reference(tasks, plan_step(policy, tasks)))
-    outcomes = _finish(policy, plans, max_batch, before)
+    outcomes = _finish(policy, plan_rows(policy, tasks), max_batch, before)
     for outcome in outcomes:
         if isinstance(outcome, Exception):  # several ranks share this forward: any failure is the worker's
             raise outcome
@@ -42,8 +48,7 @@ def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
     forward of several tasks) before any decision: when that fails, each task plans and runs alone.
     """
     try:
-        plans = with_reference(tasks, plan_step(policy, tasks))  # return_kl's rows join the same forwards
-        plans = with_pinned(tasks, plans)  # a pinned reference: a forward of its own on the copy
+        plans = plan_rows(policy, tasks)
     except Exception as e:
         if len(tasks) == 1:
             return [e], True
@@ -52,14 +57,14 @@ def step_each(policy: Policy, tasks: list[DenoiseTask], max_batch: int,
         return _finish(policy, plans, max_batch, before), True
     except Exception as e:
         if sum(bool(plan.inputs) for plan in plans) <= 1:  # no batch mate to blame: the error is the task's own
-            return [e if plan.inputs else _guided(plan, []) for plan in plans], True
+            return [e if plan.inputs else _guided(policy, plan, []) for plan in plans], True
         return [_alone(policy, plan, max_batch, before) for plan in plans], False
 
 
 def _finish(policy: Policy, plans: list[StepPlan], max_batch: int, before: BeforeForward | None) -> list[Outcome]:
     """The plans' forwards (a failure raises), then each plan's guided output (or its own error)."""
     outs = iter(forward_inputs(policy, [x for plan in plans for x in plan.inputs], max_batch, before))
-    return [_guided(plan, [next(outs) for _ in plan.inputs]) for plan in plans]
+    return [_guided(policy, plan, [next(outs) for _ in plan.inputs]) for plan in plans]
 
 
 def _alone(policy: Policy, plan: StepPlan, max_batch: int, before: BeforeForward | None) -> Outcome:
@@ -69,9 +74,9 @@ def _alone(policy: Policy, plan: StepPlan, max_batch: int, before: BeforeForward
         return e
 
 
-def _guided(plan: StepPlan, outs: list[torch.Tensor]) -> Outcome:
+def _guided(policy: Policy, plan: StepPlan, outs: list[torch.Tensor]) -> Outcome:
     try:
-        return plan.finish(outs)
+        return guide(policy, plan, outs)
     except Exception as e:  # one request's failure is its own
         return e
 

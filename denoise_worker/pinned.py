@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.diffusion.policy import Policy
-from denoise_worker.caching import StepPlan
+from denoise_worker.step_plan import StepPlan
 from denoise_worker.reference import stochastic_now, wants_kl
 from denoise_worker.task import DenoiseTask
 
@@ -55,13 +55,4 @@ def with_pinned(tasks: list[DenoiseTask], plans: list[StepPlan]) -> list[StepPla
 
 
 def _with_forward(task: DenoiseTask, plan: StepPlan) -> StepPlan:
-    ref = replace(task.model_input(), lora=None)  # this step's x_t, taken now: the step moves the latents later
-    reference: Policy = task.reference
-
-    def finish(outs: list[torch.Tensor]) -> torch.Tensor:
-        v = plan.finish(outs)
-        task.ref_velocity = reference.batched_velocity([ref])[0]
-        task.reference_passes += len(ref.branches)
-        return v
-
-    return StepPlan(plan.inputs, finish)
+    return replace(plan, pinned=replace(plan.model_input, lora=None))

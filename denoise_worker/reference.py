@@ -1,10 +1,11 @@
 """A rollout's reference rows (``return_kl``): the same request with its adapter off, in the same forward.
 
 At each stochastic SDE step of a request that asks for ``return_kl`` and runs with an adapter, its plan
-(denoise_worker/caching.py's :class:`StepPlan`) gets one more input: the request's own model input (same
+(:class:`denoise_worker.step_plan.StepPlan`) gets one more input: the request's own model input (same
 latents, timestep, texts, guidance) without the adapter. Policy.batched_velocity puts those rows with the
 other adapter-free rows of the step, so the reference costs rows, not a forward. The guided reference
-velocity waits on the task until the step is taken (denoise_worker/joint_step.py), where
+velocity comes back with the request's own (:class:`denoise_worker.step_plan.Guided`) to the step's record
+phase (denoise_worker/joint_step.py), where
 :func:`common.diffusion.kl.kl_at` turns it into the step's KL and reference log-prob.
 
 Without an adapter the reference is the policy itself: no extra rows, the KL is 0 and the reference
@@ -20,7 +21,7 @@ import torch
 from common.diffusion.kl import kl_at
 from common.diffusion.policy import sigma_max
 from common.diffusion.sde import SdeStep
-from denoise_worker.caching import StepPlan
+from denoise_worker.step_plan import StepPlan
 from denoise_worker.task import DenoiseTask
 
 
@@ -52,28 +53,18 @@ def with_reference(tasks: list[DenoiseTask], plans: list[StepPlan]) -> list[Step
 
 def _with_rows(task: DenoiseTask, plan: StepPlan) -> StepPlan:
     # A caching request's SDE step is never cached, so its whole input (both branches) is the reference's too.
-    ref = replace(task.model_input(), lora=None)
-    own = len(plan.inputs)
-
-    def finish(outs: list[torch.Tensor]) -> torch.Tensor:
-        task.ref_velocity = outs[own]
-        task.reference_passes += len(ref.branches)
-        return plan.finish(outs[:own])
-
-    return StepPlan([*plan.inputs, ref], finish)
+    return replace(plan, reference=replace(plan.model_input, lora=None))
 
 
-def record_kl(task: DenoiseTask, step: SdeStep) -> None:
+def record_kl(task: DenoiseTask, step: SdeStep, ref_velocity: torch.Tensor | None) -> None:
     """The step's KL and reference log-probs ([n] each) for a task that asks for them; ``step``: its rows of
-    the step just taken from ``task.latents`` (before :meth:`DenoiseTask.took`)."""
+    the step just taken from ``task.latents`` (before :meth:`DenoiseTask.took`), ``ref_velocity``: the
+    reference's guided output at this step (none where the reference is the policy)."""
     if task.lora is None and task.reference is None:  # the reference is the policy
-        task.kls.append(torch.zeros_like(step.log_prob))
-        task.ref_log_probs.append(step.log_prob)
+        task.record.kl(torch.zeros_like(step.log_prob), step.log_prob)
         return
-    if task.ref_velocity is None:
+    if ref_velocity is None:
         raise RuntimeError("the reference rows of this step did not run")
-    out = kl_at(task.scheduler.sigmas, task.step, step, task.ref_velocity, task.latents, task.step_variant_now(),
+    out = kl_at(task.scheduler.sigmas, task.step, step, ref_velocity, task.latents, task.step_variant_now(),
                 task.log_prob_mask())
-    task.ref_velocity = None
-    task.kls.append(out.kl)
-    task.ref_log_probs.append(out.ref_log_prob)
+    task.record.kl(out.kl, out.ref_log_prob)

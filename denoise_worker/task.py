@@ -44,6 +44,7 @@ from common.diffusion.sde import check_schedule
 from common.diffusion.step_variants import Ode, StepVariant, step_variant
 from common.protocol.errors import RequestError
 from denoise_worker import branching
+from denoise_worker.rollout_record import RolloutRecord
 
 
 def initial_noise(info: ModelInfo, params: GenerationParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -67,6 +68,24 @@ def sde_settings(params: GenerationParams) -> RolloutParams | None:
 
 
 @dataclass
+class StepRule:
+    """How a rollout request's steps are taken: its SDE settings and variant, the latent elements that follow
+    their ODE (several streams), the serving scheduler that takes over after its window, and the step where a
+    shared prefix branches."""
+
+    sde: RolloutParams | None = None  # None: the serving scheduler steps this request
+    variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
+    # ode_solver "serving": the serving scheduler that steps from ``after_from`` (the step after the last SDE step)
+    after: object | None = None
+    after_from: int | None = None
+    branch_at: int = 0  # share_prefix: the step where its one row becomes n (denoise_worker/branching.py)
+    # Several latent streams (common/diffusion/streams.py): the SDE streams' masks, and the elements that follow
+    # their ODE at an SDE step (None: none).
+    streams: dict[str, torch.Tensor] = field(default_factory=dict)
+    ode: torch.Tensor | None = None
+
+
+@dataclass
 class DenoiseTask:
     params: GenerationParams
     info: ModelInfo
@@ -75,31 +94,17 @@ class DenoiseTask:
     scheduler: object
     generators: list[torch.Generator]  # one per sample
     latents: torch.Tensor  # [n, *latent] (the family's: Binding.latents.shape)
-    sde: RolloutParams | None  # None: the serving scheduler steps this request
+    rule: StepRule
     lora: tuple[LoraAdapter, float] | None = None  # the adapter version and scale it started with
     image: torch.Tensor | None = None  # image-to-video: the latent-side condition [1, ...] (Binding)
     cache: RequestCache | None = None  # step caching (denoise_worker/caching.py); None: every step computes
-    variant: StepVariant | None = None  # the request's SDE step variant (with ``sde``; checked at creation)
-    # ode_solver "serving": the serving scheduler that steps from ``after_from`` (the step after the last SDE step)
-    after: object | None = None
-    after_from: int | None = None
-    branch_at: int = 0  # share_prefix: the step where its one row becomes n (denoise_worker/branching.py)
-    step: int = 0
-    trajectory: list[torch.Tensor] = field(default_factory=list)  # [n, ...] per step
-    log_probs: list[torch.Tensor] = field(default_factory=list)  # [n] per SDE step
-    log_prob_steps: list[int] = field(default_factory=list)
-    # return_kl (denoise_worker/reference.py): [n] per SDE step, this step's guided reference velocity, and
-    # the reference's forwards per sample (summed over its CFG branches)
-    kls: list[torch.Tensor] = field(default_factory=list)
-    ref_log_probs: list[torch.Tensor] = field(default_factory=list)
-    ref_velocity: torch.Tensor | None = None
-    reference_passes: int = 0
     reference: object | None = None  # kl_reference "pinned": the pinned Policy it started with (pinned.py)
-    # Several latent streams (common/diffusion/streams.py): the SDE streams' masks, the elements that follow
-    # their ODE at an SDE step (None: none), and each SDE stream's [n] log-probs per SDE step.
-    streams: dict[str, torch.Tensor] = field(default_factory=dict)
-    ode: torch.Tensor | None = None
-    stream_log_probs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    step: int = 0
+    record: RolloutRecord = field(default_factory=RolloutRecord)
+
+    @property
+    def sde(self) -> RolloutParams | None:
+        return self.rule.sde
 
     @classmethod
     def create(cls, params, cond, uncond, info: ModelInfo, serving_template, rollout_template, device, lora=None,
@@ -124,26 +129,26 @@ class DenoiseTask:
                 initial_noise(info, params, [torch.Generator("cpu").manual_seed(shared)]), params.n, branch_at)
         if initial_latents is not None:  # drawn all the same: the generators stand where a fresh run's do
             latents = starting_latents(initial_latents, latents.to(device))
-        task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), sde, lora, image,
-                   branch_at=branch_at)
+        rule = StepRule(sde, branch_at=branch_at)
+        task = cls(params, info, cond, uncond, scheduler, generators, latents.to(device), rule, lora, image)
         if sde is not None:  # a noise level its variant refuses fails the request here, before any step
             ode = streams.ode_mask(info, params)
-            task.ode = None if ode is None else ode.to(device)
+            rule.ode = None if ode is None else ode.to(device)
             condition = info.family.condition.log_prob_mask(info, task.latents, task.image)
-            task.streams = {k: m.to(device) for k, m in streams.sde_streams(info, params, condition).items()}
+            rule.streams = {k: m.to(device) for k, m in streams.sde_streams(info, params, condition).items()}
             joint = task.log_prob_mask()
             if joint is not None and not bool(joint.bool().any()):
                 raise RequestError("sde_streams: the SDE streams hold no element a step moves (an image-to-video "
                                    "request of one latent frame has only the image's); choose another stream or "
                                    "more frames")
-            task.variant = step_variant(sde.sde_type, sde.noise_level)
+            rule.variant = step_variant(sde.sde_type, sde.noise_level)
             task._check_schedule()
             last = last_sde_step(sde.sde_step_indices)
             if sde.ode_solver == "serving" and last is not None and last + 1 < len(scheduler.timesteps):
-                task.after_from = last + 1
-                task.after = serving_after(serving_template, scheduler, last + 1)
+                rule.after_from = last + 1
+                rule.after = serving_after(serving_template, scheduler, last + 1)
         if task.wants_trajectory:
-            task.trajectory.append(task.latents)
+            task.record.trajectory.append(task.latents)
         return task
 
     @property
@@ -189,7 +194,7 @@ class DenoiseTask:
     def variant_at(self, step: int) -> StepVariant:
         """Step ``step``'s variant: the request's inside its window of SDE steps, the Euler step outside it."""
         windowed = self.sde.sde_step_indices is not None and step not in self.sde.sde_step_indices
-        return Ode(self.variant.noise_level) if windowed else self.variant
+        return Ode(self.rule.variant.noise_level) if windowed else self.rule.variant
 
     def step_variant_now(self) -> StepVariant:
         return self.variant_at(self.step)
@@ -216,7 +221,7 @@ class DenoiseTask:
         """Which latent elements this request's log-probs average over (None: all): the condition's
         (Binding.condition.log_prob_mask) on the SDE streams (common/diffusion/streams.py)."""
         condition = self.info.family.condition.log_prob_mask(self.info, self.latents, self.image)
-        return condition if self.ode is None else streams.times(condition, 1 - self.ode)
+        return condition if self.rule.ode is None else streams.times(condition, 1 - self.rule.ode)
 
     def output_latents(self) -> torch.Tensor:
         """The final latents as the family's pipeline returns them."""
@@ -226,11 +231,11 @@ class DenoiseTask:
     @property
     def past_window(self) -> bool:
         """This step is one of the serving scheduler's after the last SDE step (``ode_solver: "serving"``)."""
-        return self.after_from is not None and self.step >= self.after_from
+        return self.rule.after_from is not None and self.step >= self.rule.after_from
 
     def advance(self, velocity: torch.Tensor) -> None:
         """Take a serving-scheduler step with the guided model output (all samples at once)."""
-        scheduler = self.after if self.past_window else self.scheduler
+        scheduler = self.rule.after if self.past_window else self.scheduler
         self.took(scheduler.step(velocity, self.timestep, self.latents, return_dict=False)[0])
 
     def took(self, latents: torch.Tensor, log_prob: torch.Tensor | None = None,
@@ -239,25 +244,22 @@ class DenoiseTask:
         each SDE stream's, for a model with several)."""
         self.latents = latents
         if log_prob is not None:
-            self.log_probs.append(log_prob)
-            self.log_prob_steps.append(self.step)
-            for name, value in (by_stream or {}).items():
-                self.stream_log_probs.setdefault(name, []).append(value)
+            self.record.step(self.step, log_prob, by_stream)
         if self.wants_trajectory:
-            self.trajectory.append(latents)
+            self.record.trajectory.append(latents)
         self.step += 1
-        if self.step == self.branch_at:  # the shared prefix ends: each sample goes on from its own row
+        if self.step == self.rule.branch_at:  # the shared prefix ends: each sample goes on from its own row
             self.latents = branching.per_sample(self.latents, self.samples)
 
     def pass_counts(self) -> dict[str, list[int] | int]:
         """Per sample: full transformer forwards of its own rows (summed over its CFG branches) and reused
         row-steps; with a shared prefix also ``prefix_transformer_passes``, the group's once."""
-        ref = self.reference_passes  # return_kl's reference rows
+        ref = self.record.reference_passes  # return_kl's reference rows
         if self.cache is not None:
             return {"transformer_passes": [p + ref for p in self.cache.transformer_passes],
                     "cached_steps": list(self.cache.cached_steps)}
         branches = self.branches
-        shared = min(self.step, self.branch_at)
+        shared = min(self.step, self.rule.branch_at)
         out = {"transformer_passes": [(self.step - shared) * branches + ref] * self.samples,
                "cached_steps": [0] * self.samples}
         if self.params.rollout is not None and self.params.rollout.share_prefix:
@@ -270,33 +272,31 @@ class DenoiseTask:
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Rollout tensors for the response (empty for a plain generation); per-sample ones lead with n."""
-        r = self.params.rollout
+        r, record = self.params.rollout, self.record
         out: dict[str, torch.Tensor] = {}
         if r is None:
             return out
         if self.sde is not None and r.return_log_probs:
-            out[LOG_PROBS.name] = (torch.stack(self.log_probs, dim=1).float() if self.log_probs
-                                   else torch.zeros(self.samples, 0))
-            out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
-            for name in self.streams:
-                values = self.stream_log_probs.get(name, [])
-                out[STREAM_LOG_PROBS[name].name] = (torch.stack(values, dim=1).float() if values
-                                                    else torch.zeros(self.samples, 0))
+            out[LOG_PROBS.name] = record.log_prob_tensor(record.log_probs, self.samples)
+            out[LOG_PROB_STEPS.name] = torch.tensor(record.log_prob_steps, dtype=torch.int64)
+            for name in self.rule.streams:
+                out[STREAM_LOG_PROBS[name].name] = record.log_prob_tensor(record.stream_log_probs.get(name, []),
+                                                                          self.samples)
         if self.sde is not None and r.return_kl:  # [n, K] beside log_probs, the same steps
-            for f, values in ((KL, self.kls), (REF_LOG_PROBS, self.ref_log_probs)):
-                out[f.name] = torch.stack(values, dim=1).float() if values else torch.zeros(self.n, 0)
-            out[LOG_PROB_STEPS.name] = torch.tensor(self.log_prob_steps, dtype=torch.int64)
+            for f, values in ((KL, record.kls), (REF_LOG_PROBS, record.ref_log_probs)):
+                out[f.name] = record.log_prob_tensor(values, self.n)
+            out[LOG_PROB_STEPS.name] = torch.tensor(record.log_prob_steps, dtype=torch.int64)
         if r.return_conditioning:  # what the transformer took besides latents and timestep (shared)
             guidance = self.info.family.guidance.embedded(self.info, self.params.guidance_scale)
             for name, t in conditioning_tensors(self.cond, self.uncond, self.image, guidance).items():
                 out[CONDITIONING.name + name] = t
         if r.return_trajectory:  # the steps taken: all of them, or a cancelled rollout's (partial answer)
-            kept = range(len(self.trajectory))
+            kept = range(len(record.trajectory))
             if r.trajectory_steps is not None:  # the entries asked for (of those a partial answer reached)
-                kept = [i for i in r.trajectory_steps if i < len(self.trajectory)]
+                kept = [i for i in r.trajectory_steps if i < len(record.trajectory)]
                 out[TRAJECTORY_STEPS.name] = torch.tensor(kept, dtype=torch.int64)
             out[TRAJECTORY_LATENTS.name] = (torch.stack(
-                [branching.per_sample(self.trajectory[i].float(), self.samples) for i in kept], dim=1) if kept
+                [branching.per_sample(record.trajectory[i].float(), self.samples) for i in kept], dim=1) if kept
                 else self.latents.new_zeros((self.samples, 0, *self.latents.shape[1:])).float())
             out[TRAJECTORY_TIMESTEPS.name] = self.scheduler.timesteps[:self.step].float()
             out[TRAJECTORY_SIGMAS.name] = self.scheduler.sigmas[:self.step + 1].float()

@@ -1,9 +1,8 @@
 """The encoder, denoise and decode workers' path for any model family, in one process and without sockets.
 
-``wire_tensors`` (the encoder worker) -> ``TextTable.conditioning`` -> ``DenoiseTask.create`` -> batched
-forwards (denoise_worker/forward.py ``step_velocities``) -> ``advance_all`` -> the
-family's decoder: the same objects the workers run, so that the family tests compare the engine's own maths
-against diffusers' pipelines and the trainer's recompute fast.
+The encoder's wire tensors -> the denoise worker's :class:`~denoise_worker.denoiser.Denoiser` (its tasks and
+its batched steps) -> the family's decoder: the same objects the workers run, so that the family tests compare
+the engine's own maths against diffusers' pipelines and the trainer's recompute fast.
 """
 
 from __future__ import annotations
@@ -12,21 +11,17 @@ from pathlib import Path
 
 import torch
 
-from common.diffusion import schedulers, text_roles
-from common.diffusion.cache_signals import teacache_settings
+from common.diffusion import text_roles
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.parts.decoder import Decoded
 from common.diffusion.params import family_values
 from common.diffusion.policy import Policy
 from common.families import read_model
 from common.runtime.component_memory import settle_held
-from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
-from denoise_worker.joint_step import advance_all
-from denoise_worker.caching import request_cache
-from denoise_worker.forward import step_velocities
+from common.protocol.messages import (INITIAL_LATENTS, LOG_PROB_STEPS, LOG_PROBS, NEGATIVE_OF, TRAJECTORY_LATENTS,
+                                     GenerationParams)
+from denoise_worker.denoiser import Denoiser, Request
 from denoise_worker.task import DenoiseTask
-from denoise_worker.texts import TextTable
-from denoise_worker.threads import size_threads
 
 DTYPE = torch.float32
 CPU = torch.device("cpu")
@@ -64,17 +59,18 @@ class InProcess:
         self.family = self.info.family
         self.encoder = self.family.text.load_encoder(self.info, DTYPE, CPU)
         self.policy = Policy.load(self.info, DTYPE, CPU)
-        self.texts = TextTable(self.family, CPU, self.policy.dtype)
-        self.serving_template = schedulers.load_serving_template(self.info)
-        self.rollout_template = schedulers.rollout_template_for(self.serving_template)
+        self.denoiser = Denoiser(self.policy, CPU, MAX_BATCH)
         self.decoder = self.family.decoder.load(self.info, DTYPE, CPU)
         self.images = None  # image-to-video models: the encoder worker's image side
         if self.family.condition.image_input(self.info) is not None:
             self.images = self.family.condition.load(self.info, DTYPE, CPU)
         # Laid out as the workers' (their ComponentMemory settles them): the same outputs, bit for bit.
         settle_held(encoder=self.encoder, decoder=self.decoder, images=self.images)
-        self.max_threads = torch.get_num_threads()
-        self.shared_forwards = 0  # forwards that held more than one task (batching tests)
+
+    @property
+    def shared_forwards(self) -> int:
+        """Forwards that held more than one task (batching tests)."""
+        return self.denoiser.shared_forwards
 
     def params(self, **over) -> GenerationParams:
         """A request as the router fills it: the model's serving defaults for whatever ``over`` leaves out."""
@@ -108,29 +104,19 @@ class InProcess:
             seen = [image if isinstance(image, list) else [image]] * len(texts)
         wires = [{k: t.clone() for k, t in w.items()} for w in text_roles.encode(self.encoder, texts,
                                                                                   p.max_sequence_length, seen)]
-        pixels = self.image_wire(p, image, last_image)
-        beside = {k: t for k, t in pixels.items() if k in self.family.condition.text_fields}
-        cond = self.texts.conditioning({**wires[0], **beside}, p.max_sequence_length)
-        uncond = self.texts.conditioning({**wires[1], **beside}, p.max_sequence_length) if guided else None
-        task = DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template, CPU,
-                                  lora=lora, image=self.family.condition.from_wire(pixels),
-                                  initial_latents=initial_latents)
-        task.cache = request_cache(task, teacache_settings(self.info))
-        return task
+        tensors = {**wires[0], **self.image_wire(p, image, last_image)}
+        if guided:
+            tensors.update({NEGATIVE_OF[k].name: t for k, t in wires[1].items()})
+        if initial_latents is not None:
+            tensors[INITIAL_LATENTS.name] = initial_latents
+        return self.denoiser.task(p, tensors, lora=lora)
 
     @torch.no_grad()
     def step(self, tasks: list[DenoiseTask]) -> None:
-        """One step of the worker's loop for ``tasks`` (each at its own step): their forwards, then their steps."""
-        p = tasks[0].params
-        tokens = self.family.latents.image_seq_len(self.info, p.height, p.width, p.num_frames)
-
-        def before(inputs):
-            self.shared_forwards += len(inputs) > 1
-            # As the eager CPU worker: one thread for a small forward (every one of these tiny models').
-            size_threads(self.policy.experts[self.policy.expert_for(inputs[0].timestep)], inputs, self.max_threads,
-                         tokens + self.family.condition.extra_tokens(inputs[0].image))
-        velocities = step_velocities(self.policy, tasks, MAX_BATCH, before)
-        assert advance_all(tasks, velocities) == [None] * len(tasks)
+        """One step of the worker's loop for ``tasks`` (each at its own step): the Denoiser's step for them as one
+        batch (denoise_worker/denoiser.py ``Denoiser.run``); none may fail."""
+        left = self.denoiser.run([Request(str(i), t, i) for i, t in enumerate(tasks)])
+        assert all(out.error is None for out in left), [out.error for out in left]
 
     def run(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:
         """Request ``p`` alone, to its last step (``initial_latents``: resumed from them)."""

@@ -137,9 +137,8 @@ def test_a_forward_that_fails_for_one_request_fails_only_that_request(case, stag
     failed = []
 
     def batched_velocity(inputs):
-        held = {id(a.task.cond): a for a in st.stage.active}
-        poisoned = [held[id(x.cond)] for x in inputs if id(x.cond) in held
-                    and held[id(x.cond)].msg.request_id == "poison"]
+        held = {id(r.task.cond): r for r in st.stage.denoiser.requests}
+        poisoned = [held[id(x.cond)] for x in inputs if id(x.cond) in held and held[id(x.cond)].id == "poison"]
         if poisoned and poisoned[0].task.step >= 1:
             failed.append(len(inputs))
             raise RuntimeError("injected: this forward holds the poisoned request's rows")

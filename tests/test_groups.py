@@ -176,7 +176,7 @@ def test_joint_step_is_each_sample_alone_bit_for_bit(templates, rollout):
     assert torch.equal(stepped, torch.cat([s.latents for s in solos]))
     lp = torch.cat([group.extras()[LOG_PROBS.name], other.extras()[LOG_PROBS.name]])
     solo_lp = torch.cat([s.extras()[LOG_PROBS.name] for s in solos])
-    assert lp.shape == (4, len(solos[0].log_prob_steps)) and lp.shape[1] > 0
+    assert lp.shape == (4, len(solos[0].record.log_prob_steps)) and lp.shape[1] > 0
     torch.testing.assert_close(lp, solo_lp, rtol=1e-6, atol=1e-6)
 
 

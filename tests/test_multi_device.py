@@ -50,11 +50,14 @@ def _start(tmp_path_factory, model: str, topology: str, lora_root: Path, extra: 
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory, lora_root):
-    """One-device engines by model, started when first asked for."""
+    """One-device engines by model, started when first asked for. Besides ``tiny`` (every layout's reference)
+    one at a time: each other model is one test's, and ten of them alive at once would take ~17 GB."""
     started: dict[str, Engine] = {}
 
     def get(model: str) -> EngineClient:
         if model not in started:
+            for other in [m for m in started if m != "tiny"]:
+                started.pop(other).stop()
             topology = "encoder=1,denoise=1,decode=1"
             if model == "small":
                 # Its forwards are big enough for all of a worker's threads (denoise_worker/threads.py): one

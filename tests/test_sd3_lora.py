@@ -21,7 +21,6 @@ from safetensors import safe_open
 
 import lora_fixtures as lf
 from conftest import solo_then_concurrent
-from common.diffusion import schedulers
 from common.diffusion.lora import build_adapter
 from common.diffusion.lora_format import METADATA_KEY, LoraConfig, lora_sha256, parse_state, read_lora
 from common.diffusion.policy import ModelInput, Policy
@@ -32,16 +31,15 @@ from common.families.sd3.binding import SD3
 from common.families.wan.binding import WAN
 from common.protocol.messages import (
     LOG_PROBS,
+    NEGATIVE_OF,
     TRAJECTORY_LATENTS,
     TRAJECTORY_SIGMAS,
     TRAJECTORY_TIMESTEPS,
     GenerationParams,
     RolloutParams,
 )
-from denoise_worker.joint_step import advance_all
-from denoise_worker.packing import forward_parts
 from denoise_worker.task import DenoiseTask
-from denoise_worker.texts import TextTable
+from denoise_worker.denoiser import Denoiser
 from rl import TrainerPolicy, Trajectory
 from router.client import EngineClient
 
@@ -95,9 +93,6 @@ class Stages:
         self.policy = Policy.load(self.info, torch.float32, self.device)
         self.text_encoder = self.family.text.load_encoder(self.info, torch.float32, self.device)
         self.decoder = self.family.decoder.load(self.info, torch.float32, self.device)
-        self.texts = TextTable(self.family, self.device, self.policy.dtype)
-        self.serving_template = schedulers.load_serving_template(self.info)
-        self.rollout_template = schedulers.rollout_template_for(self.serving_template)
         self.forwards: list[list] = []  # per forward of the last run: each row's (adapter name, scale) or None
 
     def adapter(self, name: str, parsed, version: int = 1):
@@ -128,36 +123,26 @@ class Stages:
                 out[key] = {name: t.clone() for name, t in wire.items()}
         return out
 
-    def _task(self, p: GenerationParams, lora, wire) -> DenoiseTask:
-        """denoise_worker/stage.py's new_task."""
-        cond = self.texts.conditioning(wire[(p.prompt, p.max_sequence_length)], p.max_sequence_length)
-        uncond = None
-        if self.info.family.guidance.uses_cfg(p):
-            uncond = self.texts.conditioning(wire[(p.negative_prompt, p.max_sequence_length)], p.max_sequence_length)
-        return DenoiseTask.create(p, cond, uncond, self.info, self.serving_template, self.rollout_template,
-                                  self.device, lora=lora)
-
     @torch.no_grad()
     def run(self, jobs: list[tuple[GenerationParams, tuple | None]]) -> list[DenoiseTask]:
-        """Denoise ``(params, (adapter, scale) or None)`` jobs together, as the denoise worker's work loop does:
-        the oldest task and those that share its latent shape and expert step together, forwards of at most
-        MAX_BATCH samples. Returns the finished tasks, in job order."""
+        """Denoise ``(params, (adapter, scale) or None)`` jobs together on the denoise worker's
+        :class:`Denoiser` (its batch choice, forwards of at most MAX_BATCH samples). Returns the finished tasks,
+        in job order."""
         wire = self._wire([p for p, _ in jobs])
-        tasks = [self._task(p, lora, wire) for p, lora in jobs]
-        active = list(range(len(tasks)))
+        denoiser = Denoiser(self.policy, self.device, MAX_BATCH)
         self.forwards = []
-        while active:
-            key = lambda i: (tuple(tasks[i].latents.shape[1:]), self.policy.expert_for(tasks[i].timestep))  # noqa
-            batch = [i for i in active if key(i) == key(active[0])]
-            velocities: list[list[torch.Tensor]] = [[] for _ in batch]
-            for part in forward_parts([tasks[i].model_input() for i in batch], MAX_BATCH):
-                self.forwards.append([None if x.lora is None else (x.lora[0].name, x.lora[1])
-                                      for _, x in part for _ in range(x.n)])
-                for (j, _), v in zip(part, self.policy.batched_velocity([x for _, x in part])):
-                    velocities[j].append(v)
-            errors = advance_all([tasks[i] for i in batch], [torch.cat(v) for v in velocities])
-            assert errors == [None] * len(batch), errors
-            active = [i for i in active if not tasks[i].done]
+        denoiser.observe = lambda inputs: self.forwards.append(
+            [None if x.lora is None else (x.lora[0].name, x.lora[1]) for x in inputs for _ in range(x.n)])
+        tasks = []
+        for i, (p, lora) in enumerate(jobs):
+            tensors = dict(wire[(p.prompt, p.max_sequence_length)])
+            if self.info.family.guidance.uses_cfg(p):
+                tensors.update({NEGATIVE_OF[k].name: t for k, t in wire[(p.negative_prompt,
+                                                                           p.max_sequence_length)].items()})
+            tasks.append(denoiser.add(str(i), denoiser.task(p, tensors, lora=lora)).task)
+        while denoiser.requests:
+            left = denoiser.step()
+            assert all(out.error is None for out in left), [out.error for out in left]
         return tasks
 
     def one(self, params: GenerationParams, lora=None) -> DenoiseTask:
@@ -314,7 +299,7 @@ def test_mixed_adapters_in_one_forward_equal_their_solo_runs(stages, served):
             (p.prompt, p.seed)
         _note("(b) mixed vs solo, latents (absolute)", _max_diff(m.latents, s.latents))
         if p.rollout is not None:
-            assert s.log_prob_steps == m.log_prob_steps
+            assert s.record.log_prob_steps == m.record.log_prob_steps
             assert _within("(b) mixed vs solo, log-probs (relative)",
                            _rounding_gap(m.extras()[LOG_PROBS.name], s.extras()[LOG_PROBS.name]), BATCH_TOL)
     for (p, lora), s in zip(jobs, solo):  # and the adapters matter
@@ -382,7 +367,7 @@ def test_trainer_recomputes_a_rollout_made_with_its_saved_adapter(stages, traine
         for scale in (1.0, 0.5):
             task = stages.one(p, (adapter, scale))
             assert _max_diff(task.latents, base.latents) > 1e-2
-            traj, steps = _trajectory(task), task.log_prob_steps
+            traj, steps = _trajectory(task), task.record.log_prob_steps
             assert steps == list(range(p.num_inference_steps))
             set_lora_scale(policy, scale)
             with torch.no_grad():

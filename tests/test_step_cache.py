@@ -35,8 +35,7 @@ from common.protocol.messages import (
     LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS, CacheParams,
     RolloutParams,
 )
-from denoise_worker.forward import step_velocities
-from denoise_worker.joint_step import advance_all
+from denoise_worker.denoiser import Denoiser, Request
 from family_harness import MAX_BATCH, InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
 from test_wan_i2v import picture
@@ -130,9 +129,11 @@ def run_joined(eng: InProcess, jobs: list[dict], policy=None) -> list:
         live = [t for t in tasks if t is not None and not t.done]
         if policy is None:
             eng.step(live)
-        else:
+        else:  # the Denoiser on another policy, threads as they are
+            other = Denoiser(policy, torch.device("cpu"), MAX_BATCH, size_threads_on_cpu=False)
             with torch.no_grad():
-                assert advance_all(live, step_velocities(policy, live, MAX_BATCH)) == [None] * len(live)
+                assert [out.error for out in other.run([Request(str(i), t, i) for i, t in enumerate(live)])
+                        if out.error is not None] == []
         step += 1
     return tasks
 

@@ -131,7 +131,7 @@ def _stage_outputs(eng, threads: int) -> list[torch.Tensor]:
         size_threads(eng.policy.experts[eng.policy.expert_for(inputs[0].timestep)], inputs, eng.max_threads,
                      eng.family.latents.image_seq_len(eng.info, p.height, p.width, p.num_frames)
                      + eng.family.condition.extra_tokens(inputs[0].image))
-    out += step_velocities(eng.policy, [a], 8, before) + step_velocities(eng.policy, [a, b], 8, before)
+    out += [g.velocity for tasks in ([a], [a, b]) for g in step_velocities(eng.policy, tasks, 8, before)]
     decoded = eng.decoded(a.latents, p)
     out += [decoded.frames] + ([] if decoded.audio is None else [decoded.audio])
     return out
