@@ -3,11 +3,10 @@
     python launch.py [--model DIR|tiny|tiny-sd3|...] [--topology SPEC] [--host H] [--port P] [--dtype D]
                      [--ray [ADDRESS]]
 
-Each worker is its own OS process with an ``ipc://`` input socket in a private
-runtime directory; the router (HTTP front door) runs in this process. Ctrl-C
-or SIGTERM stops everything; a child that dies is reported. With ``--ray`` the
-workers run on the nodes of a Ray cluster instead (common/placement/), linked by
-tcp + CURVE; the router stays here.
+Each worker is its own OS process with an ``ipc://`` input socket in a private runtime directory; the router
+(HTTP front door) runs in this process. Ctrl-C or SIGTERM stops everything (workers that exit with it are no
+crash); a child that dies is reported and restarted. With ``--ray`` the workers run on the nodes of a Ray
+cluster instead (common/placement/), linked by tcp + CURVE; the router stays here.
 
 The HTTP port is bound first, so a taken one ends the launcher at once in one
 line; then it says which model it loads and how many workers it starts, and
@@ -54,7 +53,7 @@ from router.api.app import create_app
 from router.core.engine import Engine
 from router.link.dispatcher import Dispatcher
 from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV, keys_from_environment
-from router.openai.job_store import JobStore, open_or_exit as open_job_store
+from router.core.job_store import JobStore, open_or_exit as open_job_store
 from router.peers.flags import add_peer_flags, peer_settings
 
 ROOT = Path(__file__).resolve().parent
@@ -172,20 +171,21 @@ def model_info(model: Path, transformer_file: str | None = None):
 
 
 class EngineServer(uvicorn.Server):
-    """uvicorn server that stops admission (503) the moment a shutdown signal arrives."""
+    """uvicorn server that calls each ``on_shutdown_signal`` hook the moment a shutdown signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, *on_shutdown_signal: Callable[[], None]):
         super().__init__(config)
         self.on_shutdown_signal = on_shutdown_signal
 
     def handle_exit(self, sig, frame) -> None:
-        self.on_shutdown_signal()
+        for hook in self.on_shutdown_signal:
+            hook()
         super().handle_exit(sig, frame)
 
 
 def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvicorn.Server) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not supervisor.stopping.is_set():
+    while time.monotonic() < deadline and not supervisor.stop_begun.is_set():
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 body = json.loads(r.read())
@@ -193,7 +193,7 @@ def _wait_ready(url: str, timeout_s: float, supervisor: Supervisor, server: uvic
         except Exception:
             time.sleep(0.25)
     else:
-        if not supervisor.stopping.is_set():
+        if not supervisor.stop_begun.is_set():
             log.error("workers not ready within %.0fs; stopping", timeout_s)
             server.should_exit = True
         return
@@ -334,12 +334,12 @@ def _serve(args: argparse.Namespace, config: EngineConfig, config_path: Path, so
                             spawn=ray_workers.spawn if ray_workers else None)
     if ray_workers is not None:
         ray_workers.on_moved = dispatcher.notify_moved  # a worker replaced on another node: tell the others
+    # At a shutdown signal new requests get 503, and workers that exit (the signal reached them too) are no crash.
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                          timeout_graceful_shutdown=args.grace_period),
-                          on_shutdown_signal=dispatcher.admission.start_draining)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with
-    # these handlers in place that lands here instead of killing the process
-    # before the workers are stopped below.
+                          dispatcher.admission.start_draining, supervisor.begin_stop)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in place that lands
+    # here instead of killing the process before the workers are stopped below.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: server.handle_exit(signum, frame))
     url = f"http://{args.host}:{args.port}"

@@ -14,7 +14,7 @@ import pytest
 from common.builtin import BUILTINS
 from common.diffusion.parts.condition import NoCondition
 from common.families import binding_for
-from router.api.images import decode_image
+from router.request.images import decode_image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import serve  # noqa: E402

@@ -23,7 +23,7 @@ from common.protocol.messages import (
 )
 from family_harness import ModuleModels, max_diff, negative_for
 from rl import Trajectory
-from router.api.schemas import RolloutBody
+from router.request.schemas import RolloutBody
 from router.core import errors
 from router.core.request_params import to_params
 

@@ -32,7 +32,7 @@ from common.protocol.errors import RequestError
 from common.protocol.messages import LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, TRAJECTORY_SIGMAS, TRAJECTORY_TIMESTEPS
 from family_harness import InProcess, InStage, max_diff, negative_for
 from pipeline_reference import pipeline_for, pipeline_outputs
-from router.api.schemas import GenerateBody, RolloutBody
+from router.request.schemas import GenerateBody, RolloutBody
 from router.core.request_params import to_params
 from rl import TrainerPolicy, Trajectory
 

@@ -169,7 +169,7 @@ def test_a_flux_kontext_directory_serves_flux_text_to_image():
 @pytest.mark.parametrize("model", ["tiny-ltx2", "tiny-ltx2-i2v", "ti2v-as-i2v"])
 def test_the_router_takes_an_image_as_optional(model, ti2v_as_i2v, tmp_path):
     from router.api.app import create_app
-    from router.api.schemas import GenerateBody
+    from router.request.schemas import GenerateBody
     from router.core.engine import Engine
     from router.core.errors import FieldError
     from router.core.request_params import to_params

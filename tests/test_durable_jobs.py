@@ -24,10 +24,9 @@ import pytest
 from conftest import ROOT
 from common.config.engine import DATA_DIR_ENV
 from common.runtime.engine_process import EngineProcess
-from router.core.errors import EngineError
-from router.openai.job_store import DataDirInUse, JobRow, JobStore
-from router.openai.jobs import JobTable
-from router.api.schemas import FieldError
+from router.core.errors import EngineError, FieldError
+from router.core.job_store import DataDirInUse, JobRow, JobStore
+from router.core.jobs import JobTable
 
 FAST = {"size": "32x32", "seconds": "0.25", "num_inference_steps": 2}
 

@@ -26,7 +26,7 @@ from common.config.engine import Limits
 from common.protocol.http_tensors import body_to_tensor
 from common.protocol.messages import IMAGE, IMAGE_2, IMAGE_3, LAST_IMAGE
 from router.api.media import to_uint8
-from router.api.schemas import MAX_IMAGES, GenerateBody
+from router.request.schemas import MAX_IMAGES, GenerateBody
 from router.client import EngineClient, image_field
 from router.core.engine import Engine as RouterEngine
 from router.core.errors import FieldError

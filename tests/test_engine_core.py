@@ -14,7 +14,7 @@ from common.builtin import ensure_builtin
 from common.protocol.messages import OUTPUT
 from common.runtime.supervisor import Supervisor
 from launch import engine_config, parse_args
-from router.api.schemas import GenerateBody, RolloutBody
+from router.request.schemas import GenerateBody, RolloutBody
 from router.core.engine import Engine
 from router.core.errors import EngineError, FieldError
 from router.link.dispatcher import Dispatcher

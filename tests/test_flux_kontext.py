@@ -161,7 +161,8 @@ def test_output_size_is_max_area_at_the_asked_aspect(dirs):
                                          ({"auto_resize": "yes"}, "auto_resize"), ({"max_area": 20, "height": 64}, "max_area")])
 def test_bad_fields_are_400s_naming_them(dirs, body, field):
     from common.config.engine import Limits
-    from router.api.schemas import FieldError, GenerateBody
+    from router.core.errors import FieldError
+    from router.request.schemas import GenerateBody
     from router.core.request_params import to_params
 
     eng = _MODELS.engine(dirs("tiny-flux-kontext"))
@@ -172,7 +173,7 @@ def test_bad_fields_are_400s_naming_them(dirs, body, field):
 
 def test_fields_reach_the_params(dirs):
     from common.config.engine import Limits
-    from router.api.schemas import GenerateBody
+    from router.request.schemas import GenerateBody
     from router.core.request_params import to_params
 
     eng = _MODELS.engine(dirs("tiny-flux-kontext"))

@@ -1,4 +1,4 @@
-"""Request images to RGB pixels (router.api.images) and back to PIL (common.protocol.images): every accepted
+"""Request images to RGB pixels (router.request.images) and back to PIL (common.protocol.images): every accepted
 image equals diffusers' load_image byte for byte, every bad one is a FieldError naming the field. Each
 image is built here with Pillow. No engine."""
 
@@ -20,8 +20,8 @@ from diffusers.utils import load_image
 from PIL import Image, ImageFile
 
 from common.protocol.images import image_digest, image_from_array
-from router.api.images import MAX_IMAGE_PIXELS, MIN_IMAGE_SIDE, decode_image
-from router.api.schemas import FieldError
+from router.request.images import MAX_IMAGE_PIXELS, MIN_IMAGE_SIDE, decode_image
+from router.core.errors import FieldError
 
 RNG = np.random.default_rng(0)
 

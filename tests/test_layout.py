@@ -1,5 +1,6 @@
-"""The package layout's rules: layers import downwards only, each worker directory and rl/ only what
-they may, wire tensor names spelled once (in the message contracts), product files of readable size."""
+"""The package layout's rules: layers import downwards only (the router's parts too), each worker directory
+and rl/ only what they may, no module uses another's private names in router/, wire tensor names spelled once
+(in the message contracts), product files of readable size."""
 
 import ast
 import re
@@ -105,7 +106,7 @@ def test_the_router_core_speaks_no_http():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))")
     out = subprocess.check_output([sys.executable, "-c", code], cwd=ROOT, text=True)
     assert out.strip() == "[]", f"router.core.engine imports {out.strip()}"
-    for folder in ("core", "link", "control"):
+    for folder in ("request", "core", "link", "control"):
         for path in sorted((ROOT / "router" / folder).glob("*.py")):
             http = {n for n in _all_imports(path) if n.split(".")[0] in ("fastapi", "starlette")}
             assert not http, f"{path.relative_to(ROOT)} imports {sorted(http)}"
@@ -119,6 +120,92 @@ def _all_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+# The router's parts, lowest first: request/ (the bodies every part takes) <- core/, link/, control/ (the
+# engine, no HTTP) <- the HTTP fronts. What each part below the fronts may not import (request/: anything of
+# the router but itself and the errors).
+ROUTER_FRONTS = ("api", "openai", "peers")
+ROUTER_BELOW = {"request": None, "core": ROUTER_FRONTS, "link": ROUTER_FRONTS, "control": ROUTER_FRONTS}
+REQUEST_MAY_IMPORT = ("router.request", "router.core.errors")
+
+
+def _router_imports(source: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every router module ``source`` imports, wherever the import stands (a function's
+    body, ``if TYPE_CHECKING:``); ``from router.x import y`` names both ``router.x`` and ``router.x.y``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return sorted(((line, name) for line, name in found if name == "router" or name.startswith("router.")),
+                  key=lambda found: found[0])
+
+
+def _layer_breaks(part: str, source: str) -> list[str]:
+    """The imports of a module of router/``part`` that go up (or sideways, for request/)."""
+    broken = []
+    for line, name in _router_imports(source):
+        target = name.split(".")[1] if "." in name else ""
+        if (ROUTER_BELOW[part] is None and not name.startswith(REQUEST_MAY_IMPORT)) \
+                or target in (ROUTER_BELOW[part] or ()):
+            broken.append(f"{line}: {name}")
+    return broken
+
+
+def _private_uses(source: str) -> list[str]:
+    """Where ``source`` uses another module's or object's private name: ``from x import _y``, or ``x._y`` on
+    anything but ``self``, ``cls`` or ``super()`` (a library's own private, where nothing else will do, is
+    marked ``# noqa: SLF001`` with its reason)."""
+    lines, found = source.splitlines(), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            own = (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super")
+            if not own and "noqa: SLF001" not in lines[node.lineno - 1]:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _router_files() -> list[Path]:
+    return [p for p in _product_files() if p.relative_to(ROOT).parts[0] == "router"]
+
+
+def test_the_router_imports_downwards():
+    """The core, the link and the controls import no HTTP front (api/, openai/, peers/), and request/ only the
+    router's errors: the fronts call the core, never the other way."""
+    broken = {}
+    for path in _router_files():
+        part = path.relative_to(ROOT).parts[1]
+        if part in ROUTER_BELOW:
+            broken[str(path.relative_to(ROOT))] = _layer_breaks(part, path.read_text())
+    assert {"request", "core", "link", "control"} <= {Path(p).parts[1] for p in broken}
+    assert not {p: b for p, b in broken.items() if b}, broken
+
+
+def test_no_router_module_uses_anothers_private_names():
+    used = {str(p.relative_to(ROOT)): _private_uses(p.read_text()) for p in _router_files()}
+    assert not {p: u for p, u in used.items() if u}, "give what two modules share a public name"
+
+
+def test_the_router_rules_catch_what_they_are_for():
+    """Imports wherever they stand (type-only, in a function) and private names through a module or object."""
+    upward = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from router.api.schemas import X\n"
+              "def f():\n    import router.openai.jobs\n    from router import peers\n"
+              "from router.core.errors import FieldError\nfrom router.link.join import Outcome\n")
+    assert _layer_breaks("core", upward) == ["3: router.api.schemas", "3: router.api.schemas.X",
+                                             "5: router.openai.jobs", "6: router.peers"]
+    assert _layer_breaks("request", upward)[-2:] == ["8: router.link.join", "8: router.link.join.Outcome"]
+    private = ("from router.api.http_errors import _first_error\nimport router.api.media as media\n"
+               "def f(api, self):\n    api._check_model(1)\n    media._frames()\n    self._own()\n"
+               "    super()._own()\n    shm._name  # noqa: SLF001 (the library's key)\n")
+    assert _private_uses(private) == ["1: from router.api.http_errors import _first_error",
+                                      "4: api._check_model", "5: media._frames"]
 
 
 # Families the engine serves, as they appear in identifiers and strings (split at case changes and separators).

@@ -208,7 +208,7 @@ def test_a_model_without_sound_answers_as_before():
 
 def test_wav_from_a_model_without_sound_is_a_400():
     from common.config.engine import Limits
-    from router.api.schemas import GenerateBody
+    from router.request.schemas import GenerateBody
     from router.core.errors import FieldError
     from router.core.request_params import makes_sound, to_params
 

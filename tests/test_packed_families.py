@@ -46,7 +46,8 @@ from common.protocol.messages import (
 from family_harness import CPU, DTYPE, InProcess, ModuleModels, compare_tasks, max_diff
 from rl import Trajectory
 from router.core.request_params import to_params
-from router.api.schemas import FieldError, GenerateBody
+from router.core.errors import FieldError
+from router.request.schemas import GenerateBody
 from test_sd3 import _graphs, _no_grad
 
 TOL = 1e-4

@@ -30,8 +30,8 @@ from common.diffusion.step_variants import step_variant
 from common.families import read_model
 from common.protocol.http_tensors import decode_tensors
 from family_builtins import tiny_per_pipeline
-from router.api.images import decode_image
-from router.api.schemas import RolloutBody
+from router.request.images import decode_image
+from router.request.schemas import RolloutBody
 from router.core.request_params import to_params
 from router.peers.sglang.answer import sglang_log_probs
 from router.peers.sglang.schemas import RolloutRequest

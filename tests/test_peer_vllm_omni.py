@@ -31,8 +31,8 @@ from common.builtin import BUILTINS, ensure_builtin
 from common.config.engine import Limits
 from common.diffusion.checksums import omni_parameters_checksum
 from common.families import BINDINGS, read_model
-from router.api.images import decode_image
-from router.api.schemas import RolloutBody
+from router.request.images import decode_image
+from router.request.schemas import RolloutBody
 from router.client import EngineClient
 from router.core.errors import FieldError
 from router.core.pause import PauseGate

@@ -25,7 +25,8 @@ from common.protocol.messages import (
 )
 from family_harness import ModuleModels, max_diff
 from rl import Trajectory
-from router.api.schemas import FieldError, GenerateBody, RolloutBody
+from router.core.errors import FieldError
+from router.request.schemas import GenerateBody, RolloutBody
 from router.core.request_params import initial_latents, to_params
 
 TOL = 1e-5

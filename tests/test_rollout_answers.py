@@ -30,7 +30,7 @@ from edit_models import SLOW_MODELS
 from family_builtins import tiny_per_pipeline
 from denoise_worker.task import initial_noise
 from family_harness import ModuleModels, max_diff
-from router.api.schemas import RolloutBody
+from router.request.schemas import RolloutBody
 from router.core.errors import FieldError
 from router.core.request_params import to_params
 from router.link.join import Outcome

@@ -23,14 +23,14 @@ from router.link.admission import Admission
 from router.control.fanout import control_failure, fan_out
 from router.control.lora import LoraControl
 from router.control.weights import WeightControl
-from router.core.errors import EngineError
+from router.core.errors import EngineError, FieldError
 from router.api.http_errors import install_error_handlers
 from router.link.join import Pending, PendingTable
 from router.api.openapi import inline_refs
 from router.link.registry import WorkerRegistry
 from router.core.request_params import to_params
 from common.families import read_model
-from router.api.schemas import FieldError, GenerateBody, LoadLoraBody, RolloutBody
+from router.request.schemas import GenerateBody, LoadLoraBody, RolloutBody
 
 from conftest import ROOT
 

@@ -37,7 +37,8 @@ from common.protocol.messages import (
 )
 from rl import TrainerPolicy, Trajectory
 from router.core.request_params import to_params
-from router.api.schemas import FieldError, GenerateBody
+from router.core.errors import FieldError
+from router.request.schemas import GenerateBody
 from conftest import reference_pipeline
 from family_harness import CPU, DTYPE, InProcess, compare_tasks, max_diff
 

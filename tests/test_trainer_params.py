@@ -9,7 +9,7 @@ from common.builtin import ensure_builtin
 from common.config.engine import Limits
 from common.diffusion.params import FieldError
 from rl import TrainerPolicy
-from router.api.schemas import GenerateBody, RolloutBody
+from router.request.schemas import GenerateBody, RolloutBody
 from router.core import errors
 from router.core.request_params import to_params
 

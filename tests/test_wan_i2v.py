@@ -39,7 +39,8 @@ from conftest import reference_pipeline
 from family_harness import InProcess, compare_tasks, max_diff
 from rl import TrainerPolicy, Trajectory
 from router.core.request_params import to_params
-from router.api.schemas import FieldError, GenerateBody
+from router.core.errors import FieldError
+from router.request.schemas import GenerateBody
 
 TOL = 1e-4
 RECOMPUTE_TOL = 1e-5
@@ -269,7 +270,7 @@ def _refused(info, field: str, **body) -> str:
 def test_router_rules_for_images(engines):
     clip, a14b, ti2v = (engines[k].info for k in ("clip", "a14b", "ti2v"))
     assert "makes videos from an image" in _refused(clip, "image")
-    assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/api/images.py
+    assert _check(clip, image="x").num_frames == clip.defaults["num_frames"]  # the pixels: router/request/images.py
     assert "first-last-frame" in _refused(clip, "last_image", image="x", last_image="y")
     assert _check(a14b, image="x", last_image="y")
     # one frame has no frames between the two (the pipeline's would be -1): refused, not a worker's error

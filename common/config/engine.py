@@ -16,7 +16,7 @@ import torch
 from common.protocol.messages import ROLES, CacheParams
 
 CONFIG_NAME = "engine.json"  # the config's file in the runtime directory, which followers read too
-# Where /v1/videos jobs outlive the router (router/openai/job_store.py): by default one dir per address the engine
+# Where /v1/videos jobs outlive the router (router/core/job_store.py): by default one dir per address the engine
 # listens on, below a root that the variable overrides (so that tests keep engines away from the user's). Two
 # engines on one host (other ports) never share a dir; the same flags after a restart find the same one.
 DEFAULT_DATA_ROOT, DATA_DIR_ENV = "~/.cache/disagg-diffusion/jobs", "DISAGG_DATA_DIR"

@@ -1,5 +1,5 @@
 """Conditioning images on the wire: RGB pixels as a uint8 array ``[H, W, 3]``, never an encoded file or a
-pickled PIL object. The router decodes a request's image (``router.api.images.decode_image``); a worker rebuilds
+pickled PIL object. The router decodes a request's image (``router.request.images.decode_image``); a worker rebuilds
 the PIL image the model's processors take with :func:`image_from_array`."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from router.api.media import MEDIA_TYPES, file_types, video_fps
 from router.api.metrics import RequestMetrics, exposition
 from router.api.openapi import MODULE_QUERY, engine_openapi, errors, ok, request_body
 from router.api.request_ids import REQUEST_ID_PARAMETER, REQUEST_ID_PATH, request_id_of
-from router.api.schemas import (
+from router.request.schemas import (
     GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, RolloutBody, UnloadLoraBody,
     UpdateWeightsBody, UpdateWeightsFromDistributedBody, UpdateWeightsFromTensorsBody,
 )

@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+from collections.abc import MutableMapping
 
 log = logging.getLogger("disagg.router.api.auth")
 
@@ -58,7 +59,7 @@ def check_key(key: str | None, what: str) -> str | None:
 
 
 def keys_from_environment(api_key: str | None, admin_key: str | None,
-                          environ: os._Environ | dict | None = None) -> tuple[str | None, str | None]:
+                          environ: MutableMapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """Keys given by flag win over the environment; the variables are removed from ``environ``
     either way, so that child processes (the workers, which need no key) do not inherit them."""
     environ = os.environ if environ is None else environ

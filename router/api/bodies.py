@@ -26,7 +26,7 @@ from common.protocol.messages import (
 )
 from router.api import media
 from router.link.join import PER_SAMPLE_INFO, Outcome
-from router.api.schemas import FieldError
+from router.core.errors import FieldError
 from router.api.values import check_values
 
 MSGPACK = "application/msgpack"

@@ -1,6 +1,6 @@
 """The limits a running engine enforces on request bodies, as JSON-schema keywords for ``/openapi.json``.
 
-What does not depend on the engine is in the body models themselves (router/api/schemas.py); what its flags
+What does not depend on the engine is in the body models themselves (router/request/schemas.py); what its flags
 (``--max-n``, ``--max-steps``, sizes, ``--request-timeout``, ``--max-lora-rank``) and its model directory (the
 size multiple, the fields the family takes, images, dynamic shifting) decide is said here, by body model
 (its schema's ``title``) and property; the family's own fields are ``added`` (the bodies take no other
@@ -19,7 +19,7 @@ from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import CacheMethod
 from router.core.engine import served_model_id
 from router.api.media import MEDIA_TYPES, file_types
-from router.api.schemas import HttpOutputType
+from router.request.schemas import HttpOutputType
 from router.core.request_params import makes_sound, max_images
 from common.diffusion.params import OWN_SLOTS, size_multiple
 from router.api.openapi import constrain

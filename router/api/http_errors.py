@@ -49,7 +49,7 @@ def error_response(status: int, type_: str, message: str, stage: str = "router",
     return JSONResponse({"error": err}, status_code=status, headers=headers)
 
 
-def _first_error(errors: list[dict], skip: tuple[str, ...] = ()) -> tuple[str, str]:
+def first_error(errors: list[dict], skip: tuple[str, ...] = ()) -> tuple[str, str]:
     """(field, message) of the first pydantic error; ``skip``: location prefixes such as "query"."""
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ())]
@@ -70,12 +70,12 @@ async def body_too_large(request: Request, e: BodyTooLarge) -> JSONResponse:
 
 
 async def invalid_body(request: Request, e: ValidationError) -> JSONResponse:
-    field, message = _first_error(e.errors())
+    field, message = first_error(e.errors())
     return error_response(400, "invalid_request", message, field=field)
 
 
 async def invalid_parameter(request: Request, e: RequestValidationError) -> JSONResponse:
-    field, message = _first_error(list(e.errors()), skip=("query", "path", "header", "cookie", "body"))
+    field, message = first_error(list(e.errors()), skip=("query", "path", "header", "cookie", "body"))
     return error_response(400, "invalid_request", message, field=field)
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from router.api.bodies import decode_body, read_limited
 from router.api import answers
 from router.api.openapi import errors, ok, request_body
-from router.api.schemas import ReleaseMemoryBody, ResumeMemoryBody
+from router.request.schemas import ReleaseMemoryBody, ResumeMemoryBody
 from router.core.engine import Engine
 from router.core.errors import FieldError
 from router.peers.vllm_omni import control as vllm_omni

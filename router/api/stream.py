@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from router.api.bodies import MSGPACK, samples_payload, sample_body, wants_msgpack
 from router.api.cancel_api import gone_of
 from router.api.request_ids import request_id_of
-from router.api.schemas import GenerateBody
+from router.request.schemas import GenerateBody
 from router.core.engine import Engine
 from router.core.errors import EngineError
 from router.link.join import Outcome

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from urllib.parse import unquote_to_bytes
 
-from router.api.schemas import FieldError
+from router.core.errors import FieldError
 
 INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 

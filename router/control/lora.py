@@ -19,7 +19,7 @@ import torch
 from common.protocol.http_tensors import body_to_tensor
 from common.protocol.control import ControlRequest, FromMemory, LoadLora, LoraTensor, UnloadLora
 from common.protocol.messages import LORA_BLOB
-from router.api.schemas import LoadLoraBody, LoadLoraTensorsBody
+from router.request.schemas import LoadLoraBody, LoadLoraTensorsBody
 from router.control.fanout import FROM_MEMORY, ControlCall
 from router.control.versioned import Replay, VersionedFanout
 from router.core.errors import FieldError

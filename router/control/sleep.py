@@ -20,8 +20,7 @@ from common.protocol.control import ControlRequest, ReleaseMemory, ReleaseReply,
 from common.protocol.messages import MEMORY_TAGS, TAG_ROLES
 from router.control.fanout import control_failure
 from router.control.weights import WeightControl
-from router.core.errors import EngineError
-from router.api.schemas import FieldError
+from router.core.errors import EngineError, FieldError
 
 ALL = "weights"  # every component's tag
 POLL_S = 0.02

@@ -21,10 +21,10 @@ from common.transport.shm import engine_prefix
 from common.transport.weight_segments import weight_prefix
 from router.control.fanout import control_failure
 from router.control.weights import WeightControl
-from router.core.errors import EngineError
+from router.core.errors import EngineError, FieldError
 from router.control.lora import LoraControl
-from router.api.schemas import (FieldError, InitWeightsGroupBody, UpdateWeightsFromDistributedBody,
-                            UpdateWeightsFromTensorsBody)
+from router.request.schemas import (InitWeightsGroupBody, UpdateWeightsFromDistributedBody,
+                                    UpdateWeightsFromTensorsBody)
 
 DISABLED = "weight sync from memory is off: start the engine with --weight-sync-from-memory"
 GRACE_S = 30.0  # the router waits this much longer than a worker's own group timeout

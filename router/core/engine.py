@@ -25,8 +25,8 @@ from common.diffusion.model_info import ModelInfo
 from common.families import read_model
 from common.builtin import BUILTINS
 from common.protocol.messages import EXPERT_NAMES, LAST_IMAGE, GenerationParams
-from router.api.images import decode_image
-from router.api.schemas import (
+from router.request.images import decode_image
+from router.request.schemas import (
     GenerateBody, InitWeightsGroupBody, LoadLoraBody, LoadLoraTensorsBody, UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorsBody, checked_module, checked_weight_path,
 )
@@ -43,8 +43,8 @@ from router.core.request_params import image_items, initial_latents, max_images,
 from router.link.cancel import JOB_DELETED, Cancellations
 from router.link.dispatcher import Dispatcher
 from router.link.join import Outcome
-from router.openai.job_store import JobStore
-from router.openai.jobs import JobTable, Prepare, wait_for_room
+from router.core.job_store import JobStore
+from router.core.jobs import JobTable, Prepare, wait_for_room
 
 WEIGHTS_DISABLED = "weight updates are disabled: start the engine with --weight-root DIR"
 Gone = Callable[[], Awaitable[None]]  # returns once the caller went away (its request is then cancelled)

@@ -10,7 +10,7 @@ from common.diffusion import params as conversion
 from common.diffusion import resume
 from common.diffusion.model_info import ModelInfo
 from common.protocol.messages import EDIT_IMAGES, INITIAL_LATENTS, CacheParams, GenerationParams
-from router.api.schemas import MEDIA_OUTPUTS, GenerateBody
+from router.request.schemas import MEDIA_OUTPUTS, GenerateBody
 from router.core.errors import FieldError
 
 size_multiple = conversion.size_multiple

@@ -1,5 +1,5 @@
 """Cancelling requests: a client that goes away, ``POST /abort_request`` (router/api/cancel_api.py), ``DELETE
-/v1/videos/{id}`` (router/openai/jobs.py).
+/v1/videos/{id}`` (router/core/jobs.py).
 
 A generation in flight runs as its own task, which :class:`Cancellations` holds by the request's id (its
 ``X-Request-Id``). Cancelling it cancels that task: the dispatcher then sends the workers a ``Cancel`` for the
@@ -38,6 +38,10 @@ class Cancellations:
     def __init__(self, ask_partial: Callable[[str], bool], counted: Callable[[str], None]):
         self.ask_partial, self.counted = ask_partial, counted  # ask_partial: Dispatcher.cancel_partial
         self._runs: dict[str, _Run] = {}
+
+    def running(self) -> int:
+        """How many generations are in flight (each holds a cancellable task until it ends)."""
+        return len(self._runs)
 
     def cancelled(self, rid: str) -> bool:
         """Whether the request was cancelled (a worker lost meanwhile must not make it run again)."""

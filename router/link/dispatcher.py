@@ -95,6 +95,11 @@ class Dispatcher:
             self._fail_requests_in(role, index, reason)
 
     def _fail_requests_in(self, role: str, index: int, reason: str) -> None:
+        if self.admission.draining:  # the engine stops, its workers with it: what they held ends, never runs again
+            failed = self.pending.fail_waiting_on(role, index, reason, type_="shutting_down")
+            log.info("%s worker %d %s as the engine stops; failed %d in-flight request(s)", role, index, reason,
+                     failed)
+            return
         failed = self.pending.fail_waiting_on(role, index, reason)
         log.error("%s worker %d %s; failed %d in-flight request(s)", role, index, reason, failed)
 

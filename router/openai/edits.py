@@ -3,7 +3,7 @@
 The official client sends a multipart form: the file ``image`` (one) or ``image[]`` (several), OpenAI's fields,
 and ``extra_body`` as more form fields (text: ``"4"``; a dict ``cache`` as ``cache[method]``). A JSON body with
 ``image`` as base64 or data: URLs (one, or a list) is taken too. The files go through the same decoding and
-refusals as ``/generate``'s ``image`` (router/api/images.py); the request runs as a one-frame ``/generate``
+refusals as ``/generate``'s ``image`` (router/request/images.py); the request runs as a one-frame ``/generate``
 with those images, so its PNGs are ``/generate``'s pixels for the same fields and seed.
 """
 
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from router.api.bodies import check_declared_length, parse_body, read_form
 from router.api.cancel_api import gone_of
 from router.api.request_ids import request_id_of
-from router.api.schemas import MAX_IMAGES
+from router.request.schemas import MAX_IMAGES
 from router.core.errors import FieldError
 from router.openai.schemas import EditsBody, parse_size
 
@@ -49,7 +49,7 @@ async def edit_fields(request: Request, limit: int, max_image_bytes: int) -> dic
     try:
         for key, value in form.multi_items():
             if key in IMAGE_KEYS:
-                if not isinstance(value, str):  # a file: its bytes, checked whole by router/api/images.py
+                if not isinstance(value, str):  # a file: its bytes, checked whole by router/request/images.py
                     value = base64.b64encode(await value.read(max_image_bytes + 1)).decode("ascii")
                 images.append(value)
             elif not isinstance(value, str):
@@ -73,11 +73,11 @@ async def edit_images(api, request: Request) -> JSONResponse:
     engine = api.engine
     body = EditsBody.model_validate(await edit_fields(request, engine.sample_body_limit(),
                                                       api.config.limits.max_image_bytes))
-    api._check_model(body.model)
+    api.check_model(body.model)
     # auto (or left out): the model's size for these images (an edit model's from the image, else its default).
     width, height = (None, None) if body.size in (None, "auto") else parse_size(body.size, api.info.defaults)
-    gen = api._generate_body(body, width, height, 1, body.n, "png")
+    gen = api.generate_body(body, width, height, 1, body.n, "png")
     images = await engine.images_of(gen)  # first: an edit model's default size follows the images
-    params = api._params(gen, image_name="image", images=images)
+    params = api.params_for(gen, image_name="image", images=images)
     outcome = await engine.run(params, rid, body.timeout_s, images, gone=gone_of(request))
     return await api.images_answer(body.prompt, outcome, params.n)

@@ -23,11 +23,11 @@ from router.api.bodies import check_declared_length, parse_body, read_form
 from router.api.cancel_api import gone_of
 from router.api.openapi import BINARY, IMAGE_ID_PATH, LIST_QUERY, VIDEO_ID_PATH, errors, ok, request_body
 from router.api.request_ids import REQUEST_ID_PARAMETER, request_id_of
-from router.api.schemas import GenerateBody
+from router.request.schemas import GenerateBody
 from router.core.engine import Engine
 from router.core.errors import FieldError
-from router.openai.job_store import JobRow
-from router.openai.jobs import IMAGE, VIDEO, Runner, Started
+from router.core.job_store import JobRow
+from router.core.jobs import IMAGE, VIDEO, Runner, Started
 from router.openai.edits import edit_images
 from router.openai.schemas import EditsBody, EngineFields, ImagesBody, VideoBody, family_fields, frames_for, parse_size, seconds_of
 
@@ -48,11 +48,12 @@ class OpenAIRoutes:
         self.engine, self.info, self.config = engine, engine.info, engine.config
         self.model_id, self.jobs = engine.model_id, engine.jobs
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
+        """A body's ``model``, if given, must be the served one."""
         if model is not None and model != self.model_id:
             raise FieldError("model", f"this engine serves {self.model_id!r} (GET /v1/models), not {model!r}")
 
-    def _params(self, gen: GenerateBody, from_seconds: bool = False, image_name: str = INPUT_REFERENCE["image"],
+    def params_for(self, gen: GenerateBody, from_seconds: bool = False, image_name: str = INPUT_REFERENCE["image"],
                 images: dict | None = None):
         """The request's parameters (``images``: its decoded pixels, which an edit's default size follows); a
         bound that ``size`` (or ``seconds``) broke names that OpenAI field, an image error ``image_name`` (the
@@ -66,7 +67,8 @@ class OpenAIRoutes:
                 raise FieldError(renames[e.field], f"{e.field} {str(e).removeprefix(e.field + ': ')}") from None
             raise
 
-    def _generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
+    def generate_body(self, body, width: int, height: int, frames: int, n: int, output_type: str) -> GenerateBody:
+        """An OpenAI body (its engine fields and the served family's own) as the native request."""
         extra = {k: getattr(body, k) for k in EngineFields.model_fields if k != "cache"}
         extra.update(family_fields(body))  # the served family's own, passed through as they came
         if getattr(body, "image", None) is not None:
@@ -84,9 +86,9 @@ class OpenAIRoutes:
     async def images(self, request: Request) -> JSONResponse:
         rid = request_id_of(request)
         body = ImagesBody.model_validate(await parse_body(request, self.config.limits.max_body_bytes))
-        self._check_model(body.model)
+        self.check_model(body.model)
         width, height = parse_size(body.size, self.info.defaults)
-        params = self._params(self._generate_body(body, width, height, 1, body.n, "png"))
+        params = self.params_for(self.generate_body(body, width, height, 1, body.n, "png"))
         outcome = await self.engine.run(params, rid, body.timeout_s, gone=gone_of(request))
         return await self.images_answer(body.prompt, outcome, params.n)
 
@@ -128,7 +130,7 @@ class OpenAIRoutes:
                 if isinstance(ref, str):
                     raise FieldError("input_reference", "must be an image file (multipart), not a text field")
                 raw = await ref.read(self.config.limits.max_image_bytes + 1)
-                fields["image"] = base64.b64encode(raw).decode("ascii")  # router/api/images.py checks it whole
+                fields["image"] = base64.b64encode(raw).decode("ascii")  # router/request/images.py checks it whole
         finally:
             await form.close()
         return fields
@@ -142,7 +144,7 @@ class OpenAIRoutes:
     async def _video_run(self, body: VideoBody) -> tuple[str, str, Runner]:
         """Every check of a video job (a new one, or one run again after a restart): its size, its seconds,
         and how to run it."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if not self.info.family.video:
             raise FieldError("model", f"{self.model_id!r} ({self.info.family.pipeline}) makes images: "
                              "use /v1/images/generations")
@@ -151,9 +153,9 @@ class OpenAIRoutes:
         width, height = (None, None) if body.size is None else parse_size(body.size, self.info.defaults)
         frames = frames_for(body.seconds, body.num_frames, self.info.fps, self.info.defaults["num_frames"],
                             self.info.vae_scale_temporal)
-        gen = self._generate_body(body, width, height, frames, 1, "frames")
+        gen = self.generate_body(body, width, height, frames, 1, "frames")
         images = await self.engine.images_of(gen, names=INPUT_REFERENCE)  # first: the size may follow the image
-        params = self._params(gen, from_seconds=body.num_frames is None and body.seconds is not None, images=images)
+        params = self.params_for(gen, from_seconds=body.num_frames is None and body.seconds is not None, images=images)
         timeout_s = body.timeout_s or self.config.limits.request_timeout_s
 
         async def run(started: Started) -> bytes:
@@ -165,7 +167,7 @@ class OpenAIRoutes:
         return f"{params.width}x{params.height}", seconds_of(frames, self.info.fps), run
 
     async def rerun(self, row: JobRow, request: dict) -> Runner:
-        """A job stored by an earlier start, checked again as a new one (router/openai/jobs.py fails it if it raises)."""
+        """A job stored by an earlier start, checked again as a new one (router/core/jobs.py fails it if it raises)."""
         if row.model != self.model_id:
             raise FieldError("model", f"this engine now serves {self.model_id!r}, not {row.model!r}")
         try:

@@ -1,5 +1,5 @@
 """Bodies of the OpenAI-style endpoints (``/v1/images/generations``, ``/v1/images/edits``, ``/v1/videos``),
-and the OpenAI fields' translation into a :class:`~router.api.schemas.GenerateBody`.
+and the OpenAI fields' translation into a :class:`~router.request.schemas.GenerateBody`.
 
 OpenAI's own fields keep their meaning; the engine's own come as extra body fields. An edit's and a video
 job's body arrive as multipart form fields (what the official client sends) or
@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.protocol.messages import LORA_NAME_PATTERN
 from common.diffusion.params import COMMON
-from router.api.schemas import MAX_SEED, CacheBody, FieldError, GenerateBody, ImageList, one_image_or_a_list
+from router.core.errors import FieldError
+from router.request.schemas import MAX_SEED, CacheBody, GenerateBody, ImageList, one_image_or_a_list
 
 
 class EngineFields(BaseModel):
@@ -86,7 +87,7 @@ class VideoBody(EngineFields):
                              "its patches (16 on an 8x VAE; default: the model's)")
     num_frames: int | None = Field(default=None, description="4k+1 frames; replaces seconds")
     # Image to video: OpenAI's input_reference (a multipart file, or JSON {"image_url": "data:..."}), as the
-    # engine's image field (a base64 file or data: URL; router/api/images.py).
+    # engine's image field (a base64 file or data: URL; router/request/images.py).
     image: str | None = Field(default=None, description="image-to-video models: input_reference's image")
 
 

@@ -29,7 +29,7 @@ from common.families.flux2.transformer import Flux2Transformer
 from common.families.flux2.vae import Flux2Decoder
 from common.protocol.messages import PROMPT_EMBEDS
 
-MAX_REFERENCES = 3  # the most images a request carries (router/api/schemas.py MAX_IMAGES); the pipeline sets none
+MAX_REFERENCES = 3  # the most images a request carries (router/request/schemas.py MAX_IMAGES); the pipeline sets none
 
 
 @dataclass(frozen=True)

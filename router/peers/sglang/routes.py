@@ -23,9 +23,9 @@ from common.protocol.codec import DTYPES
 from common.protocol.messages import EXPERT_NAMES
 from router.api.bodies import MSGPACK, decode_body, parse_body, read_limited
 from router.api.cancel_api import gone_of
-from router.api.http_errors import _first_error
+from router.api.http_errors import first_error
 from router.api.request_ids import request_id_of
-from router.api.schemas import InitWeightsGroupBody, RolloutBody, UpdateWeightsFromDistributedBody
+from router.request.schemas import InitWeightsGroupBody, RolloutBody, UpdateWeightsFromDistributedBody
 from router.core.engine import Engine
 from router.core.errors import EngineError, FieldError
 from router.api.openapi import errors, ok, request_body
@@ -54,7 +54,7 @@ def _error(e: EngineError, field: str | None = None) -> JSONResponse:
 
 
 def _invalid(e: ValidationError, rename=lambda f: f) -> JSONResponse:
-    field, message = _first_error(e.errors())
+    field, message = first_error(e.errors())
     return _error(FieldError(rename(field), message.split(": ", 1)[-1]))
 
 

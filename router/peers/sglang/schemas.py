@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.api.schemas import MAX_SEED
+from router.request.schemas import MAX_SEED
 
 
 class _Body(BaseModel):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from common.diffusion.model_info import ModelInfo
 from common.diffusion.request_fields import declared
 from common.diffusion.rollout_params import serving_has_flow_sigmas
-from router.api.schemas import RolloutBody
+from router.request.schemas import RolloutBody
 from router.core.errors import FieldError
 from router.peers.sglang.schemas import RolloutRequest
 

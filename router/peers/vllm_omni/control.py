@@ -14,7 +14,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from router.api.schemas import LoadLoraBody
+from router.request.schemas import LoadLoraBody
 from router.core.engine import Engine
 from router.core.errors import EngineError, FieldError
 from router.core.pause import MODES
@@ -216,8 +216,8 @@ async def unload_lora(engine: Engine, ids: dict[str, int], data: dict) -> JSONRe
 
 # --- sleep and wake -----------------------------------------------------------------------------------------
 def in_flight(engine: Engine) -> int:
-    """Generations running: each holds a cancellable task (router/link/cancel.py) until it ends."""
-    return len(engine.cancels._runs)  # noqa: SLF001
+    """Generations running (router/link/cancel.py)."""
+    return engine.cancels.running()
 
 
 async def pause(engine: Engine, mode: str) -> None:

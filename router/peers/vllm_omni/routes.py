@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from router.api.auth import ADMIN_SCOPE
 from router.api.bodies import decode_body, parse_body, read_limited
 from router.api.cancel_api import gone_of
-from router.api.http_errors import _first_error
+from router.api.http_errors import first_error
 from router.api.openapi import errors, ok, request_body
-from router.api.schemas import RolloutBody
+from router.request.schemas import RolloutBody
 from router.core.engine import Engine
 from router.core.errors import EngineError, FieldError
 from router.peers.vllm_omni import answer, control, schemas as s
@@ -80,7 +80,7 @@ class VllmOmniRoutes:
         try:
             body = RolloutBody.model_validate(native)
         except ValidationError as e:
-            field, message = _first_error(e.errors())
+            field, message = first_error(e.errors())
             raise FieldError(plan.peer_field(field), message.split(": ", 1)[-1]) from None
         try:
             done = await engine.generate(body, plan.request_id, gone_of(request))

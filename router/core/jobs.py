@@ -1,4 +1,4 @@
-"""``/v1/videos`` jobs and recorded images: their lifecycle over a :class:`~router.openai.job_store.JobStore`. No sockets.
+"""``/v1/videos`` jobs and recorded images: their lifecycle over a :class:`~router.core.job_store.JobStore`. No sockets.
 
 A video job is created at once (``queued``), waits for room in the engine (a 429
 from admission only delays it), runs as one request (``in_progress``, its
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router.core.errors import EngineError
-from router.openai.job_store import JobRow, JobStore
+from router.core.job_store import JobRow, JobStore
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 VIDEO, IMAGE = "video", "image"

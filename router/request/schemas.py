@@ -1,4 +1,5 @@
-"""HTTP request bodies and their validation.
+"""The native request bodies and their validation: what ``/generate``, ``/rollout/generate`` and the control
+endpoints take, and what the core's operations take (the HTTP fronts parse into them, the core reads them).
 
 Pydantic checks types (strictly: no ``"32"`` for an int, no NaN/inf); the
 limits that depend on the engine's flags and on the model are checked in
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from common.protocol.messages import (
     EDIT_IMAGES, EXPERT_NAMES, LORA_NAME_PATTERN, CacheMethod, ExpertName, KlReference, OdeSolver, RolloutSchedule, SdeType,
 )
-from router.core.errors import FieldError  # noqa: F401  (its home is the router's errors; imported from here too)
+from router.core.errors import FieldError
 
 MAX_SEED = 2**63 - 1
 # What HTTP callers may ask for: the wire's output types, or frames encoded as a file by the router (wav: the

@@ -20,7 +20,7 @@ import re
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
-from router.api.schemas import FieldError
+from router.core.errors import FieldError
 
 # The encoded file (its base64 is a third longer): room for a high-quality JPEG of MAX_IMAGE_PIXELS.
 MAX_IMAGE_BYTES = 32 << 20
