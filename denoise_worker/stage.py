@@ -15,7 +15,6 @@ from common.protocol.errors import Cancelled, DeadlineExceeded, RequestError, ch
 from common.protocol.messages import (
     INITIAL_LATENTS,
     LATENTS,
-    NEGATIVE_OF,
     OUTPUT,
     PROTOCOL_VERSION,
     DecodeRequest,
@@ -124,7 +123,7 @@ class DenoiseStage(Stage):
                                        p.max_sequence_length)
         uncond = None
         if self.family.guidance.uses_cfg(p):
-            negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text.fields})
+            negative = self._text(tensors, self.family.text.negatives())
             uncond = self.texts.conditioning(negative, p.max_sequence_length)
         image = self.family.condition.from_wire({f.name: tensors[f.name] for f in self.family.condition.fields
                                                 if f.name in tensors})

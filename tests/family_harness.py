@@ -179,7 +179,7 @@ class InStage:
 
     def message(self, request_id: str, p: GenerationParams, image=None, last_image=None):
         """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
-        from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
+        from common.protocol.messages import PROTOCOL_VERSION, DenoiseRequest, Route
 
         guided = self.eng.family.guidance.uses_cfg(p)
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
@@ -189,7 +189,8 @@ class InStage:
         wires = text_roles.encode(self.eng.encoder, texts, p.max_sequence_length, seen)
         tensors = {k: t.clone() for k, t in wires[0].items()}
         if guided:
-            tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})
+            twin = self.eng.family.text.negatives()
+            tensors.update({twin[k]: t.clone() for k, t in wires[1].items()})
         tensors.update(self.eng.image_wire(p, image, last_image))
         msg = DenoiseRequest(v=PROTOCOL_VERSION, request_id=request_id, route=Route(encoder=0, denoise=0, decode=0),
                              params=p)

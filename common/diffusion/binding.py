@@ -14,13 +14,15 @@ on a family:
 - ``condition`` (:mod:`~common.diffusion.parts.condition`): a request's image(s), or none;
 - ``decoder`` (:mod:`~common.diffusion.parts.decoder`): VAE latents to frames.
 
-Everything else (rows, the SDE step, LoRA hooks, shared text, weight buckets, compile, context parallel,
-tensor contracts) is shared and knows nothing of any family.
+Everything else (rows, the SDE step, LoRA hooks, shared text, weight buckets, compile, context parallel)
+is shared and knows nothing of any family. The tensors a family sends beyond every family's are its parts'
+declaration (:attr:`Binding.wire_tensors`): its message contracts (:attr:`Binding.contract`) are built from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 from common.diffusion.parts.condition import NoCondition
@@ -30,6 +32,8 @@ from common.diffusion.parts.latents import Geometry, LatentsPart
 from common.diffusion.parts.text import TextPart
 from common.diffusion.parts.transformer import TransformerPart
 from common.diffusion.request_fields import RequestField
+from common.protocol.contracts import WireContract
+from common.protocol.tensor_field import TensorField
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +67,21 @@ class Binding:
     @property
     def cfg_field(self) -> str:
         return self.guidance.field
+
+    @property
+    def wire_tensors(self) -> tuple[TensorField, ...]:
+        """What the family's messages carry, as its parts declare it: a prompt's tensors (``text.fields``), each
+        one's negative twin, and the image side's (``condition.fields``); each says which stage makes and reads it."""
+        missing = [f.name for f in self.text.fields if f.negative is None]
+        if missing:
+            raise ValueError(f"{self.pipeline}: text tensors {missing} declare no negative twin (TensorField.negative)")
+        declared = (*self.text.fields, *(f.negative for f in self.text.fields), *self.condition.fields)
+        return tuple(dict.fromkeys(declared))  # one declaration shared by two parts counts once
+
+    @cached_property
+    def contract(self) -> WireContract:
+        """The message kinds' tensor contracts for this family (common/protocol/contracts.py)."""
+        return WireContract(self.wire_tensors)
 
     def pipeline_defaults(self, transformer_config: dict, geometry: Geometry) -> dict:
         """The pipeline's defaults for this directory (some depend on its config, e.g. a sample size)."""

@@ -20,10 +20,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import IMAGE_CONDITION, TensorField
+from common.protocol.tensor_field import FLOAT_DTYPES, TensorField, image_tensor
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
+
+# What an image side sends the denoise worker: the condition latents, [4 + C, F', H', W'] (a mask and the image's
+# latents, concatenated to the noise) or [C, 1, H', W'] (frame 0's latent), and an image encoder's embeds
+# [k, tokens, D] (one per image) that join the text side.
+IMAGE_CONDITION = image_tensor("image_condition", FLOAT_DTYPES, 4)
+IMAGE_EMBEDS = image_tensor("image_embeds", FLOAT_DTYPES, 3)
 
 # (info, dtype, device, tiling) -> an object whose wire_tensors(image, last_image, height, width, num_frames)
 # gives a request's image tensors (PIL images in; last_image may be None).

@@ -22,12 +22,15 @@ import torch
 
 from common.diffusion.parts.condition import ConditionerLoader, NoCondition
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS, TensorField
+from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField, image_tensor
 
 if TYPE_CHECKING:
     from common.diffusion.model_info import ModelInfo
 
 Grid = tuple[int, int]
+# What the image side sends the denoise worker (see the module docstring): [T, C] and [k, 2].
+REFERENCE_LATENTS = image_tensor("reference_latents", FLOAT_DTYPES, 2)
+REFERENCE_GRIDS = image_tensor("reference_grids", INT_DTYPES, 2)
 # (info, [(width, height) per image], the request's family fields) -> the output's (height, width) when the
 # request gives none: e.g. Qwen-Image-Edit's 1024x1024 area at the first image's aspect.
 SizeFromImages = Callable[["ModelInfo", list[tuple[int, int]], dict], tuple[int, int]]
