@@ -12,7 +12,8 @@ on a family:
 - ``guidance`` (:mod:`~common.diffusion.parts.guidance`): the field that scales CFG, the order of operations,
   one or two forwards, embedded guidance, default sigmas;
 - ``condition`` (:mod:`~common.diffusion.parts.condition`): a request's image(s), or none;
-- ``decoder`` (:mod:`~common.diffusion.parts.decoder`): VAE latents to frames.
+- ``decoder`` (:mod:`~common.diffusion.parts.decoder`): VAE latents to frames;
+- ``experts`` (:mod:`~common.diffusion.parts.experts`): which transformer runs a timestep, at which guidance scale.
 
 Everything else (rows, the SDE step, LoRA hooks, shared text, weight buckets, compile, context parallel)
 is shared and knows nothing of any family. The tensors a family sends beyond every family's are its parts'
@@ -27,6 +28,7 @@ from typing import Callable
 
 from common.diffusion.parts.condition import NoCondition
 from common.diffusion.parts.decoder import DecoderPart
+from common.diffusion.parts.experts import OneExpert
 from common.diffusion.parts.guidance import Guidance
 from common.diffusion.parts.latents import Geometry, LatentsPart
 from common.diffusion.parts.text import TextPart
@@ -46,6 +48,7 @@ class Binding:
     decoder: DecoderPart
     guidance: Guidance = Guidance()
     condition: NoCondition = NoCondition()
+    experts: OneExpert = OneExpert()
     fps: int = 16  # video: the MP4's frame rate unless serving_defaults.json says otherwise
     # A family whose requests choose their video's frame rate: that rate, read off a request's params (the MP4's).
     request_fps: Callable[[object], float] | None = None

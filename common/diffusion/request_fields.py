@@ -90,14 +90,6 @@ def max_sequence_length(maximum: int = 512) -> RequestField:
                         "pipeline)", minimum=1, maximum=maximum)
 
 
-def _two_experts(info: "ModelInfo") -> str | None:
-    return None if info.boundary_ratio is not None else "only two-expert models (with boundary_ratio) take it"
-
-
-GUIDANCE_SCALE_2 = RequestField("guidance_scale_2", float, "two-expert models: guidance of the low-noise expert",
-                                minimum=0.0, maximum=100.0, model_check=_two_experts)
-
-
 def _true_cfg(value, request: dict):
     """The pipelines run true CFG only with a negative prompt: 1 without one, where a scale above 1 is refused
     rather than ignored."""
