@@ -61,6 +61,9 @@ class Binding:
     default_size: Callable[[dict, Geometry], int] | None = None
     # The request fields this family takes beyond those every family has (common/diffusion/request_fields.py).
     request_fields: tuple[RequestField, ...] = ()
+    # The words that name this family in code beside its family and pipeline names (e.g. its model's name): no
+    # shared file spells one (tests/test_layout.py), as no shared file branches on a family.
+    words: tuple[str, ...] = ()
 
     @property
     def video(self) -> bool:

@@ -81,7 +81,7 @@ def field_value(params, name: str):
 
 # --- declarations several families share ---------------------------------------------------------------------
 
-NUM_FRAMES = RequestField("num_frames", int, "video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
+NUM_FRAMES = RequestField("num_frames", int, doc="video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
 
 
 def max_sequence_length(maximum: int = 512) -> RequestField:

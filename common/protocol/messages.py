@@ -15,7 +15,8 @@ from typing import Annotated, ClassVar, Literal, Union, get_args
 
 import msgspec
 
-from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField, prompt_tensor  # noqa: F401  (also imported from here)
+# FLOAT_DTYPES, INT_DTYPES and TensorField are also imported from here.
+from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField, prompt_tensor  # noqa: F401
 
 PROTOCOL_VERSION = 2  # 2: a request carries its n samples as one unit (leading sample axis)
 

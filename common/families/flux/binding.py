@@ -83,7 +83,7 @@ class FluxTransformer(TransformerPart):
 
 
 FLUX = Binding(
-    family="flux", pipeline="FluxPipeline",
+    family="flux", pipeline="FluxPipeline", words=("flux",),
     # FluxTransformer2DModel takes no text mask (FluxPipeline passes none): T5's padding tokens are attended.
     text=TextPart(fields=(PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS), keywords=(HIDDEN, POOLED),
                   load_encoder=load_text_encoder, example=example_text),

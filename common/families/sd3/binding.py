@@ -61,7 +61,7 @@ class SD3Transformer(TransformerPart):
 
 
 SD3 = Binding(
-    family="sd3", pipeline="StableDiffusion3Pipeline",
+    family="sd3", pipeline="StableDiffusion3Pipeline", words=("sd3", "stable diffusion"),
     # SD3Transformer2DModel takes no text mask: the joint attention attends CLIP's and T5's padding tokens.
     text=TextPart(fields=(PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS), keywords=(HIDDEN, POOLED),
                   load_encoder=load_text_encoder, example=example_text),

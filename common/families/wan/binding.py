@@ -75,7 +75,7 @@ TEXT = PaddedText(fields=(PROMPT_EMBEDS,), load_encoder=load_text_encoder, examp
 LATENTS = LatentsPart(geometry=geometry, video=True)
 
 WAN = Binding(
-    family="wan", pipeline="WanPipeline", text=TEXT, latents=LATENTS, decoder=WanDecoder, experts=BoundarySplit(),
+    family="wan", pipeline="WanPipeline", words=("wan",), text=TEXT, latents=LATENTS, decoder=WanDecoder, experts=BoundarySplit(),
     # TeaCache4Wan2.1's published polynomial for Wan2.1-T2V-1.3B on the 6 x D timestep projection (its
     # "ret steps" mode: the first 5 steps always computed).
     transformer=WanTransformer(
