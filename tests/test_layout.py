@@ -76,6 +76,72 @@ def test_common_has_only_its_layers():
     assert not [p for p in (ROOT / "common").glob("*.py") if p.name != "__init__.py"]
 
 
+def _import_graph(top: str) -> dict[str, set[str]]:
+    """Every module under ``top`` -> the modules under ``top`` it imports: every import statement, at module level,
+    in a function or under ``if TYPE_CHECKING:`` (``from package import module`` names the module). A package's
+    ``__init__`` that Python runs on the way to a submodule is no edge: only what a module names."""
+    modules = {}
+    for path in _product_files():
+        rel = path.relative_to(ROOT).with_suffix("").parts
+        if rel[0] == top:
+            modules[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    edges.update({sub} if sub in modules else {node.module} & set(modules))
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each set of modules that reach one another (Tarjan's strongly connected
+    components of more than one module), sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_cycle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]] and _cycles({**graph, "c": set()}) == []
+    edges = _import_graph("common")
+    assert "common.diffusion.binding" in edges["common.diffusion.model_info"]  # a module-level import
+    assert "common.diffusion.model_facts" in edges["common.diffusion.parts.text"]  # a type-only one
+
+
+def test_common_has_no_import_circle():
+    """No module of common/ reaches itself through its imports, type-only and function-local ones included:
+    a part takes the directory's facts (ModelFacts), never the binding that holds it."""
+    assert _cycles(_import_graph("common")) == []
+
+
 @pytest.mark.parametrize("path", _product_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_product_files_stay_readable(path):
     lines = len(path.read_text().splitlines())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 FROM_MODEL = "from the model directory"  # a default: the directory's serving default (ModelInfo.defaults)
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -34,7 +34,7 @@ class RequestField:
     default: object = None
     minimum: float | None = None
     maximum: float | None = None
-    model_check: Callable[["ModelInfo"], str | None] | None = None
+    model_check: Callable[["ModelFacts"], str | None] | None = None
     resolve: Callable[[object, dict], object] | None = None
     aliases: tuple[str, ...] = ()  # what other engines' APIs call it (router/peers/: e.g. "fps" for a frame rate)
     # Taken with an image only (a setting of the image's conditioning, on a model where the image is optional).

@@ -19,18 +19,18 @@ from common.diffusion.request_fields import RequestField, field_value
 from common.protocol.messages import EXPERT_NAMES
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 FIRST, SECOND = EXPERT_NAMES  # the directory's transformer/ and transformer_2/
 
 
 @dataclass(frozen=True)
 class OneExpert:
-    def names(self, info: "ModelInfo") -> tuple[str, ...]:
+    def names(self, info: "ModelFacts") -> tuple[str, ...]:
         """The experts a denoise worker loads from the directory."""
         return (FIRST,)
 
-    def expert_for(self, info: "ModelInfo", experts: Collection[str], timestep) -> str:
+    def expert_for(self, info: "ModelFacts", experts: Collection[str], timestep) -> str:
         """The expert of ``experts`` (those loaded) that runs ``timestep``."""
         return FIRST
 
@@ -40,7 +40,7 @@ class OneExpert:
         return ()
 
 
-def _two_experts(info: "ModelInfo") -> str | None:
+def _two_experts(info: "ModelFacts") -> str | None:
     return None if info.boundary_ratio is not None else "only two-expert models (with boundary_ratio) take it"
 
 

@@ -18,7 +18,7 @@ import torch
 from common.protocol.tensor_field import FLOAT_DTYPES, TensorField, prompt_tensor
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 HIDDEN = "encoder_hidden_states"  # the text sequence every transformer takes under this name
 # A CLIP text encoder's pooled projection [P], one per prompt, for a transformer that takes it beside the sequence.
@@ -49,9 +49,9 @@ def cond_to(cond: Conditioning, device, dtype: torch.dtype) -> Conditioning:
 
 # (info, dtype, device) -> an object whose wire_tensors(prompts, max_sequence_length) gives each prompt's
 # wire tensors {field.name: tensor} (one encoder call for them all).
-EncoderLoader = Callable[["ModelInfo", torch.dtype, Any], Any]
+EncoderLoader = Callable[["ModelFacts", torch.dtype, Any], Any]
 # (info, transformer, max_sequence_length, generator, device, dtype) -> a random conditioning of the right shapes.
-ExampleText = Callable[["ModelInfo", torch.nn.Module, int, torch.Generator, Any, torch.dtype], Conditioning]
+ExampleText = Callable[["ModelFacts", torch.nn.Module, int, torch.Generator, Any, torch.dtype], Conditioning]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +75,7 @@ class TextPart:
         """A prompt's wire tensors (cond names) as the transformer takes them, on the wire's device and dtype."""
         return TextCond({k: wire[f.name][None] for f, k in zip(self.fields, self.keywords)})
 
-    def fixed_length(self, info: "ModelInfo") -> int | None:
+    def fixed_length(self, info: "ModelFacts") -> int | None:
         """The only text length this model directory's transformer takes (None: any within the limit)."""
         return None
 
