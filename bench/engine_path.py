@@ -16,7 +16,7 @@ import torch
 from common.diffusion import text_roles
 from common.diffusion.policy import Policy
 from common.families import read_model
-from common.protocol.messages import NEGATIVE_OF, GenerationParams
+from common.protocol.messages import GenerationParams
 from common.runtime.component_memory import settle_held
 from denoise_worker.denoiser import Denoiser
 from denoise_worker.task import DenoiseTask
@@ -51,7 +51,7 @@ class EnginePath:
         pixels = {} if images is None else self.family.condition.wire_tensors(self.images, images, None, p)
         tensors = {**wires[0], **pixels}
         if guided:
-            tensors.update({NEGATIVE_OF[k].name: t for k, t in wires[1].items()})
+            tensors.update({self.family.text.negatives()[k]: t for k, t in wires[1].items()})
         return self.denoiser.task(p, tensors)
 
     @torch.no_grad()

@@ -50,7 +50,7 @@ from common.diffusion.policy import Policy  # noqa: E402
 from common.diffusion.step_cache import METHODS, rel_l1, rescale  # noqa: E402
 from common.families import read_model  # noqa: E402
 from common.builtin import BUILTINS, ensure_builtin  # noqa: E402
-from common.protocol.messages import NEGATIVE_OF, GenerationParams  # noqa: E402
+from common.protocol.messages import GenerationParams  # noqa: E402
 from denoise_worker.task import DenoiseTask  # noqa: E402
 from denoise_worker.denoiser import Denoiser  # noqa: E402
 
@@ -126,7 +126,7 @@ class Runner:
                                               p.num_frames)
         tensors = {**wires[0], **pixels}
         if guided:
-            tensors.update({NEGATIVE_OF[k].name: t for k, t in wires[1].items()})
+            tensors.update({self.family.text.negatives()[k]: t for k, t in wires[1].items()})
         return self.denoiser.task(p, tensors)
 
     @torch.no_grad()

@@ -37,8 +37,7 @@ from common.builtin import ensure_builtin  # noqa: E402
 from common.diffusion import text_roles  # noqa: E402
 from common.diffusion.policy import Policy  # noqa: E402
 from common.families import read_model  # noqa: E402
-from common.protocol.messages import (LOG_PROBS, NEGATIVE_OF, TRAJECTORY_LATENTS, GenerationParams,  # noqa: E402
-                                     RolloutParams)
+from common.protocol.messages import LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams, RolloutParams  # noqa: E402
 from denoise_worker.denoiser import Denoiser  # noqa: E402
 from denoise_worker.task import DenoiseTask  # noqa: E402
 
@@ -78,7 +77,7 @@ class Model:
             guided = self.family.guidance.uses_cfg(p)
             texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
             wires = text_roles.encode(self.encoder, texts, p.max_sequence_length)
-            self.wire = {**wires[0], **({NEGATIVE_OF[k].name: t for k, t in wires[1].items()} if guided else {})}
+            self.wire = {**wires[0], **({self.family.text.negatives()[k]: t for k, t in wires[1].items()} if guided else {})}
         rows, t0, c0 = self.rows, time.perf_counter(), time.process_time()
         task = self.denoiser.add("bench", self.denoiser.task(p, self.wire)).task
         while self.denoiser.requests:

@@ -21,7 +21,7 @@ from common.diffusion import schedulers
 from common.diffusion.cache_signals import teacache_settings
 from common.diffusion.policy import ModelInput, Policy
 from common.protocol.errors import DeadlineExceeded, RequestError, check_deadline
-from common.protocol.messages import INITIAL_LATENTS, NEGATIVE_OF, GenerationParams
+from common.protocol.messages import INITIAL_LATENTS, GenerationParams
 from denoise_worker.caching import request_cache
 from denoise_worker.forward import Outcome, step_each, step_velocities
 from denoise_worker.joint_step import advance_all
@@ -83,7 +83,7 @@ class Denoiser:
                                        params.max_sequence_length)
         uncond = None
         if self.family.guidance.uses_cfg(params):
-            negative = self._text(tensors, {f.name: NEGATIVE_OF[f.name].name for f in self.family.text.fields})
+            negative = self._text(tensors, self.family.text.negatives())
             uncond = self.texts.conditioning(negative, params.max_sequence_length)
         image = self.family.condition.from_wire({f.name: tensors[f.name] for f in self.family.condition.fields
                                                 if f.name in tensors})

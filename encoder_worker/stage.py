@@ -18,7 +18,7 @@ from common.families import read_model
 from common.protocol.errors import RequestError
 from common.protocol.images import image_digest, image_from_array
 from common.protocol.messages import (
-    EDIT_IMAGES, INITIAL_LATENTS, LAST_IMAGE, NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest,
+    EDIT_IMAGES, INITIAL_LATENTS, LAST_IMAGE, PROTOCOL_VERSION, DenoiseRequest, EncodeRequest,
 )
 from common.runtime.stage import Forward, QueuedBatchStage
 from encoder_worker.prompt_cache import EmbeddingCache
@@ -125,7 +125,8 @@ class EncoderStage(QueuedBatchStage):
         tensors.update(image)
         if guided:
             negative = embeds[self._key(p.negative_prompt, p.max_sequence_length, True, seen)]
-            tensors.update({NEGATIVE_OF[name].name: t for name, t in negative.items()})
+            twin = self.family.text.negatives()
+            tensors.update({twin[name]: t for name, t in negative.items()})
         nxt = DenoiseRequest(v=PROTOCOL_VERSION, request_id=msg.request_id, route=msg.route, params=p,
                              timings={**msg.timings, "encode_s": elapsed,
                                       **({"image_encode_s": image_s} if image else {})})

@@ -18,8 +18,7 @@ from common.diffusion.params import family_values
 from common.diffusion.policy import Policy
 from common.families import read_model
 from common.runtime.component_memory import settle_held
-from common.protocol.messages import (INITIAL_LATENTS, LOG_PROB_STEPS, LOG_PROBS, NEGATIVE_OF, TRAJECTORY_LATENTS,
-                                     GenerationParams)
+from common.protocol.messages import INITIAL_LATENTS, LOG_PROB_STEPS, LOG_PROBS, TRAJECTORY_LATENTS, GenerationParams
 from denoise_worker.denoiser import Denoiser, Request
 from denoise_worker.task import DenoiseTask
 
@@ -106,7 +105,7 @@ class InProcess:
                                                                                   p.max_sequence_length, seen)]
         tensors = {**wires[0], **self.image_wire(p, image, last_image)}
         if guided:
-            tensors.update({NEGATIVE_OF[k].name: t for k, t in wires[1].items()})
+            tensors.update({self.family.text.negatives()[k]: t for k, t in wires[1].items()})
         if initial_latents is not None:
             tensors[INITIAL_LATENTS.name] = initial_latents
         return self.denoiser.task(p, tensors, lora=lora)
@@ -165,7 +164,7 @@ class InStage:
 
     def message(self, request_id: str, p: GenerationParams, image=None, last_image=None):
         """The denoise message of request ``p`` and its tensors (prompt and negative prompt in one encoder call)."""
-        from common.protocol.messages import NEGATIVE_OF, PROTOCOL_VERSION, DenoiseRequest, Route
+        from common.protocol.messages import PROTOCOL_VERSION, DenoiseRequest, Route
 
         guided = self.eng.family.guidance.uses_cfg(p)
         texts = [(p.prompt, False), (p.negative_prompt, True)] if guided else [(p.prompt, False)]
@@ -175,7 +174,8 @@ class InStage:
         wires = text_roles.encode(self.eng.encoder, texts, p.max_sequence_length, seen)
         tensors = {k: t.clone() for k, t in wires[0].items()}
         if guided:
-            tensors.update({NEGATIVE_OF[k].name: t.clone() for k, t in wires[1].items()})
+            twin = self.eng.family.text.negatives()
+            tensors.update({twin[k]: t.clone() for k, t in wires[1].items()})
         tensors.update(self.eng.image_wire(p, image, last_image))
         msg = DenoiseRequest(v=PROTOCOL_VERSION, request_id=request_id, route=Route(encoder=0, denoise=0, decode=0),
                              params=p)

@@ -29,7 +29,7 @@ from common.builtin import BUILTINS, ensure_builtin
 from common.builtin.build import build as build_builtin
 from common.builtin.specs.flux_kontext import SPECS, TinyFluxKontextSpec
 from common.families.flux.kontext_images import KontextConditioner
-from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.diffusion.parts.reference import REFERENCE_GRIDS, REFERENCE_LATENTS
 from common.runtime.component_memory import settle_held
 from family_harness import DTYPE, ModuleModels, max_diff
 from family_harness import gradient_picture as picture

@@ -15,7 +15,7 @@ from common.builtin.build import build as build_builtin
 from common.builtin.specs.hunyuan_video15 import SPECS
 from common.config.engine import Limits
 from common.diffusion.params import FieldError, check_images, to_params
-from common.protocol.messages import GLYPH_MASK
+from common.families.hunyuan_video15.text import GLYPH_MASK
 from family_harness import ModuleModels, max_diff
 from family_harness import gradient_picture as picture
 

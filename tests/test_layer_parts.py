@@ -20,7 +20,9 @@ from common.builtin import ensure_builtin
 from common.config.engine import Limits
 from common.diffusion import text_roles
 from common.diffusion.params import FieldError, to_params
+from common.diffusion.parts.experts import GUIDANCE_SCALE_2, BoundarySplit, OneExpert
 from common.diffusion.parts.text import HIDDEN, PaddedMaskedText
+from common.diffusion.policy import ModelInput, Policy
 from common.families import read_model
 from common.protocol.messages import PROMPT_EMBEDS
 from denoise_worker.task import initial_noise
@@ -87,3 +89,32 @@ def test_a_latents_part_that_snaps_sizes_makes_noise_at_the_snapped_size():
     with pytest.raises(FieldError) as e:
         to_params({"prompt": "a fox", "height": 72, "width": 100_000}, snapped, Limits())
     assert e.value.field == "width"
+
+
+def test_the_experts_part_picks_each_timesteps_expert_and_its_scale():
+    two = dataclasses.make_dataclass("Dir", ["boundary_ratio", "num_train_timesteps", "has_transformer_2"])
+    info, both = two(0.875, 1000, True), ("transformer", "transformer_2")
+    split = BoundarySplit()
+    assert split.names(info) == both and split.names(two(None, 1000, False)) == ("transformer",)
+    assert [split.expert_for(info, both, t) for t in (999.0, 875.0, 874.9, 0.0)] == \
+        ["transformer", "transformer", "transformer_2", "transformer_2"]
+    assert split.expert_for(info, ("transformer",), 0.0) == "transformer"  # a policy holding the first alone
+    assert split.expert_for(two(None, 1000, False), both, 0.0) == "transformer"
+    assert OneExpert().expert_for(info, both, 0.0) == "transformer" and OneExpert().names(info) == ("transformer",)
+    params = dataclasses.make_dataclass("Params", ["fields"])
+    assert split.scales(params({GUIDANCE_SCALE_2.name: 3.0})) == (("transformer_2", 3.0),)
+    assert split.scales(params({})) == () and OneExpert().scales(params({GUIDANCE_SCALE_2.name: 3.0})) == ()
+    x = ModelInput(torch.zeros(1, 2), torch.tensor(0.0), torch.zeros(1, 3, 2), None, 5.0,
+                   expert_scales=split.scales(params({GUIDANCE_SCALE_2.name: 3.0})))
+    assert (Policy.guidance_scale("transformer", x), Policy.guidance_scale("transformer_2", x)) == (5.0, 3.0)
+
+
+def test_the_policy_asks_its_familys_experts_part():
+    """A two-expert built-in's policy splits where its part does; a one-expert family's runs its first everywhere."""
+    for name, split in (("tiny-moe", True), ("tiny", False)):
+        info = read_model(ensure_builtin(name))
+        policy = Policy.load(info, torch.float32, "cpu")
+        assert tuple(policy.experts) == (("transformer", "transformer_2") if split else ("transformer",))
+        boundary = (info.boundary_ratio or 0.0) * info.num_train_timesteps
+        assert {policy.expert_for(torch.tensor(t)) for t in (999.0, boundary - 1.0, 0.0)} == \
+            ({"transformer", "transformer_2"} if split else {"transformer"})

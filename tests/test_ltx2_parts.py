@@ -18,7 +18,8 @@ from common.builtin import ensure_builtin
 from common.builtin.specs.ltx2 import SPECS
 from common.families.ltx2.image import Ltx2ImageConditioner
 from common.families.ltx2.text import TEXT, Ltx2TextEncoder
-from common.protocol.messages import AUDIO_PROMPT_EMBEDS, PROMPT_EMBEDS, PROMPT_MASK
+from common.families.ltx2.text import AUDIO_PROMPT_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS, PROMPT_MASK
 
 ALT = dataclasses.replace(SPECS["tiny-ltx2"], name="tiny-ltx2-alt", seed=7, text_hidden_size=48, text_num_layers=3,
                           connector_num_heads=3, connector_num_registers=16)

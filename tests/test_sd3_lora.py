@@ -31,7 +31,6 @@ from common.families.sd3.binding import SD3
 from common.families.wan.binding import WAN
 from common.protocol.messages import (
     LOG_PROBS,
-    NEGATIVE_OF,
     TRAJECTORY_LATENTS,
     TRAJECTORY_SIGMAS,
     TRAJECTORY_TIMESTEPS,
@@ -137,7 +136,7 @@ class Stages:
         for i, (p, lora) in enumerate(jobs):
             tensors = dict(wire[(p.prompt, p.max_sequence_length)])
             if self.info.family.guidance.uses_cfg(p):
-                tensors.update({NEGATIVE_OF[k].name: t for k, t in wire[(p.negative_prompt,
+                tensors.update({self.family.text.negatives()[k]: t for k, t in wire[(p.negative_prompt,
                                                                            p.max_sequence_length)].items()})
             tasks.append(denoiser.add(str(i), denoiser.task(p, tensors, lora=lora)).task)
         while denoiser.requests:

@@ -226,6 +226,62 @@ def test_every_kind_declares_distinct_tensor_names():
     assert DecodeRequest.contract()["latents"].required and not Result.contract()["log_probs"].required
 
 
+
+def _zeros(field):
+    """A tensor of ``field``'s first rank and dtype class."""
+    rank = field.rank if isinstance(field.rank, int) else field.rank[0]
+    return torch.zeros((2,) * rank, dtype=torch.float32 if "float32" in field.dtypes else torch.int64)
+
+
+def test_a_familys_own_tensors_ride_its_contract_alone():
+    """A tensor a family's binding declares (its prompt tensors, their negative twins, its image side's) decodes
+    on a denoise message against that family's contract, and is refused by the shared contract, by the contract
+    of every family that does not declare it, on a kind outside its way, and at another rank."""
+    from common.families import BINDINGS
+
+    declared = {b.pipeline: {f.name: f for f in b.wire_tensors} for b in BINDINGS.values()}
+    own = {n: f for fields in declared.values() for n, f in fields.items() if n not in DenoiseRequest.contract()}
+    assert len(own) >= 4 and all(f.made_by == "encoder" and f.read_by == "denoise" for f in own.values())
+    for name, field in own.items():
+        frames = encode(_denoise(), {"prompt_embeds": torch.randn(3, 8), name: _zeros(field)})
+        with pytest.raises(WireError, match=f"carries no tensor '{name}'"):
+            decode(frames)
+        for b in BINDINGS.values():
+            if name in declared[b.pipeline]:
+                assert set(decode(frames, contract=b.contract)[1]) == {"prompt_embeds", name}
+                decode_request = DecodeRequest(v=PROTOCOL_VERSION, request_id="c1", route=ROUTE, params=PARAMS)
+                with pytest.raises(WireError, match=f"carries no tensor '{name}'"):
+                    decode(encode(decode_request, {"latents": torch.randn(1, 4, 4, 4), name: _zeros(field)}),
+                           contract=b.contract)
+                wrong = {"prompt_embeds": torch.randn(3, 8), name: _zeros(field)[None]}
+                with pytest.raises(WireError, match="rank"):
+                    decode(encode(_denoise(), wrong), contract=b.contract)
+            else:
+                with pytest.raises(WireError, match=f"carries no tensor '{name}'"):
+                    decode(frames, contract=b.contract)
+
+
+def test_every_prompt_tensor_declares_its_negative_twin():
+    """Classifier-free guidance sends the negative prompt's tensors under their twins' names, each declared."""
+    from common.families import BINDINGS
+
+    for b in BINDINGS.values():
+        contract = b.contract.of(DenoiseRequest)
+        assert all(contract[f.negative.name] == f.negative for f in b.text.fields), b.pipeline
+        assert b.text.negatives() == {f.name: f"negative_{f.name}" for f in b.text.fields}
+
+
+def test_a_contract_refuses_a_tensor_with_no_way():
+    from common.protocol.contracts import WireContract
+    from common.protocol.tensor_field import FLOAT_DTYPES, TensorField
+
+    with pytest.raises(ValueError, match="'x': made by 'decode' and read by 'encoder'"):
+        WireContract((TensorField("x", FLOAT_DTYPES, 2, made_by="decode", read_by="encoder"),))
+    twice = TensorField("y", FLOAT_DTYPES, 2, made_by="encoder", read_by="denoise")
+    with pytest.raises(ValueError, match="declared twice"):
+        WireContract((twice, TensorField("y", FLOAT_DTYPES, 3, made_by="encoder", read_by="denoise")))
+
+
 # ---------------------------------------------------------------- control kinds
 
 

@@ -1,9 +1,9 @@
 """What the engine reads from a diffusers model directory, whatever its family.
 
 Each worker loads only its own components (see the family's binding); this
-module holds the facts every process needs without loading any weights: the
-family, the pipeline index, the request defaults, the latent geometry and the
-scheduler facts (training timesteps, flow shift), read once here for every user.
+module reads the facts every process needs without loading any weights
+(:class:`~common.diffusion.model_facts.ModelFacts`), once for every user, and
+holds them with the family's binding.
 ``common.families.read_model`` picks the binding from ``model_index.json`` and
 reads the rest with :meth:`ModelInfo.read_with`.
 """
@@ -11,10 +11,11 @@ reads the rest with :meth:`ModelInfo.read_with`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.diffusion.binding import Binding
+from common.diffusion.model_facts import ModelFacts
 
 SERVING_DEFAULTS_FILE = "serving_defaults.json"
 STEP_CACHE_FILE = "step_cache.json"  # the directory's TeaCache polynomial (common/diffusion/cache_signals.py)
@@ -32,42 +33,11 @@ def read_index(path: str | Path) -> dict:
     return json.loads(index_file.read_text())
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    path: Path
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo(ModelFacts):
+    """A model directory's facts (:class:`ModelFacts`) and its family's binding."""
+
     family: Binding
-    boundary_ratio: float | None
-    has_transformer_2: bool
-    defaults: dict  # the request fields' defaults: the pipeline's, then serving_defaults.json's
-    vae_scale_spatial: int
-    vae_scale_temporal: int
-    latent_channels: int
-    patch_size: tuple[int, ...]
-    # The scheduler facts both schedulers (serving, rollout Euler) and the expert split depend on.
-    scheduler_config: dict
-    num_train_timesteps: int
-    flow_shift: float
-    fps: int = 16  # frames per second of the videos it makes (MP4 output)
-    transformer_config: dict = field(default_factory=dict)  # e.g. FLUX.1-dev's guidance_embeds
-    index: dict = field(default_factory=dict)  # model_index.json: components, and e.g. Wan2.2's expand_timesteps
-    # One checkpoint file holding the transformer's weights (launch.py --transformer-file; a .safetensors or a
-    # .gguf), read instead of transformer/'s own (common/diffusion/loading.py); None: the directory's.
-    transformer_file: Path | None = None
-
-    @property
-    def expand_timesteps(self) -> bool:
-        """Wan2.2 TI2V: a timestep per latent token (frame 0's can be 0: the image's latent)."""
-        return bool(self.index.get("expand_timesteps", False))
-
-    def has_component(self, name: str) -> bool:
-        """Whether the directory has component ``name`` (saved pipelines list absent ones as [null, null])."""
-        entry = self.index.get(name)
-        return bool(entry) and entry[0] is not None
-
-    @property
-    def dynamic_shifting(self) -> bool:
-        """The scheduler shifts by ``mu`` (a request's, or the one of its image size): FLUX, Qwen-Image."""
-        return bool(self.scheduler_config.get("use_dynamic_shifting", False))
 
     @classmethod
     def read_with(cls, family: Binding, path: str | Path) -> "ModelInfo":

@@ -6,11 +6,10 @@ log-probs (``rl.TrainerPolicy``): both sides must choose the same expert,
 apply guidance in the same order and take the same step for their
 log-probs to agree to float32 rounding.
 
-- Experts: ``transformer``, and for Wan2.2-style models ``transformer_2`` with
-  ``boundary_ratio`` (the first serves ``t >= boundary_ratio * num_train_timesteps``).
-- Guidance: classifier-free when ``guidance_scale > 1``; the second expert uses
-  ``guidance_scale_2`` when given, as diffusers' ``WanPipeline`` does. A single request runs its two
-  halves as its family's pipeline does: two forwards (Wan), or one of [uncond, cond] (SD3).
+- Experts: ``transformer``, and those its family's experts part (``Binding.experts``) adds; the part says which
+  runs a timestep and which expert a request guides at a scale of its own.
+- Guidance: classifier-free when the family's scale is above 1. A single request runs its two halves as its
+  family's pipeline does: two forwards, or one of [uncond, cond].
 - LoRA: each sample may bring its own adapter and scale (:mod:`common.diffusion.lora`),
   applied to its conditional and unconditional passes alike, as peft does.
 - Step: on the rollout (flow-match Euler) schedule, :func:`step_at` takes step ``i``
@@ -20,23 +19,18 @@ log-probs to agree to float32 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import get_args
 
 import torch
 
 from common.diffusion.parts.text import Conditioning, text_kwargs
-from common.protocol.messages import ExpertName
 from common.diffusion.lora import LoraAdapter, LoraHooks
 from common.diffusion.model_info import ModelInfo
-from common.diffusion.request_fields import GUIDANCE_SCALE_2, field_value
 from common.diffusion.rows import Rows, forward_rows
 from common.diffusion.sde import Generators, SdeStep, sde_step
 from common.diffusion.step_variants import StepVariant
 from common.diffusion import shared_text
 from common.diffusion.shared_text import SharedText
 from common.diffusion.weight_storage import settle
-
-EXPERTS: tuple[str, ...] = get_args(ExpertName)
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ class ModelInput:
     cond: Conditioning  # Wan: [1, L, D]; else a TextCond of [1, ...] tensors
     uncond: Conditioning | None  # None: no guidance
     guidance_scale: float  # classifier-free guidance's (the family's cfg field: Binding.guidance.scale)
-    guidance_scale_2: float | None = None
+    expert_scales: tuple[tuple[str, float], ...] = ()  # (expert, its own guidance scale): Binding.experts.scales
     lora: tuple[LoraAdapter, float] | None = None  # (adapter, scale); None: the base model
     # Packed families: the token grid (rows, columns), which [seq, C] hides; with reference images their
     # TokenLayout (Binding.condition.token_layout).
@@ -80,7 +74,7 @@ class ModelInput:
         family = info.family
         grid = family.latents.layout(info, params)
         return cls(latents, timestep, cond, uncond, family.guidance.scale(params),
-                   field_value(params, GUIDANCE_SCALE_2.name), lora, family.condition.token_layout(grid, image),
+                   family.experts.scales(params), lora, family.condition.token_layout(grid, image),
                    family.guidance.embedded(info, params.guidance_scale), image,
                    passes=family.guidance.passes(params, cond), sigma=sigma,
                    settings=family.guidance.settings(params))
@@ -135,9 +129,8 @@ class Policy:
     def load(cls, info: ModelInfo, dtype: torch.dtype, device: torch.device | str,
              trainable: bool = False) -> "Policy":
         """The model's expert(s) from its directory; ``trainable`` keeps gradients on (a trainer's copy)."""
-        names = EXPERTS if info.has_transformer_2 else EXPERTS[:1]
         experts = {}
-        for name in names:
+        for name in info.family.experts.names(info):
             file = info.transformer_file if name == "transformer" else None  # --transformer-file: the first's
             model = info.family.transformer.load(info.path / name, dtype, file)
             # Laid out as a push or a resume lays it out: the same bytes give the same outputs (weight_storage).
@@ -157,17 +150,13 @@ class Policy:
         return self.dtypes["transformer"]
 
     def expert_for(self, timestep: float | torch.Tensor) -> str:
-        """Wan2.2 two-expert split: ``transformer`` for t >= boundary_ratio * n_train, else ``transformer_2``."""
-        ratio = self.info.boundary_ratio
-        if ratio is None or "transformer_2" not in self.experts or timestep >= ratio * self.info.num_train_timesteps:
-            return "transformer"
-        return "transformer_2"
+        """The expert that runs ``timestep``, as the family's experts part says."""
+        return self.family.experts.expert_for(self.info, self.experts, timestep)
 
     @staticmethod
     def guidance_scale(expert: str, x: ModelInput) -> float:
-        if expert == "transformer_2" and x.guidance_scale_2 is not None:
-            return x.guidance_scale_2
-        return x.guidance_scale
+        """``x``'s guidance scale on ``expert``: its own where the request gives one, else the request's."""
+        return dict(x.expert_scales).get(expert, x.guidance_scale)
 
     def velocity(self, x: ModelInput) -> torch.Tensor:
         """Guided model output for ``x``'s samples, in the model's dtype.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 FROM_MODEL = "from the model directory"  # a default: the directory's serving default (ModelInfo.defaults)
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -34,7 +34,7 @@ class RequestField:
     default: object = None
     minimum: float | None = None
     maximum: float | None = None
-    model_check: Callable[["ModelInfo"], str | None] | None = None
+    model_check: Callable[["ModelFacts"], str | None] | None = None
     resolve: Callable[[object, dict], object] | None = None
     aliases: tuple[str, ...] = ()  # what other engines' APIs call it (router/peers/: e.g. "fps" for a frame rate)
     # Taken with an image only (a setting of the image's conditioning, on a model where the image is optional).
@@ -81,21 +81,13 @@ def field_value(params, name: str):
 
 # --- declarations several families share ---------------------------------------------------------------------
 
-NUM_FRAMES = RequestField("num_frames", int, "video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
+NUM_FRAMES = RequestField("num_frames", int, doc="video families: 4k+1 frames (LTX-2: 8k+1; image families: 1)")
 
 
 def max_sequence_length(maximum: int = 512) -> RequestField:
     """The text encoder's token budget, at most ``maximum`` (its pipeline's ``check_inputs``)."""
     return RequestField("max_sequence_length", int, "the text encoder's token budget (as the family's diffusers "
                         "pipeline)", minimum=1, maximum=maximum)
-
-
-def _two_experts(info: "ModelInfo") -> str | None:
-    return None if info.boundary_ratio is not None else "only two-expert models (with boundary_ratio) take it"
-
-
-GUIDANCE_SCALE_2 = RequestField("guidance_scale_2", float, "two-expert models: guidance of the low-noise expert",
-                                minimum=0.0, maximum=100.0, model_check=_two_experts)
 
 
 def _true_cfg(value, request: dict):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from common.diffusion.binding import Binding
 
 # The parts and settings the two pipelines of one directory must share for one binding to serve both.
-SHARED = ("text", "latents", "transformer", "decoder", "guidance", "fps", "request_fps", "size_multiple",
+SHARED = ("text", "latents", "transformer", "decoder", "guidance", "experts", "fps", "request_fps", "size_multiple",
           "defaults", "default_size")
 
 

@@ -42,8 +42,13 @@ def binding_for(pipeline: str | None) -> Binding:
     return binding
 
 
+def family_of(path: str | Path) -> Binding:
+    """The binding of a model directory's pipeline class (``model_index.json``'s ``_class_name``)."""
+    return binding_for(read_index(path).get("_class_name"))
+
+
 def read_model(path: str | Path, transformer_file: str | Path | None = None) -> ModelInfo:
     """The facts of a model directory, read with its family's binding; ``transformer_file``: one checkpoint file
     the transformer's weights come from instead (``--transformer-file``)."""
-    info = ModelInfo.read_with(binding_for(read_index(path).get("_class_name")), path)
+    info = ModelInfo.read_with(family_of(path), path)
     return info if transformer_file is None else replace(info, transformer_file=Path(transformer_file))

@@ -31,6 +31,7 @@ from typing import Any, Protocol, Sequence, Union
 import msgspec
 import torch
 
+from common.protocol.contracts import SHARED, WireContract
 from common.protocol.control import ControlReply, ControlRequest
 from common.protocol.messages import PROTOCOL_VERSION, CudaIpcHandle, Message, TensorSpec
 
@@ -210,16 +211,18 @@ def _build_tensor(spec: TensorSpec, buf: memoryview, request_id: str) -> torch.T
 
 
 def decode(
-    frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None
+    frames: Sequence[Any], shm: ShmReceive | None = None, cuda: CudaReceive | None = None,
+    contract: WireContract = SHARED,
 ) -> tuple[Wire, dict[str, torch.Tensor]]:
     """Validate and decode a multipart message, its tensors checked against its kind's contract
-    (``carries``: names, dtype classes, ranks, required ones present). Raises :class:`WireError`.
+    (``carries``: names, dtype classes, ranks, required ones present) with the receiver's family's tensors
+    (``contract``: the served family's; the shared tensors alone by default). Raises :class:`WireError`.
 
     ``shm``: this process's shared-memory receiver (same host only); without one a
     descriptor that names a segment is rejected. ``cuda``: this GPU worker's CUDA IPC
     receiver; without one a descriptor that carries a CUDA IPC handle is rejected.
     """
-    return _decode(frames, shm, cuda, check_contract=True)
+    return _decode(frames, shm, cuda, contract)
 
 
 def decode_frames(
@@ -227,11 +230,11 @@ def decode_frames(
 ) -> tuple[Wire, dict[str, torch.Tensor]]:
     """:func:`decode` without the message kind's tensor contract: the data plane alone
     (header, descriptors, frames, segments, handles), for code that moves arbitrary tensors."""
-    return _decode(frames, shm, cuda, check_contract=False)
+    return _decode(frames, shm, cuda, None)
 
 
 def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | None,
-            check_contract: bool) -> tuple[Wire, dict[str, torch.Tensor]]:
+            contract: WireContract | None) -> tuple[Wire, dict[str, torch.Tensor]]:
     if not frames:
         raise WireError("empty message")
     head = _frame_buffer(frames[0])
@@ -246,8 +249,8 @@ def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | N
         raise WireError(f"protocol version {msg.v} is not {PROTOCOL_VERSION}", msg.request_id or None)
     opened: set[str] = set()
     try:
-        if check_contract:
-            _check_contract(msg)
+        if contract is not None:
+            _check_contract(msg, contract)
         return msg, _tensors(msg, frames, shm, cuda, opened)
     except BaseException:
         # Out-of-band data of a rejected message: segments are removed (idempotent: an opened one is
@@ -260,9 +263,9 @@ def _decode(frames: Sequence[Any], shm: ShmReceive | None, cuda: CudaReceive | N
         raise
 
 
-def _check_contract(msg: Wire) -> None:
+def _check_contract(msg: Wire, wire: WireContract) -> None:
     """Every tensor is one its kind declares, of the declared dtype class and rank; required ones are there."""
-    contract = type(msg).contract()
+    contract = wire.of(type(msg))
     families = [f for f in contract.values() if f.prefix]
     kind = type(msg).__name__
     for spec in msg.tensors:

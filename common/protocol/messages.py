@@ -15,7 +15,8 @@ from typing import Annotated, ClassVar, Literal, Union, get_args
 
 import msgspec
 
-from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField  # noqa: F401  (also imported from here)
+# FLOAT_DTYPES, INT_DTYPES and TensorField are also imported from here.
+from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField, prompt_tensor  # noqa: F401
 
 PROTOCOL_VERSION = 2  # 2: a request carries its n samples as one unit (leading sample axis)
 
@@ -41,48 +42,22 @@ MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
 TAG_ROLES = {"transformer": "denoise", "text_encoder": "encoder", "vae": "decode"}
 
 # A request's n samples travel together: per-sample tensors have a leading sample axis [n, ...].
-PROMPT_EMBEDS = TensorField("prompt_embeds", FLOAT_DTYPES, 2)  # [L, D], trimmed to the real tokens; one per request
-NEGATIVE_PROMPT_EMBEDS = TensorField("negative_prompt_embeds", FLOAT_DTYPES, 2, required=False)  # with guidance
-# SD3's pooled CLIP projections [P], one per prompt (the family's binding says which text tensors it needs).
-POOLED_PROMPT_EMBEDS = TensorField("pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
-NEGATIVE_POOLED_PROMPT_EMBEDS = TensorField("negative_pooled_prompt_embeds", FLOAT_DTYPES, 1, required=False)
-# Models with a sound stream: the audio stream's text context [L, D_a] beside ``prompt_embeds`` (the
-# video stream's, both the full token budget), and the mask over their L tokens [L] (1: attended).
-AUDIO_PROMPT_EMBEDS = TensorField("audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
-NEGATIVE_AUDIO_PROMPT_EMBEDS = TensorField("negative_audio_prompt_embeds", FLOAT_DTYPES, 2, required=False)
-PROMPT_MASK = TensorField("prompt_mask", INT_DTYPES, 1, required=False)
-NEGATIVE_PROMPT_MASK = TensorField("negative_prompt_mask", INT_DTYPES, 1, required=False)
-# A second text encoder's sequence beside ``prompt_embeds`` (HunyuanVideo 1.5's ByT5 glyph encoder) [L2, D2],
-# and the mask over its L2 tokens [L2] (1: attended).
-GLYPH_EMBEDS = TensorField("glyph_embeds", FLOAT_DTYPES, 2, required=False)
-NEGATIVE_GLYPH_EMBEDS = TensorField("negative_glyph_embeds", FLOAT_DTYPES, 2, required=False)
-GLYPH_MASK = TensorField("glyph_mask", INT_DTYPES, 1, required=False)
-NEGATIVE_GLYPH_MASK = TensorField("negative_glyph_mask", INT_DTYPES, 1, required=False)
-# A prompt's text tensor -> the same tensor of the negative prompt.
-NEGATIVE_OF = {PROMPT_EMBEDS.name: NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS.name: NEGATIVE_POOLED_PROMPT_EMBEDS,
-               AUDIO_PROMPT_EMBEDS.name: NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK.name: NEGATIVE_PROMPT_MASK,
-               GLYPH_EMBEDS.name: NEGATIVE_GLYPH_EMBEDS, GLYPH_MASK.name: NEGATIVE_GLYPH_MASK}
-TEXT_TENSORS = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, NEGATIVE_POOLED_PROMPT_EMBEDS,
-                AUDIO_PROMPT_EMBEDS, NEGATIVE_AUDIO_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK,
-                GLYPH_EMBEDS, NEGATIVE_GLYPH_EMBEDS, GLYPH_MASK, NEGATIVE_GLYPH_MASK)
-# Image-to-video: the request's images as RGB pixels [H, W, 3] (router -> encoder worker), then what the
-# encoder's image side makes of them (encoder -> denoise worker; see Binding.condition.fields).
+# The prompt tensors every family sends; a family's others (e.g. pooled projections, a second text encoder's
+# sequence, its image side's tensors) are its binding's declaration (common/protocol/contracts.py).
+PROMPT_EMBEDS = prompt_tensor("prompt_embeds", FLOAT_DTYPES, 2, required=True)  # [L, D], trimmed to the real tokens
+NEGATIVE_PROMPT_EMBEDS = PROMPT_EMBEDS.negative  # with guidance
+# The mask over the L tokens [L] (1: attended), for a family whose transformer takes one.
+PROMPT_MASK = prompt_tensor("prompt_mask", INT_DTYPES, 1)
+NEGATIVE_PROMPT_MASK = PROMPT_MASK.negative
+# The request's images as RGB pixels [H, W, 3] (router -> encoder worker): ``image`` (a list of them: ``image``,
+# ``image.2``, ``image.3``, e.g. an edit's references) and ``last_image``. What a family's image side makes of
+# them travels as its binding declares (Binding.condition.fields).
 IMAGE = TensorField("image", frozenset({"uint8"}), 3, required=False)
 LAST_IMAGE = TensorField("last_image", frozenset({"uint8"}), 3, required=False)
-IMAGE_EMBEDS = TensorField("image_embeds", FLOAT_DTYPES, 3, required=False)  # [k, tokens, D]: CLIP, one per image
-# The condition latents: [4 + C, F', H', W'] (mask and latents, concatenated to the noise) or [C, 1, H', W']
-# (frame 0's latent, expand_timesteps models).
-IMAGE_CONDITION = TensorField("image_condition", FLOAT_DTYPES, 4, required=False)
-# Image editing: the second and third reference images of a request that gives several (``image`` as a list).
 IMAGE_2 = TensorField("image.2", frozenset({"uint8"}), 3, required=False)
 IMAGE_3 = TensorField("image.3", frozenset({"uint8"}), 3, required=False)
-EDIT_IMAGES = (IMAGE, IMAGE_2, IMAGE_3)  # a request's reference images, in order
-# What an edit model's image side makes of them: every reference's packed latent tokens, concatenated [T, C],
-# and each reference's token grid (rows, columns) [k, 2] (common/diffusion/parts/reference.py).
-REFERENCE_LATENTS = TensorField("reference_latents", FLOAT_DTYPES, 2, required=False)
-REFERENCE_GRIDS = TensorField("reference_grids", INT_DTYPES, 2, required=False)
+EDIT_IMAGES = (IMAGE, IMAGE_2, IMAGE_3)  # a request's images, in order
 REQUEST_IMAGES = (IMAGE, LAST_IMAGE, IMAGE_2, IMAGE_3)
-IMAGE_TENSORS = (IMAGE_EMBEDS, IMAGE_CONDITION, REFERENCE_LATENTS, REFERENCE_GRIDS)
 # Latents as the transformer sees them: [n, C, F', H', W'] (video families), [n, C, H', W'] (image families) or
 # packed tokens [n, seq, C * 4] (FLUX, Qwen-Image).
 LATENTS = TensorField("latents", FLOAT_DTYPES, (5, 4, 3))
@@ -256,6 +231,8 @@ class _Header(_Strict, tag_field="kind", kw_only=True):
     request_id: str
     tensors: list[TensorSpec] = []
     carries: ClassVar[tuple[TensorField, ...]] = ()  # the tensors this kind may carry; none by default
+    # The role that receives this kind ("router": an answer), where a family's tensors may ride it.
+    receiver: ClassVar[str | None] = None
 
     @classmethod
     def contract(cls) -> dict[str, TensorField]:
@@ -266,6 +243,7 @@ class EncodeRequest(_Header, tag="encode", kw_only=True):
     """The request's images, when it has any (image-to-video), ride along as pixels."""
 
     carries = (*REQUEST_IMAGES, INITIAL_LATENTS)
+    receiver = "encoder"
 
     route: Route
     params: GenerationParams
@@ -273,12 +251,13 @@ class EncodeRequest(_Header, tag="encode", kw_only=True):
 
 
 class DenoiseRequest(_Header, tag="denoise", kw_only=True):
-    """The prompt's text tensors as its family's binding declares them (``Binding.text.fields``). Wan's
-    embeddings travel trimmed to their real token length ([L, D]); the denoise worker zero-pads them to
-    ``max_sequence_length`` as diffusers does, which keeps the padding off the wire. SD3's travel whole,
-    with the pooled projections. An image-to-video request adds its image tensors (``Binding.condition.fields``)."""
+    """The prompt's text tensors as its family's binding declares them (``Binding.text.fields``), e.g. embeddings
+    trimmed to their real token length ([L, D]) that the denoise worker zero-pads to ``max_sequence_length`` as
+    the pipeline does, which keeps the padding off the wire. A request with images adds its image side's tensors
+    (``Binding.condition.fields``). The family's own tensors are its contract's (common/protocol/contracts.py)."""
 
-    carries = (*TEXT_TENSORS, *IMAGE_TENSORS, INITIAL_LATENTS)
+    carries = (PROMPT_EMBEDS, NEGATIVE_PROMPT_EMBEDS, PROMPT_MASK, NEGATIVE_PROMPT_MASK, INITIAL_LATENTS)
+    receiver = "denoise"
 
     route: Route
     params: GenerationParams
@@ -290,6 +269,7 @@ class DecodeRequest(_Header, tag="decode", kw_only=True):
     """Latents still normalised; the decode worker de-normalises them for the VAE."""
 
     carries = (LATENTS, *ROLLOUT_OUTPUTS)
+    receiver = "decode"
 
     route: Route
     params: GenerationParams
@@ -303,6 +283,7 @@ class Result(_Header, tag="result", kw_only=True):
     scheduler that ran and the weight version, and per-sample counts (lists, one entry per sample)."""
 
     carries = (OUTPUT, AUDIO, *ROLLOUT_OUTPUTS)
+    receiver = "router"
 
     stage: str
     timings: dict[str, float] = {}
@@ -316,6 +297,7 @@ class SampleDone(_Header, tag="sample_done", kw_only=True):
     sample as usual, so an answer never depends on these."""
 
     carries = (OUTPUT, AUDIO, *ROLLOUT_OUTPUTS)
+    receiver = "router"
 
     stage: str
     index: Annotated[int, msgspec.Meta(ge=0)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import os
 import signal
@@ -22,6 +23,8 @@ import torch
 import zmq
 
 from common.config.engine import EngineConfig, worker_threads
+from common.families import family_of
+from common.protocol.contracts import WireContract
 from common.protocol.codec import WireError, decode, encode
 from common.protocol.control import CONTROL_REQUESTS, ControlRequest, ReleaseMemory, kind_of
 from common.protocol.errors import Cancelled, DeadlineExceeded, Sleeping, check_deadline
@@ -138,9 +141,14 @@ class WorkerRuntime:
             sock.close()
 
     # --- main loop ---------------------------------------------------------
+    @functools.cached_property
+    def contract(self) -> WireContract:
+        """The tensor contracts of this worker's family: what its messages may carry beside the shared tensors."""
+        return family_of(self.config.model).contract
+
     def handle(self, frames: list[Any]) -> None:
         try:
-            msg, tensors = decode(frames, shm=self.shm.receiver, cuda=self.cuda_ipc.receiver)
+            msg, tensors = decode(frames, shm=self.shm.receiver, cuda=self.cuda_ipc.receiver, contract=self.contract)
         except WireError as e:
             log.warning("dropped bad message: %s", e)
             if e.request_id:

@@ -91,6 +91,7 @@ class Engine:
         self.jobs = JobTable(store or JobStore(limits.data_dir), limits.max_jobs, limits.job_ttl_s,
                              self.in_flight.percent)
         dispatcher.cancelled = self.cancels.cancelled
+        dispatcher.contract = self.info.family.contract  # answers are checked against the served family's tensors
         self.weights.versioned.on_supplied = self.loras.versioned.on_supplied = self._supplied
         dispatcher.on_worker_back = self._worker_back
         registry = dispatcher.registry

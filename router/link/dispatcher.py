@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from common.config.engine import EngineConfig, WorkerSpec
 from common.protocol.codec import WireError, decode, encode
+from common.protocol.contracts import SHARED, WireContract
 from common.protocol.control import CONTROL_REPLIES, ControlRequest
 from common.protocol.messages import (
     PROTOCOL_VERSION, ROLES, Cancel, EncodeRequest, ErrorReply, GenerationParams, Heartbeat, PeerMoved, Progress,
@@ -65,6 +66,8 @@ class Dispatcher:
         self.workers_restart = True  # the supervisor restarts dead workers (launch.py without --no-restart)
         # Whether a request (by its client's id) was cancelled: it must not run again (router/link/cancel.py).
         self.cancelled: Callable[[str], bool] = lambda request_id: False
+        # What the workers' answers may carry: the served family's contracts (set by the engine that serves it).
+        self.contract: WireContract = SHARED
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -279,7 +282,7 @@ class Dispatcher:
         while True:
             frames = await self._pull.recv_multipart(copy=False)
             try:
-                msg, tensors = decode(frames, shm=self.shm.receiver)
+                msg, tensors = decode(frames, shm=self.shm.receiver, contract=self.contract)
             except WireError as e:
                 log.warning("dropped bad message at router: %s", e)
                 if e.request_id:

@@ -20,14 +20,20 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import IMAGE_CONDITION, TensorField
+from common.protocol.tensor_field import FLOAT_DTYPES, TensorField, image_tensor
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
+
+# What an image side sends the denoise worker: the condition latents, [4 + C, F', H', W'] (a mask and the image's
+# latents, concatenated to the noise) or [C, 1, H', W'] (frame 0's latent), and an image encoder's embeds
+# [k, tokens, D] (one per image) that join the text side.
+IMAGE_CONDITION = image_tensor("image_condition", FLOAT_DTYPES, 4)
+IMAGE_EMBEDS = image_tensor("image_embeds", FLOAT_DTYPES, 3)
 
 # (info, dtype, device, tiling) -> an object whose wire_tensors(image, last_image, height, width, num_frames)
 # gives a request's image tensors (PIL images in; last_image may be None).
-ConditionerLoader = Callable[["ModelInfo", torch.dtype, Any, VaeTiling], Any]
+ConditionerLoader = Callable[["ModelFacts", torch.dtype, Any, VaeTiling], Any]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,15 +42,15 @@ class NoCondition:
     # Those of them the transformer takes beside the text (they join each prompt's conditioning).
     text_fields: frozenset[str] = frozenset()
 
-    def image_input(self, info: "ModelInfo") -> str | None:
+    def image_input(self, info: "ModelFacts") -> str | None:
         """Whether a request's ``image`` is ``"required"``, ``"optional"`` or refused (None) on this model."""
         return None
 
-    def last_image_input(self, info: "ModelInfo") -> str | None:
+    def last_image_input(self, info: "ModelFacts") -> str | None:
         """The same for ``last_image`` (first-last-frame conditioning)."""
         return None
 
-    def images_allowed(self, info: "ModelInfo") -> int:
+    def images_allowed(self, info: "ModelFacts") -> int:
         """How many images ``image`` may hold (a list beyond one: image editing with several references)."""
         return 0 if self.image_input(info) is None else 1
 
@@ -52,7 +58,7 @@ class NoCondition:
         """Whether the text encoder takes the request's images too (a vision-language encoder)."""
         return False
 
-    def load(self, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
+    def load(self, info: "ModelFacts", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()):
         """The image side's conditioner (its VAE encode tiles as ``tiling`` says)."""
         raise NotImplementedError("this model takes no image")
 
@@ -65,7 +71,7 @@ class NoCondition:
         """What of ``params`` an image's tensors depend on (the encoder worker's cache key, beside the pixels)."""
         return params.height, params.width, params.num_frames
 
-    def default_size(self, info: "ModelInfo", sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int] | None:
+    def default_size(self, info: "ModelFacts", sizes: list[tuple[int, int]], fields: dict) -> tuple[int, int] | None:
         """The output's (height, width) a request without them gets from its images' (width, height), or None:
         the model's defaults."""
         return None
@@ -74,12 +80,12 @@ class NoCondition:
         """The latent-side condition of a request's image wire tensors ([1, ...]), or None (text only)."""
         return None
 
-    def example(self, info: "ModelInfo", latent_shape: tuple[int, ...], generator: torch.Generator, device,
+    def example(self, info: "ModelFacts", latent_shape: tuple[int, ...], generator: torch.Generator, device,
                 dtype: torch.dtype) -> torch.Tensor | None:
         """A random condition of the right shape for latents ``latent_shape`` (compile warm-ups), or None."""
         return None
 
-    def model_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+    def model_latents(self, info: "ModelFacts", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """The transformer's ``hidden_states`` from a request's latents [n, ...] and its condition."""
         return latents
 
@@ -96,16 +102,16 @@ class NoCondition:
         """The tokens a request's condition adds to the transformer's image sequence (reference images)."""
         return 0
 
-    def row_timesteps(self, info: "ModelInfo", timestep: torch.Tensor, latents: torch.Tensor,
+    def row_timesteps(self, info: "ModelFacts", timestep: torch.Tensor, latents: torch.Tensor,
                       image: torch.Tensor | None) -> torch.Tensor:
         """A request's timestep for each of its n rows: [n] float32 (per-token models: [n, tokens])."""
         return (timestep.expand(latents.shape[0]) if timestep.dim() == 0 else timestep).float()
 
-    def final_latents(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+    def final_latents(self, info: "ModelFacts", latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """A request's latents after its last step, as its pipeline returns them."""
         return latents
 
-    def log_prob_mask(self, info: "ModelInfo", latents: torch.Tensor, image: torch.Tensor | None):
+    def log_prob_mask(self, info: "ModelFacts", latents: torch.Tensor, image: torch.Tensor | None):
         """Which latent elements a rollout's log-prob averages over (broadcastable), or None: all of them."""
         return None
 
@@ -175,7 +181,7 @@ class ChannelConcat(FirstFrame):
     take the image as :class:`FirstFrame` does."""
 
     # (info) -> whether a last image is "required", "optional" or refused (None), where the model says.
-    last_image: Callable[["ModelInfo"], str | None] = lambda info: None
+    last_image: Callable[["ModelFacts"], str | None] = lambda info: None
 
     def image_input(self, info):
         # expand_timesteps models: text to video without one, as the text-only pipeline runs the same directory.

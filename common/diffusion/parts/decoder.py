@@ -24,7 +24,7 @@ from common.diffusion.vae_tiling import VaeTiling
 from common.diffusion.loading import load_component
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Decoder(Protocol):
 
 
 class DecoderPart(Protocol):
-    def load(self, info: "ModelInfo", dtype: torch.dtype, device: Any, tiling: VaeTiling = ...) -> Decoder: ...
+    def load(self, info: "ModelFacts", dtype: torch.dtype, device: Any, tiling: VaeTiling = ...) -> Decoder: ...
 
 
 def image_frames(image: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ class AutoencoderKLDecoder:
         self.scale = 2 ** (len(vae.config.block_out_channels) - 1)  # pixels per latent, as the pipeline's
 
     @classmethod
-    def load(cls, info: "ModelInfo", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "AutoencoderKLDecoder":
+    def load(cls, info: "ModelFacts", dtype: torch.dtype, device, tiling: VaeTiling = VaeTiling()) -> "AutoencoderKLDecoder":
         from diffusers import AutoencoderKL
 
         vae = load_component(AutoencoderKL, info.path / "vae", dtype)

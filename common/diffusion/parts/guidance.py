@@ -10,15 +10,25 @@ beside a guidance-distilled transformer's embedded guidance (``guidance_scale``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from common.diffusion.request_fields import field_value
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
-    from common.diffusion.policy import ModelInput
+    from common.diffusion.model_facts import ModelFacts
+
+
+class Guided(Protocol):
+    """What a guidance part reads of a request's input at one step (``common.diffusion.policy.ModelInput``)."""
+
+    latents: torch.Tensor  # [n, *latent]
+    timestep: torch.Tensor
+    grid: object  # the latents part's layout
+    image: object  # the latent-side image condition, or None
+    sigma: torch.Tensor | None
+    settings: object  # what :meth:`Guidance.settings` made of the request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +58,11 @@ class Guidance:
         """Classifier-free guidance of one request's two passes, in its pipeline's order of operations."""
         return uncond + scale * (cond - uncond)
 
-    def refusal(self, info: "ModelInfo", request: dict) -> tuple[str, str] | None:
+    def refusal(self, info: "ModelFacts", request: dict) -> tuple[str, str] | None:
         """(field, why) where this model directory refuses a request's guidance fields, else None."""
         return None
 
-    def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
+    def embedded(self, info: "ModelFacts", guidance_scale: float) -> float | None:
         """The transformer's guidance-embedding input for a request's ``guidance_scale``, else None."""
         return None
 
@@ -64,7 +74,7 @@ class Guidance:
         """What :meth:`combine` reads of a request beyond its scale (none here)."""
         return None
 
-    def combine(self, x: "ModelInput", outs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    def combine(self, x: Guided, outs: list[torch.Tensor], scale: float) -> torch.Tensor:
         """The guided output of ``x`` from its passes' outputs (``ModelInput.branches``' order: cond, uncond,
         further passes); one output is the model's own."""
         if self.float32_output:
@@ -84,5 +94,5 @@ class TrueGuidance(Guidance):
             return combined
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
-    def embedded(self, info: "ModelInfo", guidance_scale: float) -> float | None:
+    def embedded(self, info: "ModelFacts", guidance_scale: float) -> float | None:
         return float(guidance_scale) if info.transformer_config.get("guidance_embeds") else None

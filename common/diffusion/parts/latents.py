@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -56,66 +56,66 @@ class LatentsPart:
     # Several latent streams in one tensor (LTX-2's video and audio): their names (:meth:`stream_masks`).
     streams: tuple[str, ...] = ()
 
-    def size(self, info: "ModelInfo", height: int, width: int, fields: dict) -> tuple[int, int]:
+    def size(self, info: "ModelFacts", height: int, width: int, fields: dict) -> tuple[int, int]:
         """The (height, width) a request's latents are made at, which every other method here takes, for its
         requested size and family fields (``GenerationParams.fields``): the requested size, unless the
         pipeline snaps sizes (e.g. to resolution bins); its decoder then gives the requested size back."""
         return height, width
 
-    def shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+    def shape(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """One sample's latents as the pipeline steps on them (leading 1)."""
         h, w = height // info.vae_scale_spatial, width // info.vae_scale_spatial
         if self.video:
             return (1, info.latent_channels, (num_frames - 1) // info.vae_scale_temporal + 1, h, w)
         return (1, info.latent_channels, h, w)
 
-    def noise_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+    def noise_shape(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """One sample's initial noise as the pipeline draws it, before :meth:`pack` (leading 1)."""
         return self.shape(info, height, width, num_frames)
 
-    def pack(self, noise: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+    def pack(self, noise: torch.Tensor, info: "ModelFacts", height: int, width: int) -> torch.Tensor:
         """Drawn noise [n, *noise_shape] as the latents the pipeline steps on (identity: not packed)."""
         return noise
 
-    def unpack(self, latents: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+    def unpack(self, latents: torch.Tensor, info: "ModelFacts", height: int, width: int) -> torch.Tensor:
         """Stepped latents as the VAE takes them (the inverse of :meth:`pack`)."""
         return latents
 
-    def token_grid(self, info: "ModelInfo", height: int, width: int) -> tuple[int, int]:
+    def token_grid(self, info: "ModelFacts", height: int, width: int) -> tuple[int, int]:
         """Packed latents: the (rows, columns) of a size's image tokens, which their position ids need."""
         return (0, 0)
 
-    def image_seq_len(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> int:
+    def image_seq_len(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> int:
         """The transformer's image tokens for a size (the dynamic shift's ``mu`` depends on it)."""
         shape = self.shape(info, height, width, num_frames)
         return math.prod(n // p for n, p in zip(shape[2:], info.patch_size))
 
-    def request_shape(self, info: "ModelInfo", params) -> tuple[int, ...]:
+    def request_shape(self, info: "ModelFacts", params) -> tuple[int, ...]:
         """One sample's latents for a request (``GenerationParams``), leading 1: :meth:`shape` of its size."""
         return self.shape(info, *self.size(info, params.height, params.width, params.fields), params.num_frames)
 
-    def draw(self, info: "ModelInfo", params, generator: torch.Generator) -> torch.Tensor:
+    def draw(self, info: "ModelFacts", params, generator: torch.Generator) -> torch.Tensor:
         """One sample's initial latents [1, ...] from its generator, as the pipeline draws and packs them."""
         height, width = self.size(info, params.height, params.width, params.fields)
         noise = torch.randn(self.noise_shape(info, height, width, params.num_frames), generator=generator,
                             dtype=torch.float32)
         return self.pack(noise, info, height, width)
 
-    def seq_len(self, info: "ModelInfo", params) -> int:
+    def seq_len(self, info: "ModelFacts", params) -> int:
         """:meth:`image_seq_len` of a request (the dynamic shift's ``mu``)."""
         height, width = self.size(info, params.height, params.width, params.fields)
         return self.image_seq_len(info, height, width, params.num_frames)
 
-    def mu(self, info: "ModelInfo", params) -> float | None:
+    def mu(self, info: "ModelFacts", params) -> float | None:
         """The dynamic shift's ``mu`` a pipeline computes its own way for a request without one (None: the
         scheduler config's ``calculate_shift`` of :meth:`seq_len`)."""
         return None
 
-    def stream_masks(self, info: "ModelInfo", params) -> dict[str, torch.Tensor]:
+    def stream_masks(self, info: "ModelFacts", params) -> dict[str, torch.Tensor]:
         """Per stream (:attr:`streams`), 1 on its elements of a sample's latents [1, ...] (none: one stream)."""
         return {}
 
-    def layout(self, info: "ModelInfo", params) -> object:
+    def layout(self, info: "ModelFacts", params) -> object:
         """What a forward's transformer call needs to know of a request's latents beyond their tensor (its
         ``grid``; hashable, equal for requests that can share a forward): the token grid of its size."""
         return self.token_grid(info, *self.size(info, params.height, params.width, params.fields))
@@ -138,25 +138,25 @@ class LatentsPart:
 class PackedLatents(LatentsPart):
     """2x2 patches of an image latent as tokens (see the module docstring)."""
 
-    def token_grid(self, info: "ModelInfo", height: int, width: int) -> tuple[int, int]:
+    def token_grid(self, info: "ModelFacts", height: int, width: int) -> tuple[int, int]:
         step = info.vae_scale_spatial * 2
         return height // step, width // step
 
-    def noise_shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+    def noise_shape(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         rows, cols = self.token_grid(info, height, width)
         return (1, info.latent_channels, 2 * rows, 2 * cols)
 
-    def shape(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+    def shape(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         rows, cols = self.token_grid(info, height, width)
         return (1, rows * cols, info.latent_channels * 4)
 
-    def pack(self, noise: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+    def pack(self, noise: torch.Tensor, info: "ModelFacts", height: int, width: int) -> torch.Tensor:
         return pack(noise)
 
-    def unpack(self, latents: torch.Tensor, info: "ModelInfo", height: int, width: int) -> torch.Tensor:
+    def unpack(self, latents: torch.Tensor, info: "ModelFacts", height: int, width: int) -> torch.Tensor:
         return unpack(latents, self.token_grid(info, height, width))
 
-    def image_seq_len(self, info: "ModelInfo", height: int, width: int, num_frames: int = 1) -> int:
+    def image_seq_len(self, info: "ModelFacts", height: int, width: int, num_frames: int = 1) -> int:
         rows, cols = self.token_grid(info, height, width)
         return rows * cols
 

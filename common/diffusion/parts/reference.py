@@ -22,15 +22,18 @@ import torch
 
 from common.diffusion.parts.condition import ConditionerLoader, NoCondition
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS, TensorField
+from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, TensorField, image_tensor
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 Grid = tuple[int, int]
+# What the image side sends the denoise worker (see the module docstring): [T, C] and [k, 2].
+REFERENCE_LATENTS = image_tensor("reference_latents", FLOAT_DTYPES, 2)
+REFERENCE_GRIDS = image_tensor("reference_grids", INT_DTYPES, 2)
 # (info, [(width, height) per image], the request's family fields) -> the output's (height, width) when the
 # request gives none: e.g. Qwen-Image-Edit's 1024x1024 area at the first image's aspect.
-SizeFromImages = Callable[["ModelInfo", list[tuple[int, int]], dict], tuple[int, int]]
+SizeFromImages = Callable[["ModelFacts", list[tuple[int, int]], dict], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,11 @@ class ReferenceTokens(NoCondition):
         return References(tokens[None], layout)
 
     def example(self, info, latent_shape, generator, device, dtype):
-        # A compile warm-up's reference: one image the size of the output (packed latents [seq, C]).
+        # A compile warm-up's reference: one image the size of the output (packed latents [seq, C]), its token
+        # grid the packed latents' at the model's default size (PackedLatents.token_grid).
         seq, channels = latent_shape
-        rows, cols = info.family.latents.token_grid(info, info.defaults["height"], info.defaults["width"])
+        step = info.vae_scale_spatial * 2
+        rows, cols = info.defaults["height"] // step, info.defaults["width"] // step
         return References(torch.randn(1, seq, channels, generator=generator, device=device, dtype=dtype),
                           ((rows, cols),))
 

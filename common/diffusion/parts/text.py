@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
 
-from common.protocol.messages import TensorField
+from common.protocol.tensor_field import FLOAT_DTYPES, TensorField, prompt_tensor
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 HIDDEN = "encoder_hidden_states"  # the text sequence every transformer takes under this name
+# A CLIP text encoder's pooled projection [P], one per prompt, for a transformer that takes it beside the sequence.
+POOLED_PROMPT_EMBEDS = prompt_tensor("pooled_prompt_embeds", FLOAT_DTYPES, 1)
 
 
 @dataclass(frozen=True, eq=False)  # identity: the same object on two rows is one text (see rows.Rows.of)
@@ -47,16 +49,16 @@ def cond_to(cond: Conditioning, device, dtype: torch.dtype) -> Conditioning:
 
 # (info, dtype, device) -> an object whose wire_tensors(prompts, max_sequence_length) gives each prompt's
 # wire tensors {field.name: tensor} (one encoder call for them all).
-EncoderLoader = Callable[["ModelInfo", torch.dtype, Any], Any]
+EncoderLoader = Callable[["ModelFacts", torch.dtype, Any], Any]
 # (info, transformer, max_sequence_length, generator, device, dtype) -> a random conditioning of the right shapes.
-ExampleText = Callable[["ModelInfo", torch.nn.Module, int, torch.Generator, Any, torch.dtype], Conditioning]
+ExampleText = Callable[["ModelFacts", torch.nn.Module, int, torch.Generator, Any, torch.dtype], Conditioning]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TextPart:
     """Wire fields -> transformer keywords, each a [1, ...] tensor of the prompt's wire tensor."""
 
-    fields: tuple[TensorField, ...]  # a prompt's wire tensors (negative twins: messages.NEGATIVE_OF)
+    fields: tuple[TensorField, ...]  # a prompt's wire tensors, each with its negative twin (TensorField.negative)
     keywords: tuple[str, ...]  # the transformer's keyword for each of ``fields``
     load_encoder: EncoderLoader
     example: ExampleText  # compile warm-ups
@@ -65,11 +67,15 @@ class TextPart:
     # tokens are attended) and rows share a forward only with texts of the same shapes (:meth:`key`).
     masks_padding: bool = False
 
+    def negatives(self) -> dict[str, str]:
+        """Each of a prompt's wire tensors -> the same tensor of the negative prompt (classifier-free guidance)."""
+        return {f.name: f.negative.name for f in self.fields}
+
     def conditioning(self, wire: dict[str, torch.Tensor], max_sequence_length: int) -> Conditioning:
         """A prompt's wire tensors (cond names) as the transformer takes them, on the wire's device and dtype."""
         return TextCond({k: wire[f.name][None] for f, k in zip(self.fields, self.keywords)})
 
-    def fixed_length(self, info: "ModelInfo") -> int | None:
+    def fixed_length(self, info: "ModelFacts") -> int | None:
         """The only text length this model directory's transformer takes (None: any within the limit)."""
         return None
 

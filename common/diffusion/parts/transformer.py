@@ -18,7 +18,7 @@ import torch
 from common.diffusion.loading import load_component, load_single_file
 
 if TYPE_CHECKING:
-    from common.diffusion.model_info import ModelInfo
+    from common.diffusion.model_facts import ModelFacts
 
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 # Both streams' attention projections of a joint-attention (MM-DiT) block.
@@ -91,7 +91,7 @@ class TransformerPart:
         after = output if isinstance(output, torch.Tensor) else output[index]
         return (after - before).float()
 
-    def shares_text(self, info: "ModelInfo") -> bool:
+    def shares_text(self, info: "ModelFacts") -> bool:
         """Whether text-only activations can be computed once per distinct text (common/diffusion/shared_text.py):
         a cross-attention model's (:meth:`cross_attentions`); a joint-attention model's text stream depends on
         the latents."""

@@ -21,10 +21,10 @@ from common.diffusion.binding import Binding
 from common.diffusion.parts.decoder import AutoencoderKLDecoder
 from common.diffusion.parts.guidance import TrueGuidance
 from common.diffusion.parts.latents import Geometry, PackedLatents, autoencoder_kl_scale
-from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
+from common.diffusion.parts.text import HIDDEN, POOLED_PROMPT_EMBEDS, TextCond, TextPart
 from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
 from common.diffusion.request_fields import TRUE_CFG_SCALE, max_sequence_length
-from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS
 
 POOLED = "pooled_projections"
 
@@ -83,7 +83,7 @@ class FluxTransformer(TransformerPart):
 
 
 FLUX = Binding(
-    family="flux", pipeline="FluxPipeline",
+    family="flux", pipeline="FluxPipeline", words=("flux",),
     # FluxTransformer2DModel takes no text mask (FluxPipeline passes none): T5's padding tokens are attended.
     text=TextPart(fields=(PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS), keywords=(HIDDEN, POOLED),
                   load_encoder=load_text_encoder, example=example_text),

@@ -56,7 +56,7 @@ class KontextTransformer(FluxTransformer):
 
 
 FLUX_KONTEXT = Binding(
-    family="flux-kontext", pipeline="FluxKontextPipeline",
+    family="flux-kontext", pipeline="FluxKontextPipeline", words=("flux", "kontext"),
     text=FLUX.text, latents=KontextLatents(geometry=geometry), transformer=KontextTransformer(),
     decoder=FLUX.decoder, guidance=FLUX.guidance,
     condition=ReferenceTokens(loader=load_conditioner, required=False, max_images=1),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from common.diffusion.parts.pipeline_text import PipelineTextEncoder
-from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
+from common.diffusion.parts.text import POOLED_PROMPT_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS
 
 
 class FluxTextEncoder(PipelineTextEncoder):

@@ -105,7 +105,7 @@ def example_text(info, model, max_sequence_length: int, generator, device, dtype
 
 
 FLUX2_KLEIN = KleinBinding(
-    family="flux2-klein", pipeline="Flux2KleinPipeline",
+    family="flux2-klein", pipeline="Flux2KleinPipeline", words=("flux2", "klein"),
     # Flux2Transformer2DModel takes no text mask (the pipeline passes none): padding tokens are attended.
     text=TextPart(fields=(PROMPT_EMBEDS,), keywords=(HIDDEN,), load_encoder=load_text_encoder, example=example_text),
     latents=KleinLatents(geometry=geometry), transformer=Flux2Transformer(), decoder=Flux2Decoder,

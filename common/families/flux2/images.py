@@ -21,7 +21,7 @@ import torch
 
 from common.diffusion.vae_tiling import VaeTiling
 from common.families.flux2.vae import encode, load_vae
-from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.diffusion.parts.reference import REFERENCE_GRIDS, REFERENCE_LATENTS
 
 PIPELINE_AREA = 1024 * 1024  # the pipeline resizes a larger reference down to this area
 MIN_SIDE, MAX_ASPECT = 64, 8  # Flux2ImageProcessor.check_image_input's defaults, which the pipeline runs

@@ -80,7 +80,7 @@ class HunyuanVideo15Binding(Binding):
 
 _COMMON = dict(text=TEXT, latents=LatentsPart(geometry=geometry, video=True), transformer=HunyuanVideo15Transformer(),
                decoder=HunyuanVideo15Decoder, guidance=HunyuanVideo15Guidance(), fps=24, defaults=DEFAULTS,
-               request_fields=FIELDS)
+               request_fields=FIELDS, words=("hunyuan",))
 
 HUNYUAN_VIDEO15 = HunyuanVideo15Binding(family="hunyuan-video15", pipeline="HunyuanVideo15Pipeline",
                                         condition=NoImage(), **_COMMON)

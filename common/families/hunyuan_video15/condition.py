@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.diffusion.parts.condition import NoCondition
-from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
+from common.diffusion.parts.condition import IMAGE_CONDITION, IMAGE_EMBEDS, NoCondition
 
 
 def condition_channels(latents: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
+from common.diffusion.parts.condition import IMAGE_CONDITION, IMAGE_EMBEDS
 from common.diffusion.loading import load_component
 
 

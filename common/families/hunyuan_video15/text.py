@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
-from common.protocol.messages import GLYPH_EMBEDS, GLYPH_MASK, IMAGE_EMBEDS, PROMPT_EMBEDS, PROMPT_MASK
+from common.diffusion.parts.condition import IMAGE_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS, PROMPT_MASK
+from common.protocol.tensor_field import FLOAT_DTYPES, INT_DTYPES, prompt_tensor
 from common.diffusion.loading import load_component
 
 # HunyuanVideo15Pipeline.__init__'s constants: the Qwen budget after the crop, the template's prefix, ByT5's budget.
@@ -28,6 +30,9 @@ GLYPH_MAX_LENGTH = 256
 MASK = "encoder_attention_mask"
 HIDDEN_2, MASK_2 = "encoder_hidden_states_2", "encoder_attention_mask_2"
 IMAGE = "image_embeds"  # the transformer's keyword (and the wire's name) for SigLIP's embeds
+# ByT5's sequence of the quoted text [L2, D2] and the mask over its L2 tokens [L2] (1: attended).
+GLYPH_EMBEDS = prompt_tensor("glyph_embeds", FLOAT_DTYPES, 2)
+GLYPH_MASK = prompt_tensor("glyph_mask", INT_DTYPES, 1)
 
 
 class HunyuanVideo15TextEncoder:

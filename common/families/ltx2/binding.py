@@ -67,7 +67,7 @@ class Ltx2PassText(Ltx2Text):
 
 _COMMON = dict(text=Ltx2PassText(), latents=Ltx2Latents(geometry=geometry), transformer=Ltx2Transformer(),
                decoder=Ltx2Decoder, guidance=Ltx2Guidance(), fps=24, size_multiple=32, defaults=DEFAULTS,
-               request_fps=frame_rate)
+               request_fps=frame_rate, words=("ltx",))
 
 # One checkpoint for both tasks (Lightricks/LTX-2 names LTX2Pipeline; LTX2ImageToVideoPipeline loads the same
 # directory): either class's directory serves both, a request's image picking image-to-video.

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.diffusion.parts.condition import FirstFrame
-from common.protocol.messages import IMAGE_CONDITION
+from common.diffusion.parts.condition import IMAGE_CONDITION, FirstFrame
 
 
 def frame0_tokens(info, image: torch.Tensor) -> torch.Tensor:

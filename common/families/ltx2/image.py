@@ -20,7 +20,7 @@ import torch
 
 from common.diffusion.request_fields import RequestField, field_value
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import IMAGE_CONDITION
+from common.diffusion.parts.condition import IMAGE_CONDITION
 from common.diffusion.loading import load_component
 
 IMAGE_CRF = RequestField("image_crf", int, "image-to-video: the H.264 CRF the image is re-compressed at before "

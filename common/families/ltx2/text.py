@@ -19,10 +19,12 @@ import torch
 
 from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
 from common.diffusion.request_fields import max_sequence_length
-from common.protocol.messages import AUDIO_PROMPT_EMBEDS, PROMPT_EMBEDS, PROMPT_MASK
+from common.protocol.messages import PROMPT_EMBEDS, PROMPT_MASK
+from common.protocol.tensor_field import FLOAT_DTYPES, prompt_tensor
 from common.diffusion.loading import load_component
 
 AUDIO_HIDDEN = "audio_encoder_hidden_states"
+AUDIO_PROMPT_EMBEDS = prompt_tensor("audio_prompt_embeds", FLOAT_DTYPES, 2)  # the audio stream's context [L, D_a]
 MASK = "encoder_attention_mask"
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline.__call__'s
 # The pipeline bounds the budget by nothing but its connectors' rotary base (4096 in the real checkpoints,

@@ -83,7 +83,7 @@ class QwenImageTransformer(TransformerPart):
 
 
 QWEN_IMAGE = Binding(
-    family="qwen-image", pipeline="QwenImagePipeline",
+    family="qwen-image", pipeline="QwenImagePipeline", words=("qwen",),
     # QwenImageTransformer2DModel's encoder_hidden_states_mask: texts of different lengths share a forward.
     text=MaskedText(fields=(PROMPT_EMBEDS,), keywords=(HIDDEN,), load_encoder=load_text_encoder,
                     example=example_text, mask=MASK),

@@ -19,7 +19,7 @@ import torch
 
 from common.diffusion.parts.latents import pack
 from common.diffusion.vae_tiling import VaeTiling
-from common.protocol.messages import REFERENCE_GRIDS, REFERENCE_LATENTS
+from common.diffusion.parts.reference import REFERENCE_GRIDS, REFERENCE_LATENTS
 from common.diffusion.loading import load_component
 
 REFERENCE_AREA = 1024 * 1024

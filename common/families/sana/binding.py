@@ -124,7 +124,7 @@ CLEAN_CAPTION = RequestField("clean_caption", bool, "the pipeline's caption clea
                              "only false is taken", resolve=_refuse_clean_caption)
 
 SANA = Binding(
-    family="sana", pipeline="SanaPipeline",
+    family="sana", pipeline="SanaPipeline", words=("sana",),
     text=PaddedMaskedText(fields=(PROMPT_EMBEDS,), load_encoder=load_text_encoder, example=example_text, mask=MASK),
     latents=BinnedLatents(geometry=geometry), transformer=SanaTransformer(), decoder=SanaDecoder,
     guidance=Guidance(in_one_forward=True, float32_output=True),  # the pipeline's [uncond, cond] batch

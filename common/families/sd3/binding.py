@@ -19,10 +19,10 @@ from common.diffusion.binding import Binding
 from common.diffusion.parts.decoder import AutoencoderKLDecoder
 from common.diffusion.parts.guidance import Guidance
 from common.diffusion.parts.latents import Geometry, LatentsPart, autoencoder_kl_scale
-from common.diffusion.parts.text import HIDDEN, TextCond, TextPart
+from common.diffusion.parts.text import HIDDEN, POOLED_PROMPT_EMBEDS, TextCond, TextPart
 from common.diffusion.parts.transformer import JOINT_ATTENTION_PROJECTIONS, TransformerPart
 from common.diffusion.request_fields import max_sequence_length
-from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS
 
 POOLED = "pooled_projections"  # the transformer's keyword for the pooled text
 CLIP_TOKENS = 77  # the CLIP tokenizers' length: the joined sequence is 77 + max_sequence_length tokens
@@ -61,7 +61,7 @@ class SD3Transformer(TransformerPart):
 
 
 SD3 = Binding(
-    family="sd3", pipeline="StableDiffusion3Pipeline",
+    family="sd3", pipeline="StableDiffusion3Pipeline", words=("sd3", "stable diffusion"),
     # SD3Transformer2DModel takes no text mask: the joint attention attends CLIP's and T5's padding tokens.
     text=TextPart(fields=(PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS), keywords=(HIDDEN, POOLED),
                   load_encoder=load_text_encoder, example=example_text),

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from common.diffusion.parts.pipeline_text import PipelineTextEncoder
-from common.protocol.messages import POOLED_PROMPT_EMBEDS, PROMPT_EMBEDS
+from common.diffusion.parts.text import POOLED_PROMPT_EMBEDS
+from common.protocol.messages import PROMPT_EMBEDS
 
 
 class SD3TextEncoder(PipelineTextEncoder):

@@ -2,7 +2,8 @@
 
 - encoder: the tokenizer and UMT5 (:mod:`common.families.wan.text`); a prompt travels as its trimmed
   embeddings ``prompt_embeds`` [L, D], zero-padded back to ``max_sequence_length`` on the denoise worker;
-- denoise: ``WanTransformer3DModel`` (``transformer``, and ``transformer_2`` with ``boundary_ratio``),
+- denoise: ``WanTransformer3DModel`` (``transformer``, and ``transformer_2`` with ``boundary_ratio``: the
+  :class:`~common.diffusion.parts.experts.BoundarySplit` experts),
   called with ``encoder_hidden_states``; guidance as two forwards, as ``WanPipeline`` runs it; the
   cross-attention's text side is shared by the rows of one text; diffusers' context-parallel plan;
 - decode: ``AutoencoderKLWan`` with ``latents_mean`` / ``latents_std``;
@@ -22,10 +23,11 @@ import torch
 
 from common.diffusion.binding import Binding
 from common.diffusion.parts.condition import FirstFrame
+from common.diffusion.parts.experts import GUIDANCE_SCALE_2, BoundarySplit
 from common.diffusion.parts.latents import Geometry, LatentsPart, vae_config
 from common.diffusion.parts.text import PaddedText
 from common.diffusion.vae_tiling import VaeTiling
-from common.diffusion.request_fields import GUIDANCE_SCALE_2, NUM_FRAMES, max_sequence_length
+from common.diffusion.request_fields import NUM_FRAMES, max_sequence_length
 from common.families.wan.text import MAX_SEQUENCE_LENGTH, WanTextEncoder
 from common.families.wan.transformer import WanTransformer
 from common.families.wan.vae import WanDecoder
@@ -73,7 +75,7 @@ TEXT = PaddedText(fields=(PROMPT_EMBEDS,), load_encoder=load_text_encoder, examp
 LATENTS = LatentsPart(geometry=geometry, video=True)
 
 WAN = Binding(
-    family="wan", pipeline="WanPipeline", text=TEXT, latents=LATENTS, decoder=WanDecoder,
+    family="wan", pipeline="WanPipeline", words=("wan",), text=TEXT, latents=LATENTS, decoder=WanDecoder, experts=BoundarySplit(),
     # TeaCache4Wan2.1's published polynomial for Wan2.1-T2V-1.3B on the 6 x D timestep projection (its
     # "ret steps" mode: the first 5 steps always computed).
     transformer=WanTransformer(

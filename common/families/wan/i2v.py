@@ -22,12 +22,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.diffusion.parts.condition import ChannelConcat
+from common.diffusion.parts.condition import IMAGE_CONDITION, IMAGE_EMBEDS, ChannelConcat
 from common.diffusion.parts.text import HIDDEN, PaddedText, TextCond, pad_embeddings
 from common.families.wan.binding import TEXT, WAN, image_tokens, load_image_conditioner
 from common.families.wan.text import MAX_SEQUENCE_LENGTH
 from common.families.wan.transformer import IMAGE_HIDDEN, WanTransformer, clip
-from common.protocol.messages import IMAGE_CONDITION, IMAGE_EMBEDS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,7 +49,7 @@ def example_text(info, model, max_sequence_length: int, generator, device, dtype
 
 
 Z_IMAGE = Binding(
-    family="z-image", pipeline="ZImagePipeline",
+    family="z-image", pipeline="ZImagePipeline", words=("z-image",),
     text=MaskedText(fields=(PROMPT_EMBEDS,), keywords=(HIDDEN,), load_encoder=load_text_encoder,
                     example=example_text, mask=MASK),
     latents=LatentsPart(geometry=geometry), transformer=ZImageTransformer(), decoder=AutoencoderKLDecoder,
