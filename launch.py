@@ -256,7 +256,7 @@ def engine_config(args: argparse.Namespace, model: Path, runtime: Path, weight_r
     )
 
 
-def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
+def keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
     """The API/admin keys and the weight roots; a bad one ends the launcher with one line."""
     # Before any child starts: the key variables leave the environment the workers inherit.
     try:
@@ -266,7 +266,7 @@ def _keys_and_roots(args: argparse.Namespace) -> tuple[str | None, str | None, l
         sys.exit(f"launch.py: error: {e}")
 
 
-def _load_model(name: str) -> Path:
+def load_model(name: str) -> Path:
     if name in BUILTINS:
         log.info("loading model %s (built in; the first run generates it into %s, a few seconds)", name, cache_root())
     try:
@@ -367,12 +367,12 @@ def _clean_up(config: EngineConfig, shm_prefix: str, own_runtime: bool) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO"), format="%(asctime)s launch %(levelname)s %(message)s")
-    api_key, admin_key, weight_roots = _keys_and_roots(args)
+    api_key, admin_key, weight_roots = keys_and_roots(args)
     sockets = bind_http_or_exit(args.host, args.port)  # before anything slow
     args.port = sockets[0].getsockname()[1]  # --port 0: the one it was given
     args.data_dir = args.data_dir or default_data_dir(args.host, args.port)
     store = open_job_store(args.data_dir)  # locked until this process exits
-    model = _load_model(args.model)
+    model = load_model(args.model)
     info = model_info(model, args.transformer_file)
     log.info("model family: %s (%s)", info.family.family, info.family.pipeline)
     runtime = _private_runtime_dir(args.runtime_dir)

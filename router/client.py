@@ -68,13 +68,36 @@ class EngineClient:
             raise EngineHTTPError(r.status_code, data.get("error", {}) if isinstance(data, dict) else {})
         return decode_tensors(data)
 
+    def _get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return self._decode(self._http.get(path, params=params))
+
+    def _post_msgpack(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A body with raw bytes (an adapter's tensors): msgpack, never pickle."""
+        return self._decode(self._http.post(path, content=msgpack.packb(body, use_bin_type=True),
+                                            headers={"content-type": MSGPACK}))
+
+    def _stream(self, path: str, body: dict[str, Any], request_id: str | None) -> Iterator[dict[str, Any]]:
+        headers = {"accept": MSGPACK, "content-type": "application/json"}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        with self._http.stream("POST", path, content=json.dumps(body), headers=headers) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._decode(r)
+            unpacker = msgpack.Unpacker(raw=False)
+            for chunk in r.iter_bytes():
+                unpacker.feed(chunk)
+                for item in unpacker:
+                    yield decode_tensors(item)
+
     def health(self) -> dict[str, Any]:
-        return self._http.get("/health").json()
+        r = self._http.get("/health")
+        return r.json()
 
     def model(self) -> dict[str, Any]:
         """The served model (GET /v1/models' entry): its family, defaults, ``image_input`` and ``max_images``
         (how many images ``image`` may hold)."""
-        return self._decode(self._http.get("/v1/models"))["data"][0]
+        return self._get("/v1/models")["data"][0]
 
     def max_images(self) -> int:
         """How many images the served model takes in ``image`` (0: none, 1: one, more: a list of up to that)."""
@@ -102,20 +125,8 @@ class EngineClient:
         """``stream: true`` on /rollout/generate (``rollout=False``: /generate): each sample as it is decoded,
         ``{"index": i, ...}`` with torch tensors, then the request's ``{"done": true, ...}`` (docs/api.md,
         streaming). A failure after the first sample is the last item's ``error``."""
-        headers = {"accept": MSGPACK, "content-type": "application/json"}
-        if request_id is not None:
-            headers["x-request-id"] = request_id
-        body = json.dumps({"prompt": prompt, **_images(fields), "stream": True})
-        with self._http.stream("POST", "/rollout/generate" if rollout else "/generate", content=body,
-                               headers=headers) as r:
-            if r.status_code >= 400:
-                r.read()
-                self._decode(r)
-            unpacker = msgpack.Unpacker(raw=False)
-            for chunk in r.iter_bytes():
-                unpacker.feed(chunk)
-                for item in unpacker:
-                    yield decode_tensors(item)
+        yield from self._stream("/rollout/generate" if rollout else "/generate",
+                                {"prompt": prompt, **_images(fields), "stream": True}, request_id)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
         """POST /abort_request: cancel the request sent with ``request_id=rid`` (or every one: ``abort_all``,
@@ -132,7 +143,7 @@ class EngineClient:
         return self._post("/pin_reference", {})
 
     def weights_checksum(self, module: str = "transformer") -> dict[str, Any]:
-        return self._decode(self._http.get("/weights_checksum", params={"module": module}))
+        return self._get("/weights_checksum", {"module": module})
 
     # --- releasing and resuming the weights (a colocated trainer) -------------------------
     def release_memory_occupation(self, tags: list[str] | None = None, level: int = 2,
@@ -149,7 +160,7 @@ class EngineClient:
 
     def is_sleeping(self) -> dict[str, Any]:
         """``{"is_sleeping": bool, "components": {tag: {"sleeping", "level", "weights"}}}``."""
-        return self._decode(self._http.get("/is_sleeping"))
+        return self._get("/is_sleeping")
 
     # --- LoRA adapters -----------------------------------------------------------------
     def load_lora_adapter(self, lora_name: str, lora_path: str, load_into_transformer_2: bool = False) -> dict:
@@ -172,21 +183,19 @@ class EngineClient:
         blob = torch.cat([t.to(dtype).reshape(-1) for t in parts])
         body = {"lora_name": lora_name, "tensors": [{"name": n, "shape": list(t.shape)} for n, t in zip(names, parts)],
                 "blob": tensor_to_body(blob, binary=True), "rank": rank, "alpha": alpha, "module": module}
-        r = self._http.post("/v1/load_lora_adapter", content=msgpack.packb(body, use_bin_type=True),
-                            headers={"content-type": MSGPACK})
-        return self._decode(r)
+        return self._post_msgpack("/v1/load_lora_adapter", body)
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         return self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
 
     def lora_adapters(self) -> list[dict]:
         """Each loaded adapter: lora_name, lora_version, rank, scale, target_modules, experts, sha256."""
-        return self._decode(self._http.get("/v1/lora_adapters"))["adapters"]
+        return self._get("/v1/lora_adapters")["adapters"]
 
     # --- weight sync from the trainer's memory (--weight-sync-from-memory) ---------------
     def weight_sync_info(self) -> dict:
         """Whether the engine takes weights from memory, the shared-memory prefix, the denoise workers."""
-        return self._decode(self._http.get("/weight_sync"))
+        return self._get("/weight_sync")
 
     def update_weights_from_tensors(self, named_tensors, module: str = "transformer",
                                     bucket_bytes: int = 256 << 20, checksum: bool = True,

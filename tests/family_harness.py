@@ -71,6 +71,19 @@ class InProcess:
         """Forwards that held more than one task (batching tests)."""
         return self.denoiser.shared_forwards
 
+    @property
+    def max_threads(self) -> int:
+        """The threads the eager CPU worker sizes its forwards up to (torch's when the harness was built)."""
+        return self.denoiser.max_threads
+
+    @property
+    def serving_template(self):
+        return self.denoiser.serving_template
+
+    @property
+    def rollout_template(self):
+        return self.denoiser.rollout_template
+
     def params(self, **over) -> GenerationParams:
         """A request as the router fills it: the model's serving defaults for whatever ``over`` leaves out."""
         d = self.info.defaults

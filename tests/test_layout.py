@@ -32,6 +32,8 @@ PACKAGES = {
     "router": {"router"},
     "rl": {"rl"},
     "disagg": {"disagg", "launch"},  # the command: an engine as a child process, or launch.py itself (serve)
+    # the engine in one process: launch.py's flags, the stages and the router's core
+    "local_engine": {"local_engine", "launch", "router", "encoder_worker", "denoise_worker", "decode_worker"},
 }
 OURS = {"common", "launch", *PACKAGES}
 MAX_PRODUCT_LINES = 400

@@ -60,10 +60,7 @@ class WorkerRuntime:
         self.stage = stage
         self.config = stage.config
         self.spec = stage.spec
-        self.ctx = zmq.Context.instance()
-        self.security = Security.load(self.config, process_name(self.spec.role, self.spec.index))
-        self.shm = ShmContext(self.config, process_name(self.spec.role, self.spec.index))  # clears leftovers for us
-        self.cuda_ipc = CudaIpcContext(self.config, self.spec)  # GPU worker to GPU worker: tensors stay on GPUs
+        self.open_transport()
         self.state = "loading"
         self._stop = threading.Event()
         self._controls: collections.deque[tuple[ControlRequest, dict]] = collections.deque()
@@ -76,6 +73,14 @@ class WorkerRuntime:
         self._peaks: dict[str, int] = {}  # the requests held: the highest peak of the work done while held
 
     # --- sockets -----------------------------------------------------------
+    def open_transport(self) -> None:
+        """The worker's links: ZeroMQ sockets, shared memory and CUDA IPC for large tensors (an in-process worker,
+        local_engine/, has none)."""
+        self.ctx = zmq.Context.instance()
+        self.security = Security.load(self.config, process_name(self.spec.role, self.spec.index))
+        self.shm = ShmContext(self.config, process_name(self.spec.role, self.spec.index))  # clears leftovers for us
+        self.cuda_ipc = CudaIpcContext(self.config, self.spec)  # GPU worker to GPU worker: tensors stay on GPUs
+
     def _push_socket(self, endpoint: str) -> zmq.Socket:
         sock = self._push.get(endpoint)
         if sock is None:
@@ -114,23 +119,8 @@ class WorkerRuntime:
         sock = connect_push(self.ctx, self.config.router_endpoint, self.security, linger=0, sndhwm=4)
         try:
             while not self._stop.is_set():
-                shm = self.shm.counts()  # read from another thread: plain ints, a heartbeat may lag by one
-                hb = Heartbeat(
-                    v=PROTOCOL_VERSION,
-                    request_id="",
-                    role=self.stage.role,
-                    index=self.spec.index,
-                    pid=os.getpid(),
-                    device=self.spec.device,
-                    endpoint=self.spec.endpoint,
-                    socket_type="PULL",
-                    state=self.state,
-                    cuda_ipc_sent=self.cuda_ipc.sent,
-                    cuda_ipc_received=self.cuda_ipc.received,
-                    shm_sent=shm["sent"], shm_received=shm["received"],
-                )
                 try:
-                    sock.send_multipart(encode(hb), flags=zmq.NOBLOCK)
+                    sock.send_multipart(encode(self.heartbeat()), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 if os.getppid() != self._parent:  # launcher gone: do not linger as an orphan
@@ -139,6 +129,13 @@ class WorkerRuntime:
                 self._stop.wait(self.config.heartbeat_interval_s)
         finally:
             sock.close()
+
+    def heartbeat(self) -> Heartbeat:
+        shm = self.shm.counts()  # read from another thread: plain ints, a heartbeat may lag by one
+        return Heartbeat(v=PROTOCOL_VERSION, request_id="", role=self.stage.role, index=self.spec.index,
+                         pid=os.getpid(), device=self.spec.device, endpoint=self.spec.endpoint, socket_type="PULL",
+                         state=self.state, cuda_ipc_sent=self.cuda_ipc.sent, cuda_ipc_received=self.cuda_ipc.received,
+                         shm_sent=shm["sent"], shm_received=shm["received"])
 
     # --- main loop ---------------------------------------------------------
     @functools.cached_property
@@ -154,6 +151,11 @@ class WorkerRuntime:
             if e.request_id:
                 self.reply_error(e.request_id, e, status=400)
             return
+        self.take(msg, tensors)
+
+    def take(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """A message that arrived: a request (admitted, or held until there is room or a control is applied), a
+        control, a cancel."""
         expected = REQUEST_KINDS[self.stage.role]
         if isinstance(msg, PeerMoved):
             self.move_peer(msg)

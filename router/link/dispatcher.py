@@ -52,7 +52,7 @@ class Dispatcher:
         self.registry = WorkerRegistry(config.workers, config.heartbeat_timeout_s)
         self.admission = Admission(config.limits.max_pending)
         self.pending = PendingTable()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None  # the sockets' (start)
         self.security = Security.load(config, ROUTER)  # CURVE keys on tcp topologies
         self.shm = ShmContext(config, ROUTER)  # results' large tensors arrive in /dev/shm (ipc); clears leftovers
         self._pull: zmq.asyncio.Socket | None = None
@@ -71,6 +71,7 @@ class Dispatcher:
 
     # --- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
         self._pull = bind_pull(self._ctx, self.config.router_endpoint, self.security, linger=0,
                                maxmsgsize=self.config.limits.max_message_bytes)
         for w in self.config.of_role("encoder"):
@@ -86,7 +87,8 @@ class Dispatcher:
             if s is not None:
                 s.close()
         self.security.close()  # the ZAP handler's sockets must close before the context terminates
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
 
     # --- workers -----------------------------------------------------------
     def health(self) -> tuple[bool, list[dict]]:
@@ -201,8 +203,7 @@ class Dispatcher:
                                                 samples=params.n, client_id=client_id, on_sample=on_sample))
         try:
             msg = EncodeRequest(v=PROTOCOL_VERSION, request_id=rid, route=route, params=params)
-            frames = encode(msg, images, shm=self.shm.sender(process_name("encoder", route.encoder)))
-            await self._encoders[route.encoder].send_multipart(frames, copy=False)
+            await self.to_encoder(route.encoder, msg, images)
             return await asyncio.wait_for(future, timeout=max(0.0, params.deadline - time.time()))
         except asyncio.CancelledError:  # cancelled (router/link/cancel.py): the workers drop it too
             self._send_cancel(rid, pending)
@@ -231,13 +232,23 @@ class Dispatcher:
         it); each stage passes it on behind the request. Unless ``partial``, its answers are no longer awaited."""
         if not partial:
             self.pending.fence(rid)
-        sock = self._encoders.get(p.route.encoder)
+        self.cancel_to_encoder(p.route.encoder,
+                               Cancel(v=PROTOCOL_VERSION, request_id=rid, route=p.route, decode=p.uses_decode,
+                                      partial=partial))
+
+    # --- what goes to the workers: the only socket writes (an in-process link, local_engine/, replaces them) ----
+    async def to_encoder(self, index: int, msg: EncodeRequest, tensors: dict[str, torch.Tensor]) -> None:
+        frames = encode(msg, tensors, shm=self.shm.sender(process_name("encoder", index)))
+        await self._encoders[index].send_multipart(frames, copy=False)
+
+    def cancel_to_encoder(self, index: int, msg: Cancel) -> None:
+        """Without waiting: on the socket its request went by, so that it cannot overtake it."""
+        sock = self._encoders.get(index)
         if sock is None:
             return
-        msg = Cancel(v=PROTOCOL_VERSION, request_id=rid, route=p.route, decode=p.uses_decode, partial=partial)
         sent = sock.send_multipart(encode(msg), copy=False)
         sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                               or log.warning("could not send the cancel of %s: %s", rid, f.exception()))
+                               or log.warning("could not send the cancel of %s: %s", msg.request_id, f.exception()))
 
     async def _reserve(self, params: GenerationParams):
         """A ready instance of each role the request needs (a latent answer skips the decode worker). While
