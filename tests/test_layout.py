@@ -368,3 +368,19 @@ def test_the_router_names_no_familys_field():
             spelled = {ast.Constant: lambda n: n.value, ast.Name: lambda n: n.id, ast.Attribute: lambda n: n.attr,
                        ast.keyword: lambda n: n.arg, ast.arg: lambda n: n.arg}.get(type(node), lambda n: None)(node)
             assert spelled not in own, f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: {spelled!r}"
+
+
+def test_the_denoise_step_reads_in_one_place():
+    """The Denoiser's step and its one batch's phases fit a screen; a request's state holds at most 14 fields in
+    each of its parts (its task, how its steps are taken, what it returns)."""
+    import dataclasses
+    import inspect
+
+    from denoise_worker.denoiser import Denoiser, Request
+    from denoise_worker.rollout_record import RolloutRecord
+    from denoise_worker.task import DenoiseTask, StepRule
+
+    for phase in (Denoiser.step, Denoiser.run):
+        assert len(inspect.getsource(phase).splitlines()) <= 40, phase.__name__
+    for state in (DenoiseTask, StepRule, RolloutRecord, Request):
+        assert len(dataclasses.fields(state)) <= 14, state.__name__
