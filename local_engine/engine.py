@@ -88,6 +88,7 @@ class LocalEngine(EngineClient):
             self._call(self.engine.stop())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
+            self._loop.close()
         for written in self._buckets.values():
             written.close()
         self._buckets.clear()
