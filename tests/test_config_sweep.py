@@ -154,8 +154,8 @@ def test_a_drawn_configuration_is_served_equal_or_refused_at_launch(pipeline, in
     other = _params(eng, images, seed=index + 30)
     held = {"roll": roll, "other": other}
     alone = {rid: st.serve({rid: (q, image)}, last)[rid] for rid, q in held.items()}
-    shared, real = [], st.stage.batched_velocity
-    st.stage.batched_velocity = lambda tasks: shared.append(len(tasks)) or real(tasks)
+    shared, real = [], st.stage.denoiser.run  # the requests of each batched step
+    st.stage.denoiser.run = lambda batch: shared.append(len(batch)) or real(batch)
     st.stage.accept(*st.message("roll", roll, image, last))
     together = dict(_turn(st))
     st.stage.accept(*st.message("other", other, image, last))

@@ -122,8 +122,8 @@ def test_image_and_text_requests_of_one_directory_share_no_forward(tmp_path):
     st = InStage(eng, tmp_path)
     p, _ = request(eng, LTX2_GUIDED)
     requests = {"image": (p, IMAGE), "text": (p, None)}
-    held, real = [], st.stage.batched_velocity
-    st.stage.batched_velocity = lambda tasks: held.append(len(tasks)) or real(tasks)
+    held, real = [], st.stage.denoiser.run  # the requests of each batched step
+    st.stage.denoiser.run = lambda batch: held.append(len(batch)) or real(batch)
     together = st.serve(requests)
     assert held and max(held) == 1
     for rid, (params, image) in requests.items():
