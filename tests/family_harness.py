@@ -76,6 +76,10 @@ class InProcess:
         """The threads the eager CPU worker sizes its forwards up to (torch's when the harness was built)."""
         return self.denoiser.max_threads
 
+    @max_threads.setter
+    def max_threads(self, threads: int) -> None:  # as a worker given that many threads caps its forwards
+        self.denoiser.max_threads = threads
+
     @property
     def serving_template(self):
         return self.denoiser.serving_template

@@ -121,8 +121,8 @@ def test_serving_solver_after_the_window(name, record_property):
     start, stop = p.rollout.sde_window
     assert p_euler.rollout.sde_window == [start, stop]
     served, plain = eng.run(p, image=image), eng.run(p_euler, image=image)
-    assert served.after_from == stop
-    assert torch.equal(served.after.sigmas, served.scheduler.sigmas[stop:])  # kept, not shifted again
+    assert served.rule.after_from == stop
+    assert torch.equal(served.rule.after.sigmas, served.scheduler.sigmas[stop:])  # kept, not shifted again
     s_ex, e_ex = served.extras(), plain.extras()
     assert torch.equal(s_ex[LOG_PROBS.name], e_ex[LOG_PROBS.name])
     assert torch.equal(s_ex[TRAJECTORY_LATENTS.name][:, : stop + 1], e_ex[TRAJECTORY_LATENTS.name][:, : stop + 1])
@@ -135,9 +135,9 @@ def test_serving_solver_after_the_window(name, record_property):
     d = max_diff(mine, traj.latents[-1:])
     vs_euler = max_diff(traj.latents[-1:], _trajectory(e_ex).latents[-1:])
     record_property("max_diff", d)
-    print(f"\n[{name}] {type(served.after).__name__} after {stop}: vs own run {d:.3g}, vs Euler {vs_euler:.3g}")
+    print(f"\n[{name}] {type(served.rule.after).__name__} after {stop}: vs own run {d:.3g}, vs Euler {vs_euler:.3g}")
     assert d <= TOL
-    if "Euler" not in type(served.after).__name__:  # a higher-order solver lands elsewhere than Euler
+    if "Euler" not in type(served.rule.after).__name__:  # a higher-order solver lands elsewhere than Euler
         assert vs_euler > 100 * TOL
 
 
