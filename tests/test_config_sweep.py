@@ -10,7 +10,7 @@ then either served equal to the family's diffusers pipeline or refused when the 
 - batching: the rollout and a serving request of another seed, stepped in shared forwards one step apart, each
   equal to its run alone within 1e-5.
 
-``DISAGG_SWEEP_N`` configurations per family (default 1; ``CI=true``: 2) of sweep ``DISAGG_SWEEP_SEED`` (default
+``DISAGG_SWEEP_N`` configurations per family (default 1, in CI too) of sweep ``DISAGG_SWEEP_SEED`` (default
 0), printed at the end of the run; any case is rebuilt from (pipeline, seed, index) with
 ``common.builtin.sweep.build_drawn``.
 """
@@ -37,7 +37,7 @@ from router.core.request_params import to_params
 from rl import TrainerPolicy, Trajectory
 
 SEED = int(os.environ.get("DISAGG_SWEEP_SEED", "0"))
-PER_FAMILY = int(os.environ.get("DISAGG_SWEEP_N", "2" if os.environ.get("CI") == "true" else "1"))
+PER_FAMILY = int(os.environ.get("DISAGG_SWEEP_N", "1"))
 SERVE_TOL = 1e-4  # of the latents' scale
 RECOMPUTE_TOL = 1e-5
 BATCH_TOL = 1e-5  # of the latents' scale

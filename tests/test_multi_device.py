@@ -23,6 +23,7 @@ import torch
 
 import lora_fixtures as lf
 from conftest import Engine, pid_alive
+from local_engine import LocalEngine
 from common.diffusion.weights import save_weights
 from router.client import EngineClient, EngineHTTPError
 
@@ -50,27 +51,29 @@ def _start(tmp_path_factory, model: str, topology: str, lora_root: Path, extra: 
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory, lora_root):
-    """One-device engines by model, started when first asked for. Besides ``tiny`` (every layout's reference)
-    one at a time: each other model is one test's, and ten of them alive at once would take ~17 GB."""
-    started: dict[str, Engine] = {}
+    """One-device references by model, started when first asked for: local engines (local_engine/, the launched
+    engine's answers bit for bit, tests/test_local_engine.py), since the boundary tested here is the ranks'.
+    Besides ``tiny`` (every layout's reference) one at a time: each other model is one test's."""
+    started: dict[str, LocalEngine] = {}
 
-    def get(model: str) -> EngineClient:
+    def get(model: str) -> LocalEngine:
         if model not in started:
             for other in [m for m in started if m != "tiny"]:
-                started.pop(other).stop()
-            topology = "encoder=1,denoise=1,decode=1"
+                started.pop(other).close()
+            flags = ["--max-batch-size", "8", "--weight-root", str(lora_root), "--weight-sync-from-memory"]
             if model == "small":
                 # Its forwards are big enough for all of a worker's threads (denoise_worker/threads.py): one
                 # thread, as each rank of a 4-rank worker on 2 cores has, so that the sums round alike.
                 topology = tmp_path_factory.mktemp("topology") / "one-thread.json"
                 topology.write_text(json.dumps([{"role": "encoder"}, {"role": "denoise", "threads": 1},
                                                 {"role": "decode"}]))
-            started[model] = _start(tmp_path_factory, model, str(topology), lora_root)
-        return EngineClient(started[model].url)
+                flags += ["--topology", str(topology)]
+            started[model] = LocalEngine(model, *flags)
+        return started[model]
 
     yield get
     for e in started.values():
-        e.stop()
+        e.close()
 
 
 # One layout in the default suite (both mechanisms at once); the two single ones are heavy.
