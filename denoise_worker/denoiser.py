@@ -10,7 +10,6 @@ engine, the tests and the benches build the same object.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ class Request:
 
     id: str
     task: DenoiseTask
-    seq: int  # arrival order: the oldest request leads the next batch
     t0: float = field(default_factory=time.perf_counter)
     largest_batch: int = 0  # the most samples it shared a step with
     step_versions: list[int] = field(default_factory=list)  # the weight version each step it took ran on
@@ -53,11 +51,11 @@ class Left:
 
 class Denoiser:
     def __init__(self, policy: Policy, device: torch.device, max_batch: int, *, size_threads_on_cpu: bool = True,
-                 ranks: int = 1, on_ranks: bool = False):
+                 ranks: int = 1, on_ranks: Callable[[Exception], None] | None = None):
         """``size_threads_on_cpu``: each CPU forward's threads sized to it (off for compiled graphs, which guard
         on the thread count); ``ranks``: the devices a sequence is split over (a sequence they cannot share is
         refused); ``on_ranks``: the forwards are collectives of several processes, so a failure is the whole
-        batch's (raised), never retried request by request."""
+        batch's, never retried request by request; it is called with the error (the worker replaces itself)."""
         self.policy, self.info, self.family = policy, policy.info, policy.info.family
         self.device, self.max_batch, self.ranks, self.on_ranks = device, max(1, max_batch), ranks, on_ranks
         self.texts = TextTable(self.family, device, policy.dtype)
@@ -67,12 +65,11 @@ class Denoiser:
         self.max_threads = torch.get_num_threads()
         self.size_threads = size_threads_on_cpu and device.type == "cpu"
         self.weight_version = 0  # the weights' version, tagged on each step taken
-        self.requests: list[Request] = []
+        self.requests: list[Request] = []  # in arrival order: the oldest leads the next batch
         self.last_stepped: list[Request] = []  # the requests of the last step that are still held
         self.shared_forwards = 0  # forwards that held more than one request's rows
         self._image_tokens = 0  # the current batch's image sequence (thread sizing)
         self.observe: Callable[[list[ModelInput]], None] | None = None  # sees each forward's inputs (tests)
-        self._seq = itertools.count()
 
     # --- requests in and out ---------------------------------------------------------------------------
     def task(self, params: GenerationParams, tensors: dict[str, torch.Tensor], lora=None,
@@ -110,7 +107,7 @@ class Denoiser:
         return text
 
     def add(self, request_id: str, task: DenoiseTask) -> Request:
-        request = Request(request_id, task, next(self._seq))
+        request = Request(request_id, task)
         self.requests.append(request)
         return request
 
@@ -175,9 +172,9 @@ class Denoiser:
                     self.family.text.key(texts), self.family.condition.batch_key(task.image),
                     self.family.latents.layout(self.info, p))
 
-        oldest = min(self.requests, key=lambda r: r.seq)
+        oldest = key(self.requests[0])
         batch, samples = [], 0
-        for r in sorted((r for r in self.requests if key(r) == key(oldest)), key=lambda r: r.seq):
+        for r in (r for r in self.requests if key(r) == oldest):
             if not batch or samples + r.task.n <= self.max_batch:
                 batch.append(r)
                 samples += r.task.n
@@ -186,19 +183,18 @@ class Denoiser:
     def _forwards(self, tasks: list[DenoiseTask]) -> tuple[list[Outcome], bool]:
         """Each task's guided outputs (or its own error), and whether they came from shared forwards. On several
         ranks a failure is the batch's: every task gets it (their collectives were left half done)."""
-        p = tasks[0].params  # the tasks of one forward have one size: its image tokens size the threads
-        self._image_tokens = self.family.latents.image_seq_len(
-            self.info, *self.family.latents.size(self.info, p.height, p.width, p.fields), p.num_frames)
-        if self.on_ranks:
+        if self.size_threads:  # the tasks of one forward have one size: its image tokens size the threads
+            p = tasks[0].params
+            self._image_tokens = self.family.latents.image_seq_len(
+                self.info, *self.family.latents.size(self.info, p.height, p.width, p.fields), p.num_frames)
+        if self.on_ranks is not None:
             try:
                 return step_velocities(self.policy, tasks, self.max_batch, self._before_forward), True
             except Exception as e:
-                self.ranks_failed(e)
+                self.on_ranks(e)
                 return [e] * len(tasks), True
         return step_each(self.policy, tasks, self.max_batch, self._before_forward)
 
-    def ranks_failed(self, error: Exception) -> None:
-        """Called when a forward on several ranks failed (the worker replaces it: denoise_worker/stage.py)."""
 
     def _before_forward(self, inputs: list[ModelInput]) -> None:
         self.shared_forwards += len(inputs) > 1

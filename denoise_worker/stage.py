@@ -66,8 +66,7 @@ class DenoiseStage(Stage):
         self.pinned: Pinned | None = None  # kl_reference "pinned" (POST /pin_reference)
         self.denoiser = Denoiser(self.policy, self.device, self.config.max_batch_size,
                                  size_threads_on_cpu=not self.config.compile, ranks=self.spec.ulysses * self.spec.ring,
-                                 on_ranks=self.followers is not None)
-        self.denoiser.ranks_failed = self._ranks_failed
+                                 on_ranks=None if self.followers is None else self._ranks_failed)
         self.messages: dict[str, DenoiseRequest] = {}  # the held requests' messages, by id
         self.reported_at: dict[str, float] = {}  # when the router last heard of a request's step count
         self._notices: list[Forward] = []

@@ -131,7 +131,7 @@ class InProcess:
     def step(self, tasks: list[DenoiseTask]) -> None:
         """One step of the worker's loop for ``tasks`` (each at its own step): the Denoiser's step for them as one
         batch (denoise_worker/denoiser.py ``Denoiser.run``); none may fail."""
-        left = self.denoiser.run([Request(str(i), t, i) for i, t in enumerate(tasks)])
+        left = self.denoiser.run([Request(str(i), t) for i, t in enumerate(tasks)])
         assert all(out.error is None for out in left), [out.error for out in left]
 
     def run(self, p: GenerationParams, lora=None, image=None, last_image=None, initial_latents=None) -> DenoiseTask:

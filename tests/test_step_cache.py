@@ -132,7 +132,7 @@ def run_joined(eng: InProcess, jobs: list[dict], policy=None) -> list:
         else:  # the Denoiser on another policy, threads as they are
             other = Denoiser(policy, torch.device("cpu"), MAX_BATCH, size_threads_on_cpu=False)
             with torch.no_grad():
-                assert [out.error for out in other.run([Request(str(i), t, i) for i, t in enumerate(live)])
+                assert [out.error for out in other.run([Request(str(i), t) for i, t in enumerate(live)])
                         if out.error is not None] == []
         step += 1
     return tasks
