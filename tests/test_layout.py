@@ -384,3 +384,11 @@ def test_the_denoise_step_reads_in_one_place():
         assert len(inspect.getsource(phase).splitlines()) <= 40, phase.__name__
     for state in (DenoiseTask, StepRule, RolloutRecord, Request):
         assert len(dataclasses.fields(state)) <= 14, state.__name__
+
+
+def test_no_script_shadows_a_package():
+    """Tests put bench/ first on sys.path to import its scripts: a script named like one of our packages would
+    replace that package for every test collected after it."""
+    for folder in ("bench", "scripts", "tests"):
+        clashes = {p.stem for p in (ROOT / folder).glob("*.py")} & OURS
+        assert not clashes, f"{folder}/ has scripts named like packages: {sorted(clashes)}"

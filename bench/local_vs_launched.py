@@ -2,7 +2,7 @@
 
 Per model: the start-up time (to the first answer's readiness) and a small request's latency at c=1 (median of
 ``--repeats`` after ``--warmup``), for ``/generate`` (latents) and a rollout group, both engines side by side in
-one run, with the ratio local / launched. Run: ``python bench/local_engine.py [--models tiny tiny-sd3]``.
+one run, with the ratio local / launched. Run: ``python bench/local_vs_launched.py [--models tiny tiny-sd3]``.
 """
 
 from __future__ import annotations
