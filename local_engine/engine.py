@@ -32,6 +32,7 @@ from common.runtime.stage import Stage
 from decode_worker.stage import DecodeStage
 from denoise_worker.stage import DenoiseStage
 from encoder_worker.stage import EncoderStage
+from local_engine.front_door import FrontDoor
 from local_engine.link import LocalLink
 from local_engine.routes import Routes
 from router.client import EngineClient, EngineHTTPError
@@ -49,7 +50,8 @@ class LocalEngine(EngineClient):
         if args.ray is not None or args.transport != "ipc":
             raise ValueError("a local engine runs in this process: no --ray, no --transport tcp")
         args.shm_threshold = 0  # every tensor travels inline through the codec
-        _, _, roots = launch.keys_and_roots(args)  # keys guard HTTP: a local engine has no front door
+        # The keys guard the HTTP front door, which a local engine opens only when asked (serve_http).
+        api_key, admin_key, roots = launch.keys_and_roots(args)
         path = launch.load_model(args.model)
         self._runtime = Path(tempfile.mkdtemp(prefix="disagg-local-"))
         args.data_dir = args.data_dir or str(self._runtime / "data")
@@ -61,6 +63,7 @@ class LocalEngine(EngineClient):
             shutil.rmtree(self._runtime, ignore_errors=True)
             raise ValueError(problem or "a local engine runs each worker on one device: no ranks > 1")
         self.binary, self._buckets, self.base_url = True, {}, f"local:{path.name}"
+        self._keys, self.front_door = (api_key, admin_key), None
         self.config = config
         self.link = LocalLink(config, [STAGES[w.role](config, w) for w in config.workers])
         self.engine = Engine(config, self.link, info)
@@ -82,8 +85,18 @@ class LocalEngine(EngineClient):
                 raise TimeoutError(f"the stages did not load within {timeout_s:.0f}s")
             time.sleep(0.05)
 
+    def serve_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Open the launched engine's HTTP front door (every route, the page, the keys given by flag or
+        environment) on ``host:port`` (0: a free port) in this process; returns its URL."""
+        if self.front_door is None:
+            self.front_door = FrontDoor(self.engine, self._loop, host, port, *self._keys)
+        return self.front_door.url
+
     def close(self) -> None:
-        """Stop the stages and the router's loop; remove the weight buckets kept for updates."""
+        """Stop the front door, the stages and the router's loop; remove the weight buckets kept for updates."""
+        if self.front_door is not None:
+            self.front_door.close()
+            self.front_door = None
         if self._thread.is_alive():
             self._call(self.engine.stop())
             self._loop.call_soon_threadsafe(self._loop.stop)

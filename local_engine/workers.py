@@ -28,6 +28,10 @@ from common.transport.security import process_name
 from common.transport.shm import ShmContext
 
 log = logging.getLogger("disagg.local")
+# One model load at a time in this process: diffusers' and transformers' loaders patch torch.nn.Module for the
+# whole process while they build a model (accelerate's init_empty_weights), so two local engines loading on two
+# threads could leave it patched. Code of the caller's own that loads a model while an engine starts is not covered.
+MODEL_LOADS = threading.Lock()
 
 # Where a worker's message goes: (role or "router", its index or None, the message, its tensors).
 Deliver = Callable[[str, int | None, Any, dict[str, torch.Tensor]], None]
@@ -95,7 +99,8 @@ class WorkerLoop:
         try:
             for w in self.workers:
                 torch.set_num_threads(w.threads)
-                w.stage.load()
+                with MODEL_LOADS:
+                    w.stage.load()
                 w.state = "ready"
                 self.heartbeat(w)
         except BaseException as e:  # the engine's start fails with it

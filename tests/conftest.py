@@ -1,4 +1,5 @@
-"""Fixtures that start real engines (launch.py in a child process) on loopback."""
+"""Fixtures that start real engines on loopback: in this process (the local engine with its HTTP front door) unless
+the test asks for a launched one (launch.py in a child process), or the engine needs what only processes have."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from engine_pool import DEFAULT_TOPOLOGY, EnginePool  # noqa: E402
 # Engines started by this test process (every EngineProcess, shared or not), reported at the end of the run:
 # counted by wrapping the class here, so that the product's EngineProcess carries nothing for the suite.
 ENGINE_STARTS = {"all": 0}
+IN_PROCESS_STARTS = {"all": 0}
 _POOLS: list[EnginePool] = []
 _start_engine_process = EngineProcess.__init__
 
@@ -48,6 +51,36 @@ def own_data_dir(tmp_path_factory):
     """launch.py started directly (not through EngineProcess, which gives each engine its own) keeps its jobs
     in this session's dir, never in the user's default one."""
     os.environ[DATA_DIR_ENV] = str(tmp_path_factory.mktemp("data-dir"))
+
+
+_os_kill = os.kill
+
+
+def _kill_another(pid: int, sig: int) -> None:
+    """An in-process engine's workers report this process's pid: a test that would signal one is a test of
+    processes, which must ask for ``launched=True``; it fails here instead of ending the run."""
+    if sig != 0 and (pid in (0, os.getpid()) or pid == -os.getpgid(0)):
+        raise RuntimeError(f"a test signalled the test process itself ({sig}): its engine is in process; a test "
+                           "of the workers' processes asks for launched=True")
+    _os_kill(pid, sig)
+
+
+os.kill = _kill_another
+
+
+_MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("register_parameter", "register_buffer")}
+
+
+@pytest.fixture(autouse=True)
+def module_registration_restored():
+    """accelerate's ``init_empty_weights`` patches ``torch.nn.Module`` for the whole process while a model loads;
+    two loads on two threads of one process (an in-process engine's and a test's) can leave it patched, and every
+    later model would be built on the meta device. The test that left it so fails here, and the rest run clean."""
+    yield
+    left = [name for name, method in _MODULE_METHODS.items() if getattr(torch.nn.Module, name) is not method]
+    for name in left:
+        setattr(torch.nn.Module, name, _MODULE_METHODS[name])
+    assert not left, f"torch.nn.Module.{left} left patched (a model loaded on two threads at once)"
 
 
 def pid_alive(pid: int) -> bool:
@@ -84,6 +117,58 @@ class Engine(EngineProcess):
         return self.proc.poll() is None
 
 
+# Flags whose subject is the processes, the sockets between them or the launcher: an engine with one is launched.
+PROCESS_FLAGS = {"--ray", "--transport", "--no-curve", "--shm-threshold", "--shm-spare-bytes", "--no-cuda-ipc",
+                 "--no-restart", "--grace-period", "--runtime-dir", "--host", "--port", "--max-message-bytes"}
+# Everything launched, as before the local engine: ``DISAGG_TEST_ENGINES=launched``.
+ALL_LAUNCHED = os.environ.get("DISAGG_TEST_ENGINES") == "launched"
+
+
+class InProcessEngine:
+    """A test engine in this process: the local engine (local_engine/) with the launched router's HTTP front door,
+    so ``url``, ``http``, ``stop()`` and ``alive()`` work as a launched ``Engine``'s; the same answers bit for bit
+    (tests/test_local_engine.py), started in a fraction of a second instead of ~10 s. It has no log, worker pids
+    or processes to kill: a test about those asks for ``launched=True``."""
+
+    def __init__(self, tmp: Path, model: str, topology: str, extra: list[str], env: dict[str, str]):
+        from local_engine import LocalEngine
+        from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV
+
+        keys = {API_KEY_ENV: "--api-key", ADMIN_KEY_ENV: "--admin-key"}
+        flags = [f for name, value in env.items() for f in (keys[name], value)]
+        if not any(a == "--data-dir" or a.startswith("--data-dir=") for a in extra):
+            flags += ["--data-dir", str(tmp / "jobs")]
+        IN_PROCESS_STARTS["all"] += 1
+        self.local = LocalEngine(model, "--topology", topology, *extra, *flags)
+        self.url = self.local.serve_http()
+        self.port, self.workdir = self.local.front_door.port, tmp
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+
+    def alive(self) -> bool:
+        return self.local.link.loop_thread.error is None
+
+    def stop(self) -> None:
+        self.http.close()
+        self.local.close()
+
+
+def in_process_possible(topology: str, extra, env: dict[str, str]) -> bool:
+    from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV
+
+    flags = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
+    return ":" not in topology and not flags & PROCESS_FLAGS and set(env) <= {API_KEY_ENV, ADMIN_KEY_ENV}
+
+
+def start_engine(tmp: Path, model: str, topology: str, extra=(), env: dict | None = None, launched: bool = False):
+    """An in-process engine unless ``launched`` (the test's subject is the processes: their logs, pids, deaths,
+    restarts, signals), ``DISAGG_TEST_ENGINES=launched``, or the engine needs processes (ranks, Ray, tcp, shared
+    memory, launcher flags: ``PROCESS_FLAGS``)."""
+    extra, env = list(extra or []), dict(env or {})
+    if launched or ALL_LAUNCHED or not in_process_possible(topology, extra, env):
+        return Engine(tmp, model, topology, extra, env)
+    return InProcessEngine(tmp, model, topology, extra, env)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     return ensure_builtin("tiny")
@@ -98,10 +183,10 @@ def alt_dir() -> Path:
 def engine_factory(tmp_path_factory):
     """Engines of this module alone, stopped at its end: for tests that change what an engine answers
     (weights, adapters, memory, killed workers, limits) and for flags no other module uses."""
-    started: list[Engine] = []
+    started: list = []
 
-    def start(model: str = "tiny", topology: str = DEFAULT_TOPOLOGY, extra=None) -> Engine:
-        e = Engine(tmp_path_factory.mktemp("engine"), model, topology, extra)
+    def start(model: str = "tiny", topology: str = DEFAULT_TOPOLOGY, extra=None, launched: bool = False):
+        e = start_engine(tmp_path_factory.mktemp("engine"), model, topology, extra, launched=launched)
         started.append(e)
         return e
 
@@ -114,8 +199,8 @@ def engine_factory(tmp_path_factory):
 def engine_pool(tmp_path_factory):
     """The session's shared engines (tests/engine_pool.py); ``DISAGG_TEST_SHARED_ENGINES`` of them at once
     (default 3)."""
-    pool = EnginePool(lambda model, topology, extra, env: Engine(
-        tmp_path_factory.mktemp("shared-engine"), model, topology, extra, env),
+    pool = EnginePool(lambda model, topology, extra, env, launched: start_engine(
+        tmp_path_factory.mktemp("shared-engine"), model, topology, extra, env, launched),
         capacity=int(os.environ.get("DISAGG_TEST_SHARED_ENGINES", "3")))
     _POOLS.append(pool)
     yield pool
@@ -124,7 +209,7 @@ def engine_pool(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_engine(engine_pool):
-    """``shared_engine(model="tiny", topology=..., extra=(), env=None) -> Engine``: the session's engine of that
+    """``shared_engine(model="tiny", topology=..., extra=(), env=None, launched=False)``: the session's engine of that
     key, started on first use. Only for tests that leave it answering as before (see tests/engine_pool.py); a
     module uses at most the pool's capacity of keys (3), or it would stop one it still holds."""
     return engine_pool.get
@@ -148,11 +233,11 @@ def pytest_terminal_summary(terminalreporter):
     if sweep is not None:  # the seed that rebuilds every drawn configuration of the run
         terminalreporter.write_line(f"config sweep: seed {sweep.SEED}, {sweep.PER_FAMILY} per family "
                                     "(DISAGG_SWEEP_SEED, DISAGG_SWEEP_N)")
-    if ENGINE_STARTS["all"]:
+    if ENGINE_STARTS["all"] or IN_PROCESS_STARTS["all"]:
         shared = sum(p.starts for p in _POOLS)
         keys = len(set().union(*(p.keys for p in _POOLS))) if _POOLS else 0
-        terminalreporter.write_line(f"engines started: {ENGINE_STARTS['all']} (shared: {shared} starts of "
-                                    f"{keys} keys)")
+        terminalreporter.write_line(f"engines started: {ENGINE_STARTS['all']} launched, {IN_PROCESS_STARTS['all']} "
+                                    f"in process (shared: {shared} starts of {keys} keys)")
     if MEMORY_PEAK["total"]:
         terminalreporter.write_line(f"memory: this process at most {MEMORY_PEAK['own'] / 2**30:.1f} GiB; with the "
                                     f"processes it started {MEMORY_PEAK['total'] / 2**30:.1f} GiB, after "

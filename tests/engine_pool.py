@@ -21,12 +21,13 @@ class Stoppable(Protocol):
     def alive(self) -> bool: ...
 
 
-Key = tuple[str, str, tuple[str, ...], tuple[tuple[str, str], ...]]
+Key = tuple[str, str, tuple[str, ...], tuple[tuple[str, str], ...], bool]
 
 
 class EnginePool:
-    def __init__(self, start: Callable[[str, str, list[str], dict[str, str]], Stoppable], capacity: int = 3):
-        """``start(model, topology, extra, env)`` starts an engine; ``capacity``: most engines alive at once."""
+    def __init__(self, start: Callable[[str, str, list[str], dict[str, str], bool], Stoppable], capacity: int = 3):
+        """``start(model, topology, extra, env, launched)`` starts an engine; ``capacity``: most engines alive at
+        once."""
         if capacity < 1:
             raise ValueError("an engine pool holds at least one engine")
         self._start = start
@@ -35,8 +36,9 @@ class EnginePool:
         self.starts = 0  # engines this pool started (a key evicted and asked for again counts twice)
         self.keys: set[Key] = set()  # every key asked for
 
-    def get(self, model: str = "tiny", topology: str = DEFAULT_TOPOLOGY, extra=(), env: dict | None = None):
-        key: Key = (model, topology, tuple(extra), tuple(sorted((env or {}).items())))
+    def get(self, model: str = "tiny", topology: str = DEFAULT_TOPOLOGY, extra=(), env: dict | None = None,
+            launched: bool = False):
+        key: Key = (model, topology, tuple(extra), tuple(sorted((env or {}).items())), launched)
         self.keys.add(key)
         engine = self._alive.pop(key, None)
         if engine is not None and not engine.alive():  # its launcher is gone: a fresh one, not a dead one
@@ -45,7 +47,7 @@ class EnginePool:
         if engine is None:
             while len(self._alive) >= self.capacity:
                 self._alive.popitem(last=False)[1].stop()
-            engine = self._start(model, topology, list(extra), dict(env or {}))
+            engine = self._start(model, topology, list(extra), dict(env or {}), launched)
             self.starts += 1
         self._alive[key] = engine
         return engine

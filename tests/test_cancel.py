@@ -37,7 +37,7 @@ SHORT = {"prompt": "a quick look", "num_inference_steps": 4}
 
 @pytest.fixture(scope="module")
 def engine(shared_engine):
-    return shared_engine("tiny")  # every test leaves it answering as before: cancelled work is gone
+    return shared_engine("tiny", launched=True)  # it reads the log; every test leaves it answering as before: cancelled work is gone
 
 
 def _cancelled(engine, reason: str) -> float:

@@ -24,7 +24,7 @@ class StandIn:
 def _pool(capacity: int) -> tuple[EnginePool, list[StandIn]]:
     made: list[StandIn] = []
 
-    def start(model, topology, extra, env):
+    def start(model, topology, extra, env, launched):
         made.append(StandIn((model, topology, tuple(extra), tuple(sorted(env.items())))))
         return made[-1]
 
@@ -73,4 +73,4 @@ def test_the_sessions_pool_shares_one_running_engine(engine_pool, shared_engine)
     starts = engine_pool.starts
     assert shared_engine("tiny") is eng and engine_pool.starts == starts
     assert eng.alive() and eng.http.get("/health").status_code == 200
-    assert ("tiny", "encoder=1,denoise=1,decode=1", (), ()) in engine_pool.alive_keys()
+    assert ("tiny", "encoder=1,denoise=1,decode=1", (), (), False) in engine_pool.alive_keys()

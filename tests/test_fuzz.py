@@ -65,7 +65,8 @@ def _msgpack(ctx, value):
 
 @pytest.fixture(scope="module")
 def engine(engine_factory, lora_root):
-    return engine_factory("tiny", extra=[*LIMITS, "--weight-root", str(lora_root), "--weight-sync-from-memory"])
+    return engine_factory("tiny", extra=[*LIMITS, "--weight-root", str(lora_root), "--weight-sync-from-memory"],
+                          launched=True)  # no worker may die: their pids
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ DEFAULT_LIMITS = dict(max_height=2048, max_width=2048, max_num_frames=129, max_s
 
 @pytest.fixture(scope="module")
 def engine(shared_engine):
-    return shared_engine("tiny")
+    return shared_engine("tiny", launched=True)  # its workers' pids and the launcher
 
 
 def _ppid(pid: int) -> int:
@@ -302,7 +302,7 @@ def test_docs_page_is_served(engine):
 
 @pytest.mark.heavy  # own engine; test_reliability.py's SIGTERM test checks no orphans
 def test_shutdown_leaves_no_orphans(engine_factory):
-    eng = engine_factory("tiny")
+    eng = engine_factory("tiny", launched=True)
     pids = eng.worker_pids()
     assert len(pids) == 3 and all(pid_alive(p) for p in pids)
     launcher = eng.proc.pid

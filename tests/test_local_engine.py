@@ -55,7 +55,7 @@ def same(a, b, where: str = "answer") -> None:
 def pair(engine_factory, lora_root, tiny_lora):
     """The same flags, launched and local, on ``tiny``; both with ``tiny_lora`` loaded as ``a``."""
     flags = [*FLAGS, "--weight-root", str(lora_root)]
-    launched = EngineClient(engine_factory("tiny", extra=flags).url)
+    launched = EngineClient(engine_factory("tiny", extra=flags, launched=True).url)
     local = LocalEngine("tiny", *flags)
     for c in (launched, local):
         c.load_lora_adapter("a", str(tiny_lora.path))

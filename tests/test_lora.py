@@ -1,13 +1,15 @@
 """LoRA adapters end to end: parity with diffusers' WanPipeline + load_lora_weights + set_adapters, mixed batches,
 two experts, rollouts and the trainer's recompute, adapters from the trainer's memory, and refused input.
 
-Three engines start side by side (startup is mostly imports): ``tiny`` (a weight root, --max-loras 6,
---max-lora-rank 16), ``moe`` (tiny-moe: two experts) and ``keyed`` (tiny with API and admin keys, no weight
-root and two denoise workers); tiny-alt's (other widths, heads and layers) starts for its heavy test alone. The adapters are written by peft's and diffusers'
+Three engines: ``tiny`` (a weight root, --max-loras 6, --max-lora-rank 16; launched, starting while the adapters
+are written), ``moe`` (tiny-moe: two experts) and ``keyed`` (tiny with API and admin keys, no weight root and two
+denoise workers), those two in process; tiny-alt's (other widths, heads and layers) starts for its heavy test alone. The adapters are written by peft's and diffusers'
 own savers (tests/lora_fixtures.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import math
 import os
@@ -15,7 +17,7 @@ import signal
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -105,27 +107,31 @@ def _mentions(err: EngineHTTPError, *words: str) -> bool:
 
 @pytest.fixture(scope="module")
 def engine_starts(engine_factory, lora_root):
-    """The three engines, starting side by side while the adapters are written (see ``engines``)."""
+    """The three engines: the launched one starting in a thread while the adapters are written (see ``engines``);
+    the in-process ones are started after them, since a model loaded on another thread of this process races
+    accelerate's process-wide meta-device patch."""
     root = ["--weight-root", str(lora_root)]
     one = "encoder=1,denoise=1,decode=1"
     specs = {
-        "tiny": ("tiny", one, [*root, "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_RANK)]),
-        "moe": ("tiny-moe", one, root),
-        "keyed": ("tiny", "encoder=1,denoise=2,decode=1", ["--api-key", API_KEY, "--admin-key", ADMIN_KEY]),
+        # launched: its denoise worker is killed last
+        "tiny": ("tiny", one, [*root, "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_RANK)], True),
+        "moe": ("tiny-moe", one, root, False),
+        "keyed": ("tiny", "encoder=1,denoise=2,decode=1", ["--api-key", API_KEY, "--admin-key", ADMIN_KEY], False),
     }
-    pool = ThreadPoolExecutor(len(specs))
-    futures = {name: pool.submit(engine_factory, model, topology, extra)
-               for name, (model, topology, extra) in specs.items()}
+    pool = ThreadPoolExecutor(1)
+    starts = {name: (pool.submit(engine_factory, model, topology, extra, True) if launched
+                     else functools.partial(engine_factory, model, topology, extra))
+              for name, (model, topology, extra, launched) in specs.items()}
     pool.shutdown(wait=False)
-    yield futures
-    started = [f.result() for f in futures.values() if f.done() and f.exception() is None]
-    with ThreadPoolExecutor(len(specs)) as stopper:  # stopped side by side too (engine_factory's stop is then a no-op)
-        list(stopper.map(lambda e: e.stop(), started))
+    yield starts
+    started = [f.result() for f in starts.values() if isinstance(f, Future) and f.done() and f.exception() is None]
+    for e in started:  # stopped here (engine_factory's stop is then a no-op)
+        e.stop()
 
 
 @pytest.fixture(scope="module")
 def engines(engine_starts, made):
-    return {name: f.result() for name, f in engine_starts.items()}
+    return {name: f.result() if isinstance(f, Future) else f() for name, f in engine_starts.items()}
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def engine(tmp_path_factory, weights_root):
 def undisturbed(shared_engine) -> EngineClient:
     """An engine of the same topology whose workers are never touched (the session's): the answers to compare
     with."""
-    with EngineClient(shared_engine("tiny", "encoder=1,denoise=2,decode=1").url) as c:
+    with EngineClient(shared_engine("tiny", "encoder=1,denoise=2,decode=1", launched=True).url) as c:
         yield c
 
 

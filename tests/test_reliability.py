@@ -47,7 +47,7 @@ def _wait_healthy(engine, timeout=60):
 @pytest.fixture(scope="module")
 def two_denoise(engine_factory):
     # One attempt: a lost worker's requests fail (tests/test_redispatch.py runs them again).
-    return engine_factory("tiny", "encoder=1,denoise=2,decode=1", ["--max-attempts", "1"])
+    return engine_factory("tiny", "encoder=1,denoise=2,decode=1", ["--max-attempts", "1"], launched=True)
 
 
 def test_killed_worker_fails_its_requests_at_once_and_comes_back(two_denoise):
@@ -97,7 +97,7 @@ def test_error_arrives_well_before_any_timeout(two_denoise):
 
 
 def test_deadline_gives_504_and_the_worker_goes_on(shared_engine):
-    eng = shared_engine("tiny")
+    eng = shared_engine("tiny", launched=True)
     logged = len(eng.log_text())  # a shared engine: only what this test's requests logged counts
     with EngineClient(eng.url) as c:
         r = _call(c, 1, num_inference_steps=400, timeout_s=0.3)
@@ -155,7 +155,7 @@ def test_oversized_body_refused_before_parsing(limited):
 
 def test_interleaved_requests_equal_solo_runs(shared_engine):
     """One denoise worker, many interleaved requests of different steps, schedulers, sizes and seeds."""
-    eng = shared_engine("tiny")
+    eng = shared_engine("tiny", launched=True)
     reqs = []
     for i in range(16):
         rollout = i % 3 != 0

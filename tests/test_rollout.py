@@ -33,7 +33,8 @@ def weights_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_factory, weights_dir):
-    return engine_factory("tiny", extra=["--weight-root", str(weights_dir)])
+    # Launched: a test reads each worker's log, the last kills the denoise worker.
+    return engine_factory("tiny", extra=["--weight-root", str(weights_dir)], launched=True)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ ROLLOUT = dict(REQ, return_trajectory=True, sde_step_indices=[1])
 
 @pytest.fixture(scope="module")
 def engine(engine_factory):
-    return engine_factory("small", extra=["--weight-sync-from-memory", "--worker-wait", "30"])
+    # Launched: the workers' memory is read per process, and a heavy test kills one.
+    return engine_factory("small", extra=["--weight-sync-from-memory", "--worker-wait", "30"], launched=True)
 
 
 @pytest.fixture(scope="module")

@@ -234,7 +234,7 @@ def test_multi_device_i2v_equals_one_device(client, engine_factory, layout):
 
 @pytest.mark.heavy
 def test_compiled_workers_with_images_equal_eager(client, engine_factory):
-    e = engine_factory("tiny-wan-i2v", extra=["--compile"])
+    e = engine_factory("tiny-wan-i2v", extra=["--compile"], launched=True)  # it reads the log
     with EngineClient(e.url) as c:
         for path, body in (("/generate", {**REQ, "output_type": "latent", "image": image_field(IMAGE)}),
                            ("/rollout/generate", {**REQ, "n": 2, "image": image_field(OTHER)})):

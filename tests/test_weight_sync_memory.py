@@ -43,7 +43,7 @@ def _trainer_copy(tiny_dir, seed: int, scale: float = 0.05) -> WanTransformer3DM
 
 @pytest.fixture(scope="module")
 def engine(engine_factory):
-    return engine_factory("tiny", extra=["--weight-sync-from-memory"])
+    return engine_factory("tiny", extra=["--weight-sync-from-memory"], launched=True)  # its last test kills a worker
 
 
 @pytest.fixture(scope="module")

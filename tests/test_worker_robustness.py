@@ -41,7 +41,7 @@ TIMEOUT_S = 20
 @pytest.fixture(scope="module")
 def engine(shared_engine):
     # Shared: the hostile messages leave it as it was (the tests below check the same pids and bytes).
-    return shared_engine("tiny")
+    return shared_engine("tiny", launched=True)  # the workers' processes and sockets
 
 
 REFERENCE_REQUEST = {"prompt": "a fox at dawn", "seed": 5, "negative_prompt": "blurry"}
