@@ -30,6 +30,10 @@ from router.core.errors import EngineError
 from router.api.http_errors import install_error_handlers
 from router.link.join import Pending, PendingTable
 
+# CI runs these (heavy): launched engines' processes are their subject:
+# it reads the workers' log lines.
+pytestmark = pytest.mark.heavy
+
 # 1000 steps of 256x256, 17 frames: about half a minute on 2 cores, cancelled after a few seconds.
 LONG = {"prompt": "a long walk", "num_inference_steps": 1000, "height": 256, "width": 256, "num_frames": 17}
 SHORT = {"prompt": "a quick look", "num_inference_steps": 4}

@@ -15,6 +15,10 @@ from diffusers import WanTransformer3DModel
 from common.builtin import ensure_builtin
 from common.runtime.exit_now import exit_now
 
+# CI runs these (heavy): launched engines' processes are their subject:
+# gloo ranks in spawned processes.
+pytestmark = pytest.mark.heavy
+
 TOL = 1e-5
 
 

@@ -32,6 +32,10 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 
 from router.client import EngineClient
 
+# CI runs these (heavy): launched engines' processes are their subject:
+# no worker process may die: it compares their pids.
+pytestmark = pytest.mark.heavy
+
 LIMITS = ["--max-height", "48", "--max-width", "48", "--max-num-frames", "9", "--max-steps", "4", "--max-n", "2",
           "--max-jobs", "16"]
 REFERENCE = {"prompt": "a fox at dawn", "seed": 5, "num_inference_steps": 3, "output_type": "latent"}

@@ -20,7 +20,12 @@ DEFAULT_LIMITS = dict(max_height=2048, max_width=2048, max_num_frames=129, max_s
 
 @pytest.fixture(scope="module")
 def engine(shared_engine):
-    return shared_engine("tiny", launched=True)  # its workers' pids and the launcher
+    return shared_engine("tiny")
+
+
+@pytest.fixture(scope="module")
+def launched(shared_engine):
+    return shared_engine("tiny", launched=True)  # the default suite's launched topology: its workers' processes
 
 
 def _ppid(pid: int) -> int:
@@ -34,7 +39,8 @@ def _post(engine, body, **kw):
     return engine.http.post("/generate", content=content, headers={"content-type": "application/json"}, **kw)
 
 
-def test_health_lists_live_ready_workers(engine):
+def test_health_lists_live_ready_workers(launched):
+    engine = launched
     r = engine.http.get("/health")
     assert r.status_code == 200
     body = r.json()

@@ -1,15 +1,14 @@
 """LoRA adapters end to end: parity with diffusers' WanPipeline + load_lora_weights + set_adapters, mixed batches,
 two experts, rollouts and the trainer's recompute, adapters from the trainer's memory, and refused input.
 
-Three engines: ``tiny`` (a weight root, --max-loras 6, --max-lora-rank 16; launched, starting while the adapters
-are written), ``moe`` (tiny-moe: two experts) and ``keyed`` (tiny with API and admin keys, no weight root and two
-denoise workers), those two in process; tiny-alt's (other widths, heads and layers) starts for its heavy test alone. The adapters are written by peft's and diffusers'
+Three engines in process: ``tiny`` (a weight root, --max-loras 6, --max-lora-rank 16), ``moe`` (tiny-moe: two
+experts) and ``keyed`` (tiny with API and admin keys, no weight root and two denoise workers); a launched one for
+the restarted worker; tiny-alt's (other widths, heads and layers) starts for its heavy test alone. The adapters are written by peft's and diffusers'
 own savers (tests/lora_fixtures.py).
 """
 
 from __future__ import annotations
 
-import functools
 
 import math
 import os
@@ -17,7 +16,7 @@ import signal
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -106,32 +105,17 @@ def _mentions(err: EngineHTTPError, *words: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def engine_starts(engine_factory, lora_root):
-    """The three engines: the launched one starting in a thread while the adapters are written (see ``engines``);
-    the in-process ones are started after them, since a model loaded on another thread of this process races
-    accelerate's process-wide meta-device patch."""
+def engines(engine_factory, lora_root, made):
+    """The three engines, in process, started once the adapters are written (a model loaded on another thread of
+    this process would race accelerate's process-wide meta-device patch)."""
     root = ["--weight-root", str(lora_root)]
     one = "encoder=1,denoise=1,decode=1"
-    specs = {
-        # launched: its denoise worker is killed last
-        "tiny": ("tiny", one, [*root, "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_RANK)], True),
-        "moe": ("tiny-moe", one, root, False),
-        "keyed": ("tiny", "encoder=1,denoise=2,decode=1", ["--api-key", API_KEY, "--admin-key", ADMIN_KEY], False),
+    return {
+        "tiny": engine_factory("tiny", one, [*root, "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_RANK)]),
+        "moe": engine_factory("tiny-moe", one, root),
+        "keyed": engine_factory("tiny", "encoder=1,denoise=2,decode=1",
+                                ["--api-key", API_KEY, "--admin-key", ADMIN_KEY]),
     }
-    pool = ThreadPoolExecutor(1)
-    starts = {name: (pool.submit(engine_factory, model, topology, extra, True) if launched
-                     else functools.partial(engine_factory, model, topology, extra))
-              for name, (model, topology, extra, launched) in specs.items()}
-    pool.shutdown(wait=False)
-    yield starts
-    started = [f.result() for f in starts.values() if isinstance(f, Future) and f.done() and f.exception() is None]
-    for e in started:  # stopped here (engine_factory's stop is then a no-op)
-        e.stop()
-
-
-@pytest.fixture(scope="module")
-def engines(engine_starts, made):
-    return {name: f.result() if isinstance(f, Future) else f() for name, f in engine_starts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -681,13 +665,17 @@ def test_more_adapters_than_max_loras_are_refused(tiny_dir, client, loaded, made
     assert torch.equal(_output(client, req, "a", None, "latent"), out_before)
 
 
-# --- worker restarts (last: it kills the tiny engine's denoise worker) ---------------------------------------
+# --- worker restarts (a launched engine of its own) -------------------------------------------------------------
 
 
-def test_a_restarted_denoise_worker_serves_the_loaded_adapters(tiny_dir, client, engines, loaded):
+@pytest.mark.heavy  # it kills a launched engine's denoise worker: CI
+def test_a_restarted_denoise_worker_serves_the_loaded_adapters(tiny_dir, engine_factory, lora_root, made):
+    eng = engine_factory("tiny", extra=["--weight-root", str(lora_root)], launched=True)
+    client = EngineClient(eng.url)
+    for name in ("a", "b"):
+        client.load_lora_adapter(name, str(made[name].path))
     req = _request(tiny_dir, seed=12)
     before, listed = _output(client, req, "a", 0.8, "latent"), _listed(client)
-    eng = engines["tiny"]
     pid = next(w["pid"] for w in eng.http.get("/health").json()["workers"] if w["role"] == "denoise")
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120

@@ -26,6 +26,10 @@ from common.runtime.engine_process import EngineProcess
 from common.runtime.worker import FAULT_ENV
 from router.client import EngineClient, EngineHTTPError
 
+# CI runs these (heavy): launched engines' processes are their subject:
+# every test kills, stops or fails a worker process.
+pytestmark = pytest.mark.heavy
+
 # A few seconds of denoising on the tiny model: long enough to be killed in flight.
 LONG = dict(height=64, width=64, num_frames=9, num_inference_steps=150, output_type="latent")
 SHORT = dict(num_inference_steps=4)

@@ -14,6 +14,10 @@ import torch
 from conftest import pid_alive
 from router.client import EngineClient, EngineHTTPError
 
+# CI runs these (heavy): launched engines' processes are their subject:
+# every test kills workers, reads the launcher's log or signals it.
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parent.parent
 # ~0.5 s of denoising on the tiny model: long enough to be caught in flight.
 SLOW = dict(height=128, width=128, num_frames=9, num_inference_steps=40, output_type="latent")

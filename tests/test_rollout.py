@@ -33,7 +33,12 @@ def weights_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_factory, weights_dir):
-    # Launched: a test reads each worker's log, the last kills the denoise worker.
+    return engine_factory("tiny", extra=["--weight-root", str(weights_dir)])
+
+
+@pytest.fixture(scope="module")
+def launched(engine_factory, weights_dir):
+    """For the tests of the worker processes: their logs and a restart."""
     return engine_factory("tiny", extra=["--weight-root", str(weights_dir)], launched=True)
 
 
@@ -206,10 +211,12 @@ def test_convention_check_rejects_mismatch_and_logs_once(caplog):
     assert sum("satisfies" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_convention_logged_once_per_worker_process(client, engine):
-    for seed in range(3):
-        client.rollout(**{**BASE, "seed": seed, "return_trajectory": False})
-    assert engine.log_text().count("satisfies timesteps == sigmas[:-1]") == 1
+@pytest.mark.heavy  # a launched engine's worker process: CI
+def test_convention_logged_once_per_worker_process(launched):
+    with EngineClient(launched.url) as client:
+        for seed in range(3):
+            client.rollout(**{**BASE, "seed": seed, "return_trajectory": False})
+    assert launched.log_text().count("satisfies timesteps == sigmas[:-1]") == 1
 
 
 def test_validation_of_rollout_fields(client):
@@ -430,12 +437,15 @@ def test_other_configuration_rollout_recompute(shared_engine, alt_dir):
 # --- last: it kills the tiny engine's denoise worker ------------------------------------------
 
 
-def test_a_restarted_denoise_worker_gets_the_weight_updates_again(client, engine, tiny_dir, weights_dir):
+@pytest.mark.heavy  # it kills a launched engine's denoise worker: CI
+def test_a_restarted_denoise_worker_gets_the_weight_updates_again(launched, tiny_dir, weights_dir):
+    engine, client = launched, EngineClient(launched.url)
     work = weights_dir / "restart"
     work.mkdir()
     new = _perturbed_transformer(tiny_dir, "transformer", 0.3, 7)
     new.save_pretrained(work / "new")
     version = client.update_weights_from_disk(work / "new")["weight_version"]
+    client.pin_reference()  # the router forgets it when the worker that held it dies
     before = client.rollout(**BASE)["samples"][0]
     pid = next(w["pid"] for w in client.health()["workers"] if w["role"] == "denoise")
     os.kill(pid, signal.SIGKILL)
@@ -450,7 +460,7 @@ def test_a_restarted_denoise_worker_gets_the_weight_updates_again(client, engine
     assert ck["sha256"] == state_dict_checksum(new) and ck["weight_version"] == version
     after = client.rollout(**BASE)["samples"][0]
     assert after["weight_version"] == version and torch.equal(after["output"], before["output"])
-    # It holds no pinned reference (test_a_pinned_reference_... pinned one): the router forgot the pin.
+    # It holds no pinned reference (pinned above): the router forgot the pin.
     with pytest.raises(EngineHTTPError) as e:
         client.rollout(**BASE, return_kl=True, kl_reference="pinned")
     assert e.value.status == 400 and e.value.error["field"] == "kl_reference"

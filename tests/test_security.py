@@ -92,6 +92,7 @@ def _output(eng: EngineProcess, key: str | None = None) -> torch.Tensor:
 # --- API and admin keys -------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_api_key_is_required_except_for_health(engines):
     http = engines["keyed"].http
     assert http.get("/health").status_code == 200
@@ -118,6 +119,7 @@ def test_api_key_is_required_except_for_health(engines):
     assert http.get("/weights_checksum", headers=_auth(ADMIN_KEY)).status_code == 200
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_admin_key_guards_weight_updates(engines, weight_root, tiny_dir, tmp_path):
     eng = engines["keyed"]
     body = {"path": str(weight_root / "missing.safetensors")}
@@ -149,6 +151,7 @@ def test_admin_key_guards_weight_updates(engines, weight_root, tiny_dir, tmp_pat
     assert r.json()["weight_version"] == v0["weight_version"] + 1 and r.json()["sha256"] == v0["sha256"]
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_keys_stay_out_of_config_and_workers(engines):
     eng = engines["keyed"]
     _, text = _config(eng)
@@ -183,6 +186,7 @@ def test_keys_from_environment():
 # --- weight roots -------------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_weight_updates_refused_without_a_root(engines, tiny_dir):
     eng = engines["plain_tcp"]
     before = eng.http.get("/weights_checksum").json()
@@ -198,6 +202,7 @@ def test_weight_updates_refused_without_a_root(engines, tiny_dir):
 # --- tcp ----------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_tcp_without_curve_serves_the_same_output(engines):
     eng = engines["plain_tcp"]
     config, _ = _config(eng)
@@ -208,6 +213,7 @@ def test_tcp_without_curve_serves_the_same_output(engines):
     assert torch.equal(_output(eng), _output(engines["keyed"], API_KEY))
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_curve_engine_serves_the_same_output_as_ipc(engines):
     eng = engines["curve"]
     config, _ = _config(eng)
@@ -217,6 +223,7 @@ def test_curve_engine_serves_the_same_output_as_ipc(engines):
     assert torch.equal(_output(eng), _output(engines["keyed"], API_KEY))
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 def test_curve_secret_keys_live_in_private_files(engines):
     eng = engines["curve"]
     config, text = _config(eng)
@@ -265,6 +272,7 @@ def _wait_for(eng: EngineProcess, needle: str, timeout_s: float = 30) -> bool:
     return False
 
 
+@pytest.mark.heavy  # launched engines (keys from the environment, tcp, CURVE): CI
 @pytest.mark.parametrize("target, sender", [("encoder-0", "router"), ("router", "encoder-0")])
 def test_strangers_cannot_push_into_curve_sockets(engines, target, sender):
     eng = engines["curve"]

@@ -560,6 +560,7 @@ def _rollout(engine, **over):
         return c.rollout(**{**ROLLOUT, **over})
 
 
+@pytest.mark.heavy  # launched engines with and without shared memory: CI
 @pytest.mark.parametrize("output_type", ["frames", "latent"])
 def test_engine_results_identical_with_and_without_shm(engines, output_type):
     a = _rollout(engines["shm"], output_type=output_type)["samples"][0]
@@ -580,6 +581,7 @@ def test_engine_results_identical_with_and_without_shm(engines, output_type):
     assert _segments(_prefix_of(engines["shm"])) == _spares(_prefix_of(engines["shm"]))
 
 
+@pytest.mark.heavy  # launched engines with and without shared memory: CI
 def test_repeated_requests_use_prepared_segments(engines):
     reference = _rollout(engines["frames"])["samples"][0]
     for _ in range(10):
@@ -592,6 +594,7 @@ def test_repeated_requests_use_prepared_segments(engines):
         raise AssertionError("no prepared segment was used:\n" + engines["shm"].log())
 
 
+@pytest.mark.heavy  # launched engines with and without shared memory: CI
 def test_hostile_segment_name_at_a_worker(engines):
     eng = engines["shm"]
     prefix = _prefix_of(eng)
@@ -617,6 +620,7 @@ def test_hostile_segment_name_at_a_worker(engines):
         Path(SHM_DIR, elsewhere).unlink(missing_ok=True)
 
 
+@pytest.mark.heavy  # launched engines with and without shared memory: CI
 def test_restarted_worker_removes_its_leftovers(engines):
     eng = engines["shm"]
     prefix = _prefix_of(eng)
@@ -642,6 +646,7 @@ def test_restarted_worker_removes_its_leftovers(engines):
     assert _same_bytes(a["output"], b["output"])
 
 
+@pytest.mark.heavy  # launched engines with and without shared memory: CI
 def test_no_segment_survives_the_engine(engines):
     """Runs last: stopping the engine removes every segment of it, delivered or not."""
     eng = engines["shm"]

@@ -43,7 +43,7 @@ def _trainer_copy(tiny_dir, seed: int, scale: float = 0.05) -> WanTransformer3DM
 
 @pytest.fixture(scope="module")
 def engine(engine_factory):
-    return engine_factory("tiny", extra=["--weight-sync-from-memory"], launched=True)  # its last test kills a worker
+    return engine_factory("tiny", extra=["--weight-sync-from-memory"])
 
 
 @pytest.fixture(scope="module")
@@ -332,9 +332,10 @@ def test_a_wrong_adapter_from_memory_is_refused(client, tiny_dir):
     assert "bad" not in [a["lora_name"] for a in client.lora_adapters()]
 
 
-# --- last: it kills the engine's denoise worker ---------------------------------------------------------
-
-def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(client, engine, tiny_dir):
+@pytest.mark.heavy  # it kills a launched engine's denoise worker: CI
+def test_a_restarted_worker_is_stale_until_the_trainer_pushes_again(engine_factory, tiny_dir):
+    engine = engine_factory("tiny", extra=["--weight-sync-from-memory"], launched=True)
+    client = EngineClient(engine.url)
     new = _trainer_copy(tiny_dir, seed=5)
     version = client.update_weights_from_tensors(new)["weight_version"]
     policy = _lora_policy(tiny_dir, seed=3)

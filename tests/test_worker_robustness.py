@@ -207,6 +207,7 @@ def test_cases_are_rejected_by_the_codec():
         assert exc.value.request_id == ("r" if readable else None), name
 
 
+@pytest.mark.heavy  # hostile bytes at launched workers' sockets: CI
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_message_is_dropped_and_worker_lives(engine, workers, ctx, case):
     build, readable, line = CASES[case]
@@ -223,6 +224,7 @@ def test_hostile_message_is_dropped_and_worker_lives(engine, workers, ctx, case)
     _assert_all_alive(engine, workers)
 
 
+@pytest.mark.heavy  # hostile bytes at launched workers' sockets: CI
 @pytest.mark.parametrize("role", ["encoder", "denoise", "decode"])
 def test_well_formed_but_unprocessable_request_is_answered(engine, workers, ctx, role):
     """The right kind for the worker, but unusable: a route to a worker that does not exist, or a
@@ -242,6 +244,7 @@ def test_well_formed_but_unprocessable_request_is_answered(engine, workers, ctx,
     _assert_all_alive(engine, workers)
 
 
+@pytest.mark.heavy  # hostile bytes at launched workers' sockets: CI
 @pytest.mark.parametrize("case", ["garbage", "wrong-version", "huge-empty-tensor", "wrong-message-kind"])
 def test_router_socket_survives_hostile_messages(engine, workers, ctx, case):
     build, _, _ = CASES[case]
@@ -257,6 +260,7 @@ def test_router_socket_survives_hostile_messages(engine, workers, ctx, case):
     _assert_all_alive(engine, workers)
 
 
+@pytest.mark.heavy  # hostile bytes at launched workers' sockets: CI
 def test_engine_still_serves_correct_results(engine, workers, baseline, ctx):
     # One more burst of every case at every worker, straight before real traffic.
     for w in workers:
@@ -278,6 +282,7 @@ def test_engine_still_serves_correct_results(engine, workers, baseline, ctx):
     _wait_for(engine, "answer for unknown or finished request hostile-final-wrong-version-encoder dropped", 1)
 
 
+@pytest.mark.heavy  # hostile bytes at launched workers' sockets: CI
 def test_oversized_message_is_cut_off_by_zeromq(engine_factory, ctx):
     """A message part above --max-message-bytes never reaches the worker's code; the worker goes on."""
     eng = engine_factory("tiny", extra=["--max-message-bytes", "65536"])
