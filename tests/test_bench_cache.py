@@ -42,6 +42,7 @@ def _check(res: dict, model: str, thresholds: list[float]) -> dict:
     return m
 
 
+@pytest.mark.heavy  # the bench script in a process of its own, end to end: CI
 def test_runs_end_to_end_on_a_tiny_video_model(tmp_path):
     out = tmp_path / "cache.json"
     res = cache.main(["--models", "tiny-smooth", "--steps", str(STEPS), "--requests", "1", "--concurrency", "2",

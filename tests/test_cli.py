@@ -197,6 +197,7 @@ def _pids(run_stderr: str) -> list[int]:
     return [int(m.group(1)), *map(int, m.group(2).split())]
 
 
+@pytest.mark.heavy  # the command's own launched engine and its processes: CI
 def test_without_url_an_engine_of_its_own_leaves_no_process(tmp_path, tiny_dir):
     """Run from another directory: ``--model ./mymodel`` and ``-o`` are paths relative to it."""
     (tmp_path / "mymodel").symlink_to(tiny_dir)

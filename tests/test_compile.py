@@ -98,6 +98,7 @@ def test_rows_sharing_texts_equal_eager_and_a_new_plan_compiles_nothing(setup):
     assert compiled.shared_text["transformer"].plan is None  # (the plan is only set during a forward)
 
 
+@pytest.mark.heavy  # ~17 s of compiling: the guided forward's test compiles by default
 def test_lora_rows_equal_eager_and_a_new_mix_of_adapters_compiles_nothing(setup, tiny_lora):
     eager, compiled, d = setup
     adapter = build_adapter("compiled", 1, read_lora(str(tiny_lora.path), None), eager.experts, max_rank=16)
@@ -122,6 +123,7 @@ def test_lora_rows_equal_eager_and_a_new_mix_of_adapters_compiles_nothing(setup,
     assert graphs[1] == 0  # other rows, scales and steps: the same graph
 
 
+@pytest.mark.heavy  # ~12 s of compiling: the guided forward's test compiles by default
 def test_batch_sizes_of_one_latent_shape_compile_at_most_two_graphs(setup):
     eager, compiled, d = setup
     shape = (16, 2, 6, 6)  # not the warm-up's

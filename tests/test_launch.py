@@ -37,6 +37,7 @@ def _fails_before_loading_anything(r: subprocess.CompletedProcess, elapsed: floa
     assert elapsed < max(5.0, startup + 2.0), (elapsed, startup)
 
 
+@pytest.mark.heavy  # a launcher beside a listening socket: CI
 def test_a_taken_port_fails_at_once_naming_the_port(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -96,7 +96,7 @@ PARITY = {
     # No size given: the output at the 1024x1024 area of the first (Edit) image's aspect.
     "edit-default-size": ("tiny-qwen-image-edit", [(100, 140)], dict(seed=6)),
 }
-HEAVY = {"plus-3-no-cfg", "edit-default-size", "other-config-2-cfg"}  # each >5 s; the built-ins' cases cover it
+HEAVY = {"plus-3-no-cfg", "edit-default-size", "other-config-2-cfg", "edit-no-cfg"}  # each >5 s; the built-ins' cases cover it
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY else c for c in PARITY])

@@ -85,6 +85,7 @@ def _topology_file(tmp_path: Path, places=PLACES, **extra) -> str:
     return str(f)
 
 
+@pytest.mark.heavy  # launchers with and without Ray: CI
 def test_resources_need_ray_and_ray_places_by_resources_not_hosts(tmp_path):
     r = _launch(["--topology", _topology_file(tmp_path)])
     assert r.returncode != 0 and "'resources' are Ray's; they need --ray" in r.stderr

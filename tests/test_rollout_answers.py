@@ -78,7 +78,7 @@ def _image(info):
     return Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))
 
 
-# Qwen-Image-Edit's case (about 10 s) is heavy where Edit-Plus runs the same classes by default (tests/edit_models.py).
+# The Qwen-Image edit models' cases (10 to 13 s each) are heavy (tests/edit_models.py); FLUX.1 Kontext covers edits here.
 CASES = [pytest.param(p, m, marks=pytest.mark.heavy) if any(getattr(s, "marks", ()) and s.values[0] == m
                                                              for s in SLOW_MODELS) else (p, m)
          for p, m in sorted(tiny_per_pipeline().items())]
