@@ -195,7 +195,6 @@ class Denoiser:
                 return [e] * len(tasks), True
         return step_each(self.policy, tasks, self.max_batch, self._before_forward)
 
-
     def _before_forward(self, inputs: list[ModelInput]) -> None:
         self.shared_forwards += len(inputs) > 1
         if self.observe is not None:

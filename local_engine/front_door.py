@@ -23,7 +23,6 @@ class FrontDoor:
                  api_key: str | None, admin_key: str | None):
         """Bind ``host:port`` (0: a free port) and serve; the engine is already started, so the app's own
         start / stop (its lifespan) stays off: the local engine owns them."""
-        self._loop = loop
         sockets = bind_http(host, port)
         self.port = sockets[0].getsockname()[1]
         self.url = f"http://{_url_host(sockets[0])}:{self.port}"

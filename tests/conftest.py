@@ -19,6 +19,7 @@ from common.config.engine import DATA_DIR_ENV  # noqa: E402
 from common.runtime.engine_process import EngineProcess  # noqa: E402
 from common.builtin import ensure_builtin  # noqa: E402
 from engine_pool import DEFAULT_TOPOLOGY, EnginePool  # noqa: E402
+from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV  # noqa: E402
 
 # Engines started by this test process (every EngineProcess, shared or not), reported at the end of the run:
 # counted by wrapping the class here, so that the product's EngineProcess carries nothing for the suite.
@@ -120,6 +121,8 @@ class Engine(EngineProcess):
 # Flags whose subject is the processes, the sockets between them or the launcher: an engine with one is launched.
 PROCESS_FLAGS = {"--ray", "--transport", "--no-curve", "--shm-threshold", "--shm-spare-bytes", "--no-cuda-ipc",
                  "--no-restart", "--grace-period", "--runtime-dir", "--host", "--port", "--max-message-bytes"}
+# The environment an in-process engine takes, as the flags that say the same.
+KEY_FLAGS = {API_KEY_ENV: "--api-key", ADMIN_KEY_ENV: "--admin-key"}
 # Everything launched, as before the local engine: ``DISAGG_TEST_ENGINES=launched``.
 ALL_LAUNCHED = os.environ.get("DISAGG_TEST_ENGINES") == "launched"
 
@@ -132,10 +135,8 @@ class InProcessEngine:
 
     def __init__(self, tmp: Path, model: str, topology: str, extra: list[str], env: dict[str, str]):
         from local_engine import LocalEngine
-        from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV
 
-        keys = {API_KEY_ENV: "--api-key", ADMIN_KEY_ENV: "--admin-key"}
-        flags = [f for name, value in env.items() for f in (keys[name], value)]
+        flags = [f for name, value in env.items() for f in (KEY_FLAGS[name], value)]
         if not any(a == "--data-dir" or a.startswith("--data-dir=") for a in extra):
             flags += ["--data-dir", str(tmp / "jobs")]
         IN_PROCESS_STARTS["all"] += 1
@@ -153,10 +154,8 @@ class InProcessEngine:
 
 
 def in_process_possible(topology: str, extra, env: dict[str, str]) -> bool:
-    from router.api.auth import ADMIN_KEY_ENV, API_KEY_ENV
-
     flags = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
-    return ":" not in topology and not flags & PROCESS_FLAGS and set(env) <= {API_KEY_ENV, ADMIN_KEY_ENV}
+    return ":" not in topology and not flags & PROCESS_FLAGS and set(env) <= KEY_FLAGS.keys()
 
 
 def start_engine(tmp: Path, model: str, topology: str, extra=(), env: dict | None = None, launched: bool = False):
@@ -223,8 +222,6 @@ SHARED_API_KEY = "test-api-key-0123456789abcdef"
 def keyed_engine(shared_engine):
     """The shared ``tiny`` engine that requires ``Authorization: Bearer SHARED_API_KEY`` (from the environment,
     as ``$DISAGG_API_KEY``)."""
-    from router.api.auth import API_KEY_ENV
-
     return shared_engine("tiny", env={API_KEY_ENV: SHARED_API_KEY})
 
 

@@ -9,7 +9,6 @@ own savers (tests/lora_fixtures.py).
 
 from __future__ import annotations
 
-
 import math
 import os
 import signal
